@@ -1,0 +1,22 @@
+"""Compressors, error feedback and the payload wire format.
+
+Every module in this package that defines a compressor registers it with
+``@register(name)``; importing the package imports them all.
+"""
+import importlib as _importlib
+import pkgutil as _pkgutil
+
+from .base import Compressor, Option
+from .error_feedback import EF21, ErrorFeedback
+from .payload import Payload
+from .registry import available_compressors, compressor_class, get_compressor, register
+
+_INFRA = {"base", "error_feedback", "payload", "registry"}
+for _mod in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
+    if _mod not in _INFRA and not _mod.startswith("_"):
+        _importlib.import_module(f"{__name__}.{_mod}")
+
+__all__ = [
+    "Compressor", "Option", "Payload", "ErrorFeedback", "EF21",
+    "available_compressors", "compressor_class", "get_compressor", "register",
+]

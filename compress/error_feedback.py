@@ -1,0 +1,177 @@
+"""Error feedback: compression error is remembered and added back at the next step.
+
+``ErrorFeedback(c)`` is residual error feedback (EF-SGD, Karimireddy et al. 2019)::
+
+    acc = g + residual[key];  payload = c.compress(acc);  residual[key] = acc - decompress(payload)
+
+so ``g + old_residual == decompress(payload) + new_residual`` at every step: no gradient mass
+is lost, only delayed. Residuals are fp32 (fp64 for fp64 gradients) even for fp16/bf16 input.
+
+``EF21(c)`` (Richtarik et al. 2021) compresses the change of a per-key gradient estimate; the
+receivers keep the aggregate estimate, so a collective finishes with :meth:`EF21.combine`.
+
+Both are accepted wherever a compressor is: they expose the wrapped compressor's capability
+flags and ``decompress``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Generator, Optional
+
+import torch
+
+from .base import Compressor, work_dtype
+from .payload import Payload
+from .registry import compressor_class
+
+
+def _as_compressor(compressor: Any) -> Compressor:
+    if isinstance(compressor, str):
+        return compressor_class(compressor)()
+    if isinstance(compressor, _Feedback):
+        raise ValueError("error feedback cannot wrap another error feedback; wrap the compressor once")
+    if not isinstance(compressor, Compressor):
+        raise ValueError(f"expected a compressor or its name, got {type(compressor).__name__}")
+    return compressor
+
+
+class _Feedback:
+    """What both feedback kinds share: a wrapped compressor and fp32 state per key."""
+
+    kind = "?"
+
+    def __init__(self, compressor: Compressor | str) -> None:
+        self.compressor = _as_compressor(compressor)
+        self._state: Dict[str, torch.Tensor] = {}
+
+    # capability flags of the wrapped compressor, so collectives treat us like it
+    name = property(lambda self: self.compressor.name)
+    native = property(lambda self: self.compressor.native)
+    fixed_size = property(lambda self: self.compressor.fixed_size)
+    multi_round = property(lambda self: self.compressor.multi_round)
+    stochastic = property(lambda self: self.compressor.stochastic)
+    unbiased = False  # feedback makes the sent value depend on the past
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.compressor!r})"
+
+    def decompress(self, payload: Payload) -> torch.Tensor:
+        return self.compressor.decompress(payload)
+
+    def bits_per_element(self, numel: int = 1 << 20) -> float:
+        return self.compressor.bits_per_element(numel)
+
+    def _slot(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        wd = work_dtype(tensor.dtype)
+        buf = self._state.get(key)
+        if buf is None or buf.shape != tensor.shape or buf.device != tensor.device:
+            if buf is not None and buf.numel() != tensor.numel():
+                raise ValueError(f"{self.kind}: key {key!r} held a tensor of shape {tuple(buf.shape)}, "
+                                 f"now {tuple(tensor.shape)}; use a distinct key per tensor")
+            buf = torch.zeros(tensor.shape, dtype=wd, device=tensor.device) if buf is None else buf.reshape(tensor.shape).to(tensor.device)
+            self._state[key] = buf
+        elif buf.dtype != wd:
+            buf = buf.to(wd)
+            self._state[key] = buf
+        return buf
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"kind": self.kind, "compressor": self.compressor.state_dict(),
+                "state": {k: v.detach().cpu().clone() for k, v in self._state.items()}}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        if state.get("kind") != self.kind:
+            raise ValueError(f"state_dict is for {state.get('kind')!r}, not {self.kind!r}")
+        self.compressor.load_state_dict(state["compressor"])
+        self._state = {k: v.clone() for k, v in state["state"].items()}
+
+    def combine(self, key: Optional[str], averaged: torch.Tensor) -> torch.Tensor:
+        """Turn the average of decoded payloads into the collective's result."""
+        return averaged
+
+
+class ErrorFeedback(_Feedback):
+    """Residual error feedback around any compressor; residual memory kept per key."""
+
+    kind = "ef"
+
+    def residual(self, key: Optional[str] = None) -> torch.Tensor:
+        """The current residual of ``key`` (a scalar zero before its first step)."""
+        buf = self._state.get("" if key is None else str(key))
+        return buf.clone() if buf is not None else torch.zeros(())
+
+    def accumulate(self, tensor: torch.Tensor, key: Optional[str]) -> torch.Tensor:
+        """``tensor + residual`` in the residual's dtype (a new tensor)."""
+        self.compressor._check_input(tensor)
+        res = self._slot("" if key is None else str(key), tensor)
+        return res + tensor
+
+    def update(self, key: Optional[str], acc: torch.Tensor, sent: torch.Tensor) -> None:
+        """Set the residual of ``key`` to ``acc - sent`` (``sent``: what the wire carried)."""
+        res = self._slot("" if key is None else str(key), acc)
+        torch.sub(acc, sent.to(res.dtype), out=res)
+
+    def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
+        """Compress ``tensor + residual``; the residual becomes the new compression error."""
+        acc = self.accumulate(tensor, key)
+        payload = self.compressor.compress(acc, key, step=step)
+        payload.dtype = tensor.dtype
+        self.update(key, acc, self.compressor.decompress(payload))
+        return payload
+
+    def rounds(self, tensor: torch.Tensor, key: Optional[str] = None) -> Generator:
+        """Multi-round form (PowerSGD): the residual is ``acc`` minus the agreed result."""
+        acc = self.accumulate(tensor, key)
+        result = yield from self.compressor.rounds(acc, key)
+        result = result.to(tensor.dtype)
+        self.update(key, acc, result)
+        return result
+
+
+class EF21(_Feedback):
+    """EF21: send ``C(g - estimate)``; every receiver adds the average to a shared estimate.
+
+    ``compress`` updates this rank's own estimate; ``combine`` updates the aggregate estimate
+    (identical on every rank) and returns it. With one process both are the same.
+    """
+
+    kind = "ef21"
+
+    def __init__(self, compressor: Compressor | str) -> None:
+        super().__init__(compressor)
+        self._aggregate: Dict[str, torch.Tensor] = {}
+
+    def estimate(self, key: Optional[str] = None) -> torch.Tensor:
+        buf = self._state.get("" if key is None else str(key))
+        return buf.clone() if buf is not None else torch.zeros(())
+
+    def residual(self, key: Optional[str] = None) -> torch.Tensor:
+        """Not kept: EF21's memory is the estimate (see :meth:`estimate`)."""
+        raise ValueError("EF21 keeps an estimate, not a residual; use estimate(key)")
+
+    def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
+        self.compressor._check_input(tensor)
+        skey = "" if key is None else str(key)
+        est = self._slot(skey, tensor)
+        delta = tensor.to(est.dtype) - est
+        payload = self.compressor.compress(delta, key, step=step)
+        est.add_(self.compressor.decompress(payload).to(est.dtype))
+        payload.dtype = tensor.dtype
+        return payload
+
+    def combine(self, key: Optional[str], averaged: torch.Tensor) -> torch.Tensor:
+        skey = "" if key is None else str(key)
+        agg = self._aggregate.get(skey)
+        if agg is None or agg.shape != averaged.shape:
+            agg = torch.zeros(averaged.shape, dtype=work_dtype(averaged.dtype), device=averaged.device)
+        agg = agg + averaged.to(agg.dtype)
+        self._aggregate[skey] = agg
+        return agg.to(averaged.dtype)
+
+    def state_dict(self) -> Dict[str, Any]:
+        sd = super().state_dict()
+        sd["aggregate"] = {k: v.detach().cpu().clone() for k, v in self._aggregate.items()}
+        return sd
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._aggregate = {k: v.clone() for k, v in state.get("aggregate", {}).items()}

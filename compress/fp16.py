@@ -1,0 +1,38 @@
+"""``fp16``: cast to IEEE half precision for the wire (2x fewer bytes than fp32).
+
+fp16 keeps 11 significant bits but overflows above 65504: such elements become inf, as with
+PyTorch's ``fp16_compress_hook``, rather than being clipped silently.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Compressor, tensor_spec
+from .registry import register
+
+
+class CastCompressor(Compressor):
+    """Base of the 16-bit casts: the wire dtype is the only difference."""
+
+    wire_dtype: torch.dtype = torch.float16
+    native = True
+
+    def _compress(self, flat, key, step):
+        return [flat.to(self.wire_dtype, copy=True)], {}
+
+    def _decompress(self, payload):
+        return payload.tensors[0]
+
+    def _wire_bytes(self, numel):
+        return 2.0 * numel
+
+    @classmethod
+    def _check_tensors(cls, payload):
+        tensor_spec(payload, [(cls.wire_dtype, payload.numel)], cls.name)
+
+
+@register("fp16")
+class Float16(CastCompressor):
+    """Round to IEEE half precision: 16 bits per element, deterministic rounding."""
+
+    wire_dtype = torch.float16

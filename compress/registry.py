@@ -1,0 +1,36 @@
+"""The compressor registry: ``@register("name")`` fills one dict and refuses duplicates."""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Type
+
+_REGISTRY: Dict[str, type] = {}
+
+
+def register(name: str) -> Callable[[Type], Type]:
+    """Class decorator: make a compressor available as ``get_compressor(name)``."""
+
+    def deco(cls: Type) -> Type:
+        if name in _REGISTRY:
+            raise ValueError(f"compressor name {name!r} is already registered by {_REGISTRY[name].__name__}")
+        cls.name = name
+        _REGISTRY[name] = cls
+        return cls
+
+    return deco
+
+
+def available_compressors() -> List[str]:
+    """Names accepted by :func:`get_compressor`, sorted."""
+    return sorted(_REGISTRY)
+
+
+def compressor_class(name: str) -> type:
+    """The class registered under ``name``; ``ValueError`` naming the choices otherwise."""
+    if not isinstance(name, str) or name not in _REGISTRY:
+        raise ValueError(f"unknown compressor {name!r}; available: {', '.join(available_compressors())}")
+    return _REGISTRY[name]
+
+
+def get_compressor(name: str, **options: Any):
+    """A new compressor ``name`` configured by keyword ``options`` (validated at once)."""
+    return compressor_class(name)(**options)

@@ -1,0 +1,22 @@
+"""gradcomp: compressed gradient communication for distributed PyTorch training."""
+from setuptools import setup
+
+_PACKAGES = ["compress", "kernels", "collectives", "training", "bench"]
+
+setup(
+    name="gradcomp",
+    version="0.1.0",
+    description="Gradient compression with error feedback and compressed collectives for torch.distributed",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.9",
+    packages=["gradcomp"] + [f"gradcomp.{p}" for p in _PACKAGES],
+    package_dir={"gradcomp": "gradcomp", **{f"gradcomp.{p}": p for p in _PACKAGES}},
+    package_data={"gradcomp.kernels": ["cuda/*.cu"]},
+    install_requires=["torch>=2.1", "numpy"],
+    extras_require={
+        "cuda": ["cupy-cuda12x"],
+        "test": ["pytest", "hypothesis", "pytest-benchmark"],
+        "bench": ["matplotlib", "scikit-learn", "tqdm"],
+    },
+)

@@ -1,0 +1,69 @@
+"""Run a function on 2 or 4 real gloo ranks and return every rank's result to the test.
+
+``run_ranks(fn, world_size, tmp_path, *args)`` spawns ``world_size`` processes with
+``torch.multiprocessing``, joins them through a ``FileStore`` in ``tmp_path``, calls
+``fn(rank, world_size, *args)`` in each and returns the list of return values (rank order).
+An exception on any rank is re-raised in the test with that rank's traceback. ``fn`` must be
+a module-level function (it is pickled by reference).
+"""
+from __future__ import annotations
+
+import os
+import pickle
+import traceback
+from datetime import timedelta
+from typing import Any, Callable, List
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, world_size: int, store_path: str, out_dir: str, fn: Callable, args: tuple, timeout_s: float) -> None:
+    torch.set_num_threads(1)
+    result: Any
+    try:
+        store = dist.FileStore(store_path, world_size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=timeout_s))
+        try:
+            result = ("ok", fn(rank, world_size, *args))
+        finally:
+            dist.destroy_process_group()
+    except BaseException as exc:  # report everything to the parent
+        result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(result, f)
+
+
+def run_ranks(fn: Callable, world_size: int, tmp_path, *args: Any, timeout_s: float = 60.0) -> List[Any]:
+    """Results of ``fn(rank, world_size, *args)`` on every rank; raises if any rank failed."""
+    store_path = os.path.join(str(tmp_path), f"store-{os.getpid()}-{id(fn)}-{world_size}")
+    out_dir = os.path.join(str(tmp_path), f"out-{os.getpid()}-{id(fn)}-{world_size}")
+    os.makedirs(out_dir, exist_ok=True)
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, out_dir, fn, args, timeout_s))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout_s * 3)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    results, errors = [], []
+    for r in range(world_size):
+        path = os.path.join(out_dir, f"rank{r}.pkl")
+        if not os.path.exists(path):
+            errors.append(f"rank {r}: exited with code {procs[r].exitcode} and no result")
+            results.append(None)
+            continue
+        with open(path, "rb") as f:
+            status, value = pickle.load(f)
+        if status == "error":
+            errors.append(value)
+        results.append(value)
+    if errors:
+        raise AssertionError("distributed run failed:\n" + "\n".join(errors))
+    return results
