@@ -76,6 +76,9 @@ class Compressor:
     multi_round: ClassVar[bool] = False
     unbiased: ClassVar[bool] = False
     stochastic: ClassVar[bool] = False
+    # True when ``_compress(flat, key, step, want_decoded)`` takes the 4th argument and then
+    # returns ``(tensors, meta, decoded_flat)``, saving error feedback a decode pass.
+    _fused: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.options))
@@ -100,6 +103,18 @@ class Compressor:
     # ---- public API -------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
         """Compress ``tensor`` (left unchanged). ``key`` names it across steps."""
+        return self._run(tensor, key, step, want_decoded=False)[0]
+
+    def compress_decoded(self, tensor: torch.Tensor, key: Optional[str] = None, *,
+                         step: Optional[int] = None) -> Tuple[Payload, torch.Tensor]:
+        """``(payload, decompress(payload))`` — what error feedback needs — in as few passes as
+        the compressor manages: ``_compress`` may return the decoded tensor as a third item."""
+        payload, decoded = self._run(tensor, key, step, want_decoded=True)
+        if decoded is None:
+            return payload, self.decompress(payload)
+        return payload, decoded.to(payload.dtype).reshape(payload.shape)
+
+    def _run(self, tensor, key, step, want_decoded):
         self._check_input(tensor)
         skey = "" if key is None else str(key)
         if step is None:
@@ -108,8 +123,10 @@ class Compressor:
         flat = tensor.detach().reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        tensors, meta = self._compress(flat, skey, int(step))
-        return Payload(self.name, tuple(tensor.shape), tensor.dtype, list(tensors), dict(meta))
+        out = self._compress(flat, skey, int(step), want_decoded) if self._fused else self._compress(flat, skey, int(step))
+        tensors, meta = out[0], out[1]
+        decoded = out[2] if len(out) > 2 else None
+        return Payload(self.name, tuple(tensor.shape), tensor.dtype, list(tensors), dict(meta)), decoded
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         """The tensor a payload stands for: original shape, dtype and device."""

@@ -113,9 +113,9 @@ class ErrorFeedback(_Feedback):
     def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
         """Compress ``tensor + residual``; the residual becomes the new compression error."""
         acc = self.accumulate(tensor, key)
-        payload = self.compressor.compress(acc, key, step=step)
+        payload, decoded = self.compressor.compress_decoded(acc, key, step=step)
         payload.dtype = tensor.dtype
-        self.update(key, acc, self.compressor.decompress(payload))
+        self.update(key, acc, decoded.to(tensor.dtype))
         return payload
 
     def rounds(self, tensor: torch.Tensor, key: Optional[str] = None) -> Generator:
