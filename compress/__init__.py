@@ -15,8 +15,9 @@ _INFRA = {"base", "error_feedback", "payload", "registry"}
 for _mod in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
     if _mod not in _INFRA and not _mod.startswith("_"):
         _importlib.import_module(f"{__name__}.{_mod}")
+from .dgc import DGCMomentum
 
 __all__ = [
-    "Compressor", "Option", "Payload", "ErrorFeedback", "EF21",
+    "Compressor", "Option", "Payload", "ErrorFeedback", "EF21", "DGCMomentum",
     "available_compressors", "compressor_class", "get_compressor", "register",
 ]

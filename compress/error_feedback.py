@@ -148,6 +148,19 @@ class EF21(_Feedback):
         """Not kept: EF21's memory is the estimate (see :meth:`estimate`)."""
         raise ValueError("EF21 keeps an estimate, not a residual; use estimate(key)")
 
+    def accumulate(self, tensor: torch.Tensor, key: Optional[str]) -> torch.Tensor:
+        """``tensor - estimate`` (a new tensor): what EF21 compresses. With :meth:`update` this
+        is the same two-step protocol as ``ErrorFeedback``, for collectives that compress
+        pieces of it separately."""
+        self.compressor._check_input(tensor)
+        est = self._slot("" if key is None else str(key), tensor)
+        return tensor.to(est.dtype) - est
+
+    def update(self, key: Optional[str], acc: torch.Tensor, sent: torch.Tensor) -> None:
+        """Add ``sent`` (what the wire carried for ``acc``, decoded) to the estimate of ``key``."""
+        est = self._slot("" if key is None else str(key), acc)
+        est.add_(sent.to(est.dtype).reshape(est.shape))
+
     def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
         self.compressor._check_input(tensor)
         skey = "" if key is None else str(key)

@@ -56,6 +56,9 @@ def test_none_like_compressors_are_close(name):
     c = get_compressor(name)
     t = torch.randn(64, 64)
     out = c.decompress(c.compress(t, key="w"))
+    if c.unbiased and c.stochastic:
+        # one draw of an unbiased sparsifier is noisy by design (randomk 1%: error ~10); its signal is its mean
+        out = torch.stack([out] + [c.decompress(c.compress(t, key="w")) for _ in range(399)]).mean(0)
     rel = (out - t).norm() / t.norm()
     assert rel < 1.5, f"{name}: relative error {rel:.3f} — the output carries no signal"
 

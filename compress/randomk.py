@@ -1,0 +1,124 @@
+"""``randomk``: send k elements chosen at random, scaled by numel/k so the result is unbiased.
+
+Positions come from the counter stream keyed by ``(seed, key, step)``: ranks with the same
+seed, key and step choose the same positions, so their value tensors can be averaged as they
+are (``native``). The positions are not sent. The payload is ``[values]`` (input dtype,
+unscaled) and its meta carries ``k, seed, key, step, rescale``; the receiver draws the same
+positions again. That is 32 bits per kept fp32 element, half of ``topk``, and no index from
+the wire is ever scattered with.
+
+Sampling is stratified with a random rotation: the positions, rotated by a uniform shift, are
+cut into k strata of floor(n/k) or ceil(n/k) consecutive positions and one position is drawn
+uniformly in each. This needs k + 1 draws (random keys for all n elements and a selection
+would need n), gives k distinct positions by construction, and selects every element with
+probability exactly k/n: averaged over the shift, an element sits in each stratum with
+probability size/n and is then chosen with probability 1/size. Unlike uniform sampling without
+replacement, two elements of one stratum are never both chosen; that changes covariances, not
+the per-element unbiasedness.
+
+Non-finite input cannot be carried by a random subset, so it poisons the payload: if the
+tensor holds NaN or Inf, every sent value is NaN.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradcomp.kernels import rng
+from gradcomp.kernels.sparse import densify
+
+from .base import Compressor, Option, expect, meta_int, numel_of, seed_option, work_dtype
+from .registry import register
+from .topk import ratio_option
+
+_MAX_K = 2**31 - 1  # keeps the stratum arithmetic below in int64
+
+
+def positions(numel: int, k: int, seed: int, key: str, step: int, device: torch.device) -> torch.Tensor:
+    """The k distinct int64 positions that ``randomk`` keeps for ``(seed, key, step)``."""
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    # Named from the arguments, not from a compressor's config: the receiver is default-made
+    # and knows seed, key and step only from the payload. Same stream name as _uniform uses.
+    u = rng.uniform(2 * (k + 1), rng.stream_key(seed, f"randomk/{key}", step), device).double()
+    # Two 24-bit draws make one 48-bit uniform, fine enough for strata of up to 2**31 elements.
+    w = u[:k + 1] + u[k + 1:] * 2.0**-24
+    shift = min(int(w[0] * numel), numel - 1)
+    j = torch.arange(k + 1, device=device)
+    q, r = divmod(numel, k)
+    start = j * q + (j * r) // k  # floor(j * numel / k) without overflow
+    size = start[1:] - start[:-1]
+    offset = torch.minimum((w[1:] * size).long(), size - 1)
+    return (start[:-1] + offset + shift) % numel
+
+
+@register("randomk")
+class RandomK(Compressor):
+    """k = max(1, round(ratio * numel)) elements at shared random positions, scaled by n/k."""
+
+    options = {
+        "ratio": ratio_option(0.01),
+        "seed": seed_option(),
+        "rescale": Option(True, bool, "scale kept values by numel/k: True => unbiased; False => "
+                          "biased towards zero with k/n of the variance, the better choice "
+                          "under error feedback"),
+    }
+    native = True
+    unbiased = True
+    stochastic = True
+    _fused = True
+
+    def _post_init(self) -> None:
+        self.unbiased = self.rescale
+
+    def _k(self, numel: int) -> int:
+        return 0 if numel == 0 else max(1, round(self.ratio * numel))
+
+    def _compress(self, flat, key, step, want_decoded=False):
+        n = flat.numel()
+        k = self._k(n)
+        if k > _MAX_K:
+            raise ValueError(f"randomk keeps at most {_MAX_K} elements, ratio={self.ratio} asks for {k}")
+        idx = positions(n, k, self.seed, key, step, flat.device)
+        values = flat[idx]
+        # sum() is one fast pass; it can overflow on finite data, so a non-finite sum is confirmed.
+        if n and not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
+            values.fill_(math.nan)
+        meta = {"k": k, "seed": self.seed, "key": key, "step": step, "rescale": self.rescale}
+        decoded = _decode(idx, values, n, self.rescale) if want_decoded else None
+        return [values], meta, decoded
+
+    def _decompress(self, payload):
+        m = payload.meta
+        n = numel_of(payload)
+        values = payload.tensors[0]
+        idx = positions(n, m["k"], m["seed"], m["key"], m["step"], values.device)
+        return _decode(idx, values, n, m["rescale"])
+
+    def _wire_bytes(self, numel):
+        return 4.0 * self._k(numel)
+
+    @classmethod
+    def _check_tensors(cls, payload):
+        name, m, n = cls.name, payload.meta, numel_of(payload)
+        expect(set(m) == {"k", "seed", "key", "step", "rescale"}, name,
+               f"meta must hold exactly k, seed, key, step, rescale; got {sorted(m)}")
+        k = meta_int(payload, "k", name, 0, min(n, _MAX_K))
+        expect((k == 0) == (n == 0), name, f"k={k} for {n} elements; k >= 1 unless the tensor is empty")
+        meta_int(payload, "seed", name, 0, 2**63 - 1)
+        meta_int(payload, "step", name, -(2**62), 2**62)
+        expect(isinstance(m["key"], str), name, f"meta key must be a string, got {m['key']!r:.40}")
+        expect(isinstance(m["rescale"], bool), name, f"meta rescale must be a bool, got {m['rescale']!r:.40}")
+        expect(len(payload.tensors) == 1, name, f"expected 1 tensor (values), got {len(payload.tensors)}")
+        values = payload.tensors[0]
+        allowed = (payload.dtype, work_dtype(payload.dtype))  # error feedback sends fp32 for fp16/bf16
+        expect(values.dtype in allowed, name, f"values have dtype {values.dtype}, expected one of {allowed}")
+        expect(values.dim() == 1 and values.numel() == k, name,
+               f"values have shape {tuple(values.shape)}, expected ({k},)")
+
+
+def _decode(idx: torch.Tensor, values: torch.Tensor, numel: int, rescale: bool) -> torch.Tensor:
+    wd = work_dtype(values.dtype)
+    scaled = values.to(wd) * (numel / idx.numel()) if rescale and numel else values.to(wd)
+    return densify(idx, scaled, numel, wd)

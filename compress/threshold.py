@@ -1,0 +1,45 @@
+"""``threshold``: send every element with ``|x| >= tau`` and its position (Strom 2015).
+
+Payload: ``[values, indices]`` as for ``topk`` (values in the input dtype, indices ascending,
+int32 or int64 from 2**31 elements). The count depends on the data, so the size is variable:
+64 bits per kept fp32 element, at worst twice the dense size. ``tau`` is absolute: it must suit
+the scale of the gradients. NaN and Inf are always kept. Biased: pair it with error feedback.
+"""
+from __future__ import annotations
+
+import math
+
+from gradcomp.kernels.select import threshold_indices
+from gradcomp.kernels.sparse import index_dtype
+
+from .base import Compressor, Option
+from .registry import register
+from .topk import check_sparse, decode_sparse, sparse_payload
+
+
+@register("threshold")
+class Threshold(Compressor):
+    """Keep the elements with ``|x| >= tau``; a data-dependent number of values and indices."""
+
+    options = {
+        "tau": Option(0.01, float, "magnitude an element needs to be sent; larger => fewer bytes, "
+                      "more error left to error feedback", lambda v: math.isfinite(v) and v >= 0.0,
+                      "a finite float >= 0"),
+    }
+    fixed_size = False
+    _fused = True
+
+    def _compress(self, flat, key, step, want_decoded=False):
+        tensors, decoded = sparse_payload(flat, threshold_indices(flat, self.tau), want_decoded)
+        return tensors, {}, decoded
+
+    def _decompress(self, payload):
+        return decode_sparse(payload)
+
+    def _wire_bytes(self, numel):
+        """The worst case, every element kept: the real size depends on the data."""
+        return numel * (4 + index_dtype(numel).itemsize)
+
+    @classmethod
+    def _check_tensors(cls, payload):
+        check_sparse(payload, cls.name)

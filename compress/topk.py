@@ -1,0 +1,93 @@
+"""``topk``: send the k largest-magnitude elements and their positions (Aji & Heafield 2017).
+
+Payload: ``[values, indices]`` — values in the input dtype, indices ascending, int32 (int64
+from 2**31 elements on). ``k = max(1, round(ratio * numel))``, so the size depends only on
+``numel``: 64 bits per kept fp32 element. Biased (small elements are dropped): pair it with
+error feedback. NaN ranks as the largest magnitude, so it is sent and propagates.
+
+The selection is exact (see ``gradcomp.kernels.select``); ties at the k-th magnitude go to the
+lowest indices. The sparse payload helpers here are shared by ``threshold`` and ``dgc``.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from gradcomp.kernels.select import topk_indices
+from gradcomp.kernels.sparse import check_indices, densify, index_dtype
+
+from .base import Compressor, Option, expect, numel_of, work_dtype
+from .payload import Payload
+from .registry import register
+
+
+def ratio_option(default: float) -> Option:
+    return Option(default, float, "fraction of elements sent; smaller => fewer bytes, more error "
+                  "left to error feedback", lambda v: 0.0 < v <= 1.0, "a float in (0, 1]")
+
+
+def sparse_payload(flat: torch.Tensor, idx: torch.Tensor,
+                   want_decoded: bool) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
+    """``[values, indices]`` for the int64 positions ``idx``, and the dense decoding if asked."""
+    values = flat[idx]
+    decoded = None
+    if want_decoded:
+        decoded = torch.zeros_like(flat)
+        decoded[idx] = values  # idx holds no repeats, so a plain put is the decoding
+    return [values, idx.to(index_dtype(flat.numel()))], decoded
+
+
+def check_sparse(payload: Payload, cname: str) -> None:
+    """Validate a ``[values, indices]`` payload: dtypes, sizes, index range and strict order."""
+    n = numel_of(payload)
+    expect(len(payload.tensors) == 2, cname, f"expected 2 tensors (values, indices), got {len(payload.tensors)}")
+    values, indices = payload.tensors
+    # Error feedback compresses in fp32 (fp64) and then labels the payload with the input dtype.
+    allowed = (payload.dtype, work_dtype(payload.dtype))
+    expect(values.dtype in allowed, cname, f"values have dtype {values.dtype}, expected one of {allowed}")
+    expect(indices.dtype == index_dtype(n), cname,
+           f"indices have dtype {indices.dtype}, expected {index_dtype(n)} for {n} elements")
+    expect(values.dim() == 1 and indices.dim() == 1 and values.numel() == indices.numel() <= n, cname,
+           f"values {tuple(values.shape)} and indices {tuple(indices.shape)} must be 1-D, of equal "
+           f"length, at most {n}")
+    try:
+        check_indices(indices, n)
+    except ValueError as exc:
+        raise ValueError(f"{cname}: malformed payload: {exc}") from None
+    expect(indices.numel() < 2 or bool((indices[1:] > indices[:-1]).all()), cname,
+           "indices must be strictly increasing")
+
+
+def decode_sparse(payload: Payload) -> torch.Tensor:
+    values, indices = payload.tensors
+    return densify(indices, values, numel_of(payload), values.dtype)
+
+
+@register("topk")
+class TopK(Compressor):
+    """Exact top-k by magnitude: ``k = max(1, round(ratio * numel))`` values and indices."""
+
+    options = {"ratio": ratio_option(0.01)}
+    _fused = True
+
+    def _k(self, numel: int) -> int:
+        return 0 if numel == 0 else max(1, round(self.ratio * numel))
+
+    def _select(self, x_abs: torch.Tensor, k: int, key: str, step: int) -> torch.Tensor:
+        return topk_indices(x_abs, k)
+
+    def _compress(self, flat, key, step, want_decoded=False) -> Tuple[List[torch.Tensor], Dict[str, Any], Any]:
+        idx = self._select(flat.abs(), self._k(flat.numel()), key, step)
+        tensors, decoded = sparse_payload(flat, idx, want_decoded)
+        return tensors, {}, decoded
+
+    def _decompress(self, payload):
+        return decode_sparse(payload)
+
+    def _wire_bytes(self, numel):
+        return self._k(numel) * (4 + index_dtype(numel).itemsize)
+
+    @classmethod
+    def _check_tensors(cls, payload):
+        check_sparse(payload, cls.name)

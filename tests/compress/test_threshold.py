@@ -1,0 +1,83 @@
+"""threshold: sends exactly the elements with |x| >= tau (and NaN/Inf), 64 bits per kept fp32
+element, a size that follows the data, indices validated on arrival."""
+import pytest
+import torch
+
+from gradcomp.compress import ErrorFeedback, Payload, get_compressor
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_keeps_exactly_the_large_elements(dtype):
+    tau = 0.7
+    x = torch.randn(3000, dtype=torch.float64).to(dtype)
+    x[0], x[1], x[2] = 0.7, -0.7, 0.6999  # equality is kept (0.7 rounds below 0.7 in fp32)
+    c = get_compressor("threshold", tau=tau)
+    p = c.compress(x)
+    out = c.decompress(p)
+    keep = x.double().abs() >= tau
+    assert torch.equal(out, torch.where(keep, x, torch.zeros_like(x)))
+    assert torch.equal(p.tensors[1].long(), keep.nonzero().squeeze(1))
+    assert p.tensors[0].dtype == dtype and p.tensors[1].dtype == torch.int32
+    assert out[2] == 0
+
+
+def test_size_follows_the_data():
+    c = get_compressor("threshold", tau=1.0)
+    assert not c.fixed_size
+    x = torch.randn(10_000)
+    p = c.compress(x)
+    m = int((x.abs() >= 1.0).sum())
+    assert p.nbytes == 8 * m
+    assert c.compress(x * 0.01).nbytes == 0
+    assert c.compress(x.sign() + x).nbytes == 8 * 10_000  # every |x| >= 1
+    # bits_per_element is the worst case: every element kept
+    assert c.bits_per_element(10_000) == 64.0
+
+
+def test_tau_zero_keeps_everything_and_huge_tau_nothing():
+    x = torch.randn(100)
+    assert torch.equal(get_compressor("threshold", tau=0.0).decompress(get_compressor("threshold", tau=0.0).compress(x)), x)
+    c = get_compressor("threshold", tau=1e300)  # above every float16 too: only Inf passes
+    h = torch.randn(100, dtype=torch.float16)
+    h[5] = float("inf")
+    assert c.compress(h).tensors[1].tolist() == [5]
+
+
+def test_nonfinite_is_kept():
+    x = torch.zeros(50)
+    x[3], x[30] = float("nan"), -float("inf")
+    c = get_compressor("threshold", tau=10.0)
+    out = c.decompress(c.compress(x))
+    assert torch.isnan(out[3]) and out[30] == -float("inf") and int((out != 0).sum()) == 2
+
+
+def test_error_feedback_sends_small_elements_once_they_add_up():
+    ef = ErrorFeedback(get_compressor("threshold", tau=1.0))
+    g = torch.full((4,), 0.3)
+    sent = [ef.decompress(ef.compress(g, key="w")) for _ in range(4)]
+    assert [float(s[0]) for s in sent] == pytest.approx([0.0, 0.0, 0.0, 1.2])
+    assert torch.allclose(ef.residual("w"), torch.zeros(4), atol=1e-6)
+
+
+def test_hostile_payloads_are_rejected():
+    p = get_compressor("threshold", tau=0.5).compress(torch.randn(64))
+    values, indices = p.tensors
+
+    def raw(tensors):
+        return Payload(p.compressor, p.shape, p.dtype, tensors, p.meta).to_bytes()
+
+    with pytest.raises(ValueError, match=r"\[0, 64\)"):
+        Payload.from_bytes(raw([values, indices.clone().index_fill_(0, torch.tensor([0]), 64)]))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Payload.from_bytes(raw([values, indices.flip(0)]))
+    too_many = torch.arange(65, dtype=torch.int32)
+    with pytest.raises(ValueError, match="at most 64"):
+        Payload.from_bytes(raw([torch.zeros(65), too_many]))
+    assert torch.equal(get_compressor("threshold").decompress(Payload.from_bytes(p.to_bytes())),
+                       get_compressor("threshold").decompress(p))
+
+
+@pytest.mark.parametrize("bad", [-0.1, float("nan"), float("inf"), "1"])
+def test_bad_tau(bad):
+    with pytest.raises(ValueError, match="tau"):
+        get_compressor("threshold", tau=bad)

@@ -1,0 +1,103 @@
+"""Selection kernels: topk_indices is the exact top-k set (NaN largest, ties to the lowest
+index) on both its paths, whatever sample it is given; threshold_indices is exactly |x| >= tau."""
+import numpy as np
+import pytest
+import torch
+
+from gradcomp.kernels import select
+from gradcomp.kernels.select import threshold_indices, topk_indices
+
+SMALL = 5000  # whole-tensor fix-up path
+LARGE = select._DIRECT + 12345  # sampled-threshold path
+
+
+def reference_topk(x_abs: torch.Tensor, k: int) -> torch.Tensor:
+    """Sorted indices of the k largest: NaN first, then by magnitude, ties by lower index."""
+    a = x_abs.double().numpy()
+    nan = np.isnan(a)
+    order = np.lexsort((np.arange(a.size), -np.where(nan, 0.0, a), -nan.astype(np.int8)))
+    return torch.from_numpy(np.sort(order[:k]))
+
+
+@pytest.mark.parametrize("n", [SMALL, LARGE])
+def test_matches_torch_topk_on_distinct_values(n):
+    x = torch.randn(n).abs()
+    for k in (1, 7, n // 100, n // 3, n - 1):
+        idx = topk_indices(x, k)
+        assert idx.dtype == torch.int64 and torch.all(idx[1:] > idx[:-1])
+        ref = torch.topk(x, k).indices.sort().values
+        assert torch.equal(idx, ref), (n, k)
+
+
+@pytest.mark.parametrize("n", [SMALL, LARGE])
+def test_ties_go_to_the_lowest_indices(n):
+    x = torch.randint(0, 40, (n,)).float()  # ~n/40 copies of each value: the k-th is always tied
+    for k in (1, n // 100, n // 40 + 3, n // 2):
+        assert torch.equal(topk_indices(x, k), reference_topk(x, k)), (n, k)
+        # same magnitudes as torch.topk, whose tie order is unspecified
+        assert torch.equal(x[topk_indices(x, k)].sort().values, torch.topk(x, k).values.sort().values)
+
+
+@pytest.mark.parametrize("n", [SMALL, LARGE])
+def test_nan_ranks_largest(n):
+    x = torch.randn(n).abs()
+    x[[3, 500, n - 1]] = float("nan")
+    x[10] = float("inf")
+    idx = topk_indices(x, 5)
+    assert {3, 500, n - 1, 10} <= set(idx.tolist())
+    assert torch.equal(idx, reference_topk(x, 5))
+    assert torch.equal(topk_indices(x, 2), torch.tensor([3, 500]))  # more NaN than k: lowest first
+
+
+def test_mostly_nan_still_exact():
+    x = torch.full((LARGE,), float("nan"))
+    x[::7] = torch.rand(x[::7].shape)
+    for k in (10, LARGE // 2, LARGE - LARGE // 7 + 5):
+        assert torch.equal(topk_indices(x, k), reference_topk(x, k)), k
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64], ids=str)
+def test_low_and_high_precision(dtype):
+    x = torch.randn(LARGE).abs().to(dtype)  # fp16/bf16 round to many ties
+    for k in (1, 2000):
+        assert torch.equal(topk_indices(x, k), reference_topk(x, k)), (dtype, k)
+
+
+@pytest.mark.parametrize("sample", ["zeros", "huge", "tiny", "nan"])
+def test_a_bad_sample_changes_speed_not_result(sample):
+    """Any sample is allowed: too high a threshold retries lower, too low keeps more candidates."""
+    x = torch.randn(LARGE).abs()
+    s = {"zeros": torch.zeros(1000), "huge": torch.full((1000,), 1e30), "tiny": x[:3],
+         "nan": torch.full((100,), float("nan"))}[sample]
+    k = LARGE // 100
+    assert torch.equal(topk_indices(x, k, sample=s), reference_topk(x, k))
+
+
+def test_edge_sizes_and_errors():
+    x = torch.rand(100)
+    assert topk_indices(x, 0).numel() == 0
+    assert torch.equal(topk_indices(x, 100), torch.arange(100))
+    assert topk_indices(torch.empty(0), 0).numel() == 0
+    with pytest.raises(ValueError, match="k=101"):
+        topk_indices(x, 101)
+    with pytest.raises(ValueError, match="1-D"):
+        topk_indices(x.reshape(10, 10), 3)
+    with pytest.raises(ValueError, match="1-D"):
+        threshold_indices(x.reshape(10, 10), 0.5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_threshold_is_exact_at_the_boundary(dtype):
+    tau = 0.1  # not representable in any of these dtypes
+    x = torch.randn(4000, dtype=torch.float64).mul_(0.2).to(dtype)
+    # plant the dtype's neighbours of tau, on both sides and both signs
+    near = torch.tensor(tau, dtype=torch.float64).to(dtype)
+    up = torch.nextafter(near, torch.tensor(1.0, dtype=dtype))
+    down = torch.nextafter(near, torch.tensor(0.0, dtype=dtype))
+    x[:6] = torch.stack([near, up, down, -near, -up, -down])
+    x[6], x[7] = float("nan"), float("-inf")
+    got = threshold_indices(x, tau)
+    want = (~(x.double().abs() < tau)).nonzero().squeeze(1)  # exact in fp64, NaN kept
+    assert torch.equal(got, want)
+    assert {6, 7} <= set(got.tolist())
+    assert torch.equal(threshold_indices(x, 0.0), torch.arange(4000))
