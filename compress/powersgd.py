@@ -1,0 +1,187 @@
+"""``powersgd``: rank-``r`` approximation by one warm-started power iteration (Vogels et al. 2019).
+
+A tensor of ``ndim >= 2`` is viewed as the matrix ``M`` of shape ``(shape[0], prod(shape[1:]))``.
+With ``Q`` kept per key from the previous step (at the first step drawn from the seeded stream,
+identical on every rank)::
+
+    P = M Q;  P = average over ranks;  P = orthonormalize(P)
+    Q = M^T P;  Q = average over ranks;  result = P Q^T
+
+The wire carries ``P`` and ``Q``: ``(n + m) * r`` numbers instead of ``n * m``. Tensors that
+would shrink less than ``min_compression_rate`` (and 0-d, 1-D and empty ones) are sent as
+they are. Factors are computed and sent in fp32 (fp64 for fp64 input). Biased; use it with
+``ErrorFeedback``.
+
+The collective layer drives the averaging through :meth:`PowerSGD.rounds`; ``compress`` is the
+one-process form (the average of one rank is itself) and its payload decodes to ``P Q^T``.
+A non-finite ``Q`` is not kept for the next step, so one NaN gradient (a step that AMP's loss
+scaler skips) does not poison the warm start.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Generator, Optional, Tuple
+
+import torch
+
+from gradcomp.kernels.linalg import METHODS, orthonormalize
+
+from .base import FLOAT_DTYPES, Compressor, Option, expect, numel_of, positive_int, seed_option, work_dtype
+from .registry import register
+
+
+@register("powersgd")
+class PowerSGD(Compressor):
+    """Low-rank ``P Q^T`` by a warm-started power iteration; multi-round; keeps ``Q`` per key."""
+
+    options = {
+        "rank": positive_int("rank of the approximation; lower => fewer bytes, larger error", 4),
+        "min_compression_rate": Option(
+            2.0, float, "send a tensor dense unless n*m / ((n+m)*rank) reaches this; higher => more "
+            "tensors sent exactly, more bytes", lambda v: 1.0 <= v < math.inf, "a finite float >= 1"),
+        "orthogonalize": Option("qr", str, "how P is orthonormalised: 'qr' (Householder, robust) or "
+                                "'gram_schmidt' (a loop over the rank; cheaper on GPUs for small rank)",
+                                choices=METHODS),
+        "seed": seed_option(),
+    }
+    multi_round = True
+    fixed_size = False  # the factor sizes depend on the matrix shape, not only on numel
+    stochastic = True  # the first Q is drawn from the seeded stream of each key
+    _fused = True  # error feedback gets P Q^T from compress, not from a second product
+
+    def _post_init(self) -> None:
+        self._q: Dict[str, torch.Tensor] = {}
+        self._shape: Tuple[int, ...] = ()
+
+    # ---- the algorithm --------------------------------------------------------------------
+    def plan(self, shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
+        """``(n, m, r)`` of the low-rank view of a tensor of ``shape``, or None if sent dense."""
+        if len(shape) < 2:
+            return None
+        n, m = shape[0], math.prod(shape[1:])
+        r = min(self.rank, n, m)
+        if n * m == 0 or n * m < self.min_compression_rate * (n + m) * r:
+            return None
+        return n, m, r
+
+    def rounds(self, tensor: torch.Tensor, key: Optional[str] = None) -> Generator:
+        """The multi-round form (see ``Compressor.rounds``): yields ``P``, then ``Q``, or the dense
+        tensor once when it is sent uncompressed. Every yielded tensor is new, so the caller may
+        average it in place; the averages it sends back must keep shape and dtype."""
+        self._check_input(tensor)
+        skey = "" if key is None else str(key)
+        plan = self.plan(tuple(tensor.shape))
+        if plan is None:
+            avg = yield tensor.detach().clone()
+            _expect_like(avg, tensor, "the dense tensor")
+            return avg.to(tensor.dtype).reshape(tensor.shape)
+        p, q = yield from self._factors(tensor.detach().reshape(plan[0], plan[1]), skey, plan[2])
+        return (p @ q.T).reshape(tensor.shape).to(tensor.dtype)
+
+    def _factors(self, mat: torch.Tensor, key: str, r: int) -> Generator:
+        """One power iteration on ``mat`` with the averaging done by the caller; returns (P, Q)."""
+        mat = mat.to(work_dtype(mat.dtype))
+        q = self._start(key, mat.shape[1], r, mat.device, mat.dtype)
+        p = mat @ q
+        p_avg = yield p
+        _expect_like(p_avg, p, "P")
+        p = orthonormalize(p_avg, self.orthogonalize)
+        q = mat.T @ p
+        q_avg = yield q
+        _expect_like(q_avg, q, "Q")
+        if bool(torch.isfinite(q_avg).all()):
+            self._q[key] = q_avg.detach().clone()
+        return p, q_avg
+
+    def _start(self, key: str, m: int, r: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """The warm-start ``Q`` of ``key``; zero columns (left by a zero gradient) are drawn anew,
+        since a power iteration can never leave a zero column."""
+        q = self._q.get(key)
+        if q is None:
+            return self._draw(key, m, r, device, dtype)
+        if tuple(q.shape) != (m, r):
+            raise ValueError(f"powersgd: key {key!r} held Q of shape {tuple(q.shape)}, now needs ({m}, {r}); "
+                             f"use a distinct key per tensor")
+        q = q.to(device=device, dtype=dtype)
+        dead = q.abs().amax(dim=0) == 0
+        if bool(dead.any()):
+            q = torch.where(dead, self._draw(key, m, r, device, dtype), q)
+        return q
+
+    def _draw(self, key: str, m: int, r: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        """Standard normal (m, r) from the stream (seed, key): Box-Muller on uniform draws."""
+        u = self._uniform(2 * m * r, key, 0, device, salt="/q").to(torch.float64).view(2, m, r)
+        z = torch.sqrt(-2.0 * torch.log1p(-u[0])) * torch.cos(2.0 * math.pi * u[1])
+        return z.to(dtype)
+
+    # ---- one-process compress / decompress ---------------------------------------------------
+    def _run(self, tensor, key, step, want_decoded):
+        self._shape = tuple(tensor.shape)  # _compress sees the flat tensor; the matrix view needs this
+        return super()._run(tensor, key, step, want_decoded)
+
+    def _compress(self, flat, key, step, want_decoded=False):
+        plan = self.plan(self._shape)
+        if plan is None:
+            return [flat.clone()], {"dense": True}, None
+        p, q = _local(self._factors(flat.reshape(plan[0], plan[1]), key, plan[2]))
+        return [p, q], {"dense": False}, (p @ q.T).reshape(-1) if want_decoded else None
+
+    def _decompress(self, payload):
+        if payload.meta["dense"]:
+            return payload.tensors[0]
+        p, q = payload.tensors
+        return (p @ q.T).reshape(-1)
+
+    def _wire_bytes(self, numel):
+        """Estimate for a square matrix of ``numel`` elements in fp32 (the real size depends on
+        the shape: ``(n + m) * r`` numbers, or ``numel`` when sent dense)."""
+        side = math.isqrt(numel)
+        if self.plan((side, side)) is None or side * side != numel:
+            return 4.0 * numel
+        return 4.0 * 2 * side * min(self.rank, side)
+
+    @classmethod
+    def _check_tensors(cls, payload):
+        dense = payload.meta.get("dense")
+        expect(isinstance(dense, bool), cls.name, f"meta dense={dense!r} must be a bool")
+        ts = payload.tensors
+        expect(len(ts) == (1 if dense else 2), cls.name, f"{len(ts)} tensors for dense={dense}")
+        expect(all(t.dtype in FLOAT_DTYPES for t in ts), cls.name, "tensors must be floating point")
+        numel = numel_of(payload)
+        if dense:
+            expect(ts[0].dim() == 1 and ts[0].numel() == numel, cls.name,
+                   f"dense tensor has shape {tuple(ts[0].shape)}, expected ({numel},)")
+            return
+        p, q = ts
+        expect(p.dim() == 2 and q.dim() == 2 and p.dtype == q.dtype, cls.name,
+               "P and Q must be matrices of one dtype")
+        expect(p.shape[1] == q.shape[1] >= 1, cls.name, f"P {tuple(p.shape)} and Q {tuple(q.shape)} differ in rank")
+        expect(p.shape[0] * q.shape[0] == numel, cls.name,
+               f"P {tuple(p.shape)} and Q {tuple(q.shape)} do not describe {numel} elements")
+
+    # ---- state --------------------------------------------------------------------------
+    def state_dict(self) -> Dict[str, Any]:
+        sd = super().state_dict()
+        sd["q"] = {k: v.detach().cpu().clone() for k, v in self._q.items()}
+        return sd
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._q = {k: v.clone() for k, v in state.get("q", {}).items()}
+
+
+def _local(gen: Generator) -> Any:
+    """Run a rounds generator in one process, where the average of a tensor is itself."""
+    try:
+        sent = next(gen)
+        while True:
+            sent = gen.send(sent)
+    except StopIteration as stop:
+        return stop.value
+
+
+def _expect_like(got: Any, want: torch.Tensor, what: str) -> None:
+    if not isinstance(got, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        desc = f"{got.dtype} {tuple(got.shape)}" if isinstance(got, torch.Tensor) else type(got).__name__
+        raise ValueError(f"powersgd: the average sent back for {what} must be a {want.dtype} tensor of "
+                         f"shape {tuple(want.shape)}, got {desc}")

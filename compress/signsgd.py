@@ -1,0 +1,83 @@
+"""``signsgd``: send only the sign of each element (Bernstein et al. 2018, signSGD).
+
+Wire: the signs packed 1 bit per element, plus one fp32 word (``magnitude``). Decoded as
+``+magnitude`` where ``x >= 0`` (zero counts as positive) and ``-magnitude`` elsewhere. The
+magnitude is 1, or NaN when the input holds NaN or Inf: a sign cannot carry them, and AMP's
+loss scaler must still see the overflow to skip the step. Biased; the gradient's scale is
+lost, so the learning rate sets the step size (majority vote is a matter of the collective).
+
+:class:`SignCompressor` is the shared base of every 1-bit sign compressor (``efsignsgd``,
+``signum``, ``onebit``): it packs in one pass over the input and hands error feedback the
+decoded tensor without a second decode.
+"""
+from __future__ import annotations
+
+import math
+from typing import ClassVar, List, Tuple
+
+import torch
+
+from gradcomp.kernels.bits import packed_nbytes
+from gradcomp.kernels.sign import sign_pack, sign_unpack
+
+from .base import Compressor, tensor_spec
+from .registry import register
+
+
+class SignCompressor(Compressor):
+    """Base of the sign compressors: packed sign bits plus ``n_values`` fp32 decode values.
+
+    With one value ``v`` the decode is ``+v`` / ``-v``; with two it is ``values[0]`` where the
+    bit is set and ``values[1]`` elsewhere. Subclasses choose the sums ``sign_pack`` computes
+    (``stats``) and turn them into the values (``_values``).
+    """
+
+    n_values: ClassVar[int] = 1
+    stats: ClassVar[str] = "sum"
+    _fused = True
+
+    def _values(self, x: torch.Tensor, sums: torch.Tensor, bits: torch.Tensor) -> List[float]:
+        raise NotImplementedError
+
+    def _signal(self, flat: torch.Tensor, key: str) -> Tuple[torch.Tensor, bool]:
+        """The tensor whose signs are sent, and whether it is known to hold NaN/Inf."""
+        return flat, False
+
+    def _compress(self, flat, key, step, want_decoded=False):
+        x, nonfinite = self._signal(flat, key)
+        bits, sums = sign_pack(x, "none" if nonfinite else self.stats)
+        values = [math.nan] * self.n_values if nonfinite else self._values(x, sums, bits)
+        wire = torch.tensor(values, dtype=torch.float32)
+        decoded = self._decode(bits, wire, flat.numel(), flat.dtype) if want_decoded else None
+        return [bits, wire.to(flat.device)], {}, decoded
+
+    @classmethod
+    def _decode(cls, bits: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        vals = values.tolist()
+        pos, neg = (vals[0], -vals[0]) if cls.n_values == 1 else vals
+        return sign_unpack(bits, numel, pos, neg, dtype=dtype)
+
+    def _decompress(self, payload):
+        bits, values = payload.tensors
+        return self._decode(bits, values, payload.numel, payload.dtype)
+
+    def _wire_bytes(self, numel):
+        return packed_nbytes(numel, 1) + 4.0 * self.n_values
+
+    @classmethod
+    def _check_tensors(cls, payload):
+        tensor_spec(payload, [(torch.uint8, packed_nbytes(payload.numel, 1)), (torch.float32, cls.n_values)], cls.name)
+
+
+def nonfinite_sum(total: float, x: torch.Tensor) -> bool:
+    """Whether ``x`` holds NaN/Inf, given ``total == sum(x)``: a finite sum settles it; a
+    non-finite one may be an overflow of finite values, which the exact check rules out."""
+    return not math.isfinite(total) and not bool(torch.isfinite(x).all())
+
+
+@register("signsgd")
+class SignSGD(SignCompressor):
+    """Sign of each element, decoded as +1 / -1: 1 bit per element plus one fp32 word."""
+
+    def _values(self, x, sums, bits):
+        return [math.nan if nonfinite_sum(float(sums[0]), x) else 1.0]

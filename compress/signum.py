@@ -1,0 +1,69 @@
+"""``signum``: send the sign of a momentum (Bernstein et al. 2018, Signum).
+
+Per key, ``m = momentum * m + (1 - momentum) * g`` (fp32; fp64 for fp64 input) and the
+wire carries ``sign(m)``: 1 bit per element plus one fp32 word, decoded as +1 / -1 (zero
+counts as positive) like ``signsgd``. The momentum buffers are state: they are kept per key and
+round-trip through ``state_dict()``. A gradient holding NaN/Inf decodes to NaN and leaves the
+momentum untouched, so a step that AMP's loss scaler skips does not poison the later ones.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import torch
+
+from .base import Option, work_dtype
+from .registry import register
+from .signsgd import SignCompressor, nonfinite_sum
+
+
+@register("signum")
+class Signum(SignCompressor):
+    """Sign of a per-key momentum of the input, decoded as +1 / -1; keeps state per key."""
+
+    options = {
+        "momentum": Option(0.9, float, "weight of past gradients in the momentum whose sign is sent; "
+                           "higher => smoother signs, slower to follow a change", lambda v: 0.0 <= v < 1.0,
+                           "a float in [0, 1)"),
+    }
+    stats = "none"  # the finiteness check runs on the gradient, before it enters the momentum
+
+    def _post_init(self) -> None:
+        self._momentum: Dict[str, torch.Tensor] = {}
+
+    def _signal(self, flat, key):
+        if nonfinite_sum(flat.sum(dtype=work_dtype(flat.dtype)).item(), flat):
+            return flat, True
+        buf = self._buffer(key, flat)
+        buf.lerp_(flat.to(buf.dtype), 1.0 - self.momentum)  # one in-place pass
+        return buf, False
+
+    def _values(self, x, sums, bits):
+        return [1.0]
+
+    def _buffer(self, key: str, flat: torch.Tensor) -> torch.Tensor:
+        wd = work_dtype(flat.dtype)
+        buf = self._momentum.get(key)
+        if buf is None:
+            buf = torch.zeros(flat.numel(), dtype=wd, device=flat.device)
+        elif buf.numel() != flat.numel():
+            raise ValueError(f"signum: key {key!r} held a momentum of {buf.numel()} elements, now "
+                             f"{flat.numel()}; use a distinct key per tensor")
+        else:
+            buf = buf.to(device=flat.device, dtype=wd)
+        self._momentum[key] = buf
+        return buf
+
+    def momentum_buffer(self, key: str | None = None) -> torch.Tensor:
+        """A copy of the momentum of ``key`` (flat; a scalar zero before its first step)."""
+        buf = self._momentum.get("" if key is None else str(key))
+        return buf.clone() if buf is not None else torch.zeros(())
+
+    def state_dict(self) -> Dict[str, Any]:
+        sd = super().state_dict()
+        sd["momentum"] = {k: v.detach().cpu().clone() for k, v in self._momentum.items()}
+        return sd
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        super().load_state_dict(state)
+        self._momentum = {k: v.clone() for k, v in state.get("momentum", {}).items()}

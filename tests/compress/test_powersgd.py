@@ -1,0 +1,245 @@
+"""powersgd: P Q^T by one warm-started power iteration. The multi-round protocol, driven here by
+hand for two simulated ranks, gives exactly the PowerSGD math on the average; a rank-r matrix
+is reproduced; small tensors go dense; the warm start survives state_dict()."""
+import math
+
+import pytest
+import torch
+
+from gradcomp.compress import ErrorFeedback, Payload, get_compressor
+from gradcomp.kernels.linalg import METHODS, orthonormalize
+
+
+def _averaged_rounds(compressors, tensors, key):
+    """Drive ``rounds()`` of every simulated rank, sending back the mean of what they yield."""
+    gens = [c.rounds(t, key) for c, t in zip(compressors, tensors)]
+    sent = [next(g) for g in gens]
+    yielded = []
+    while True:
+        yielded.append([s.clone() for s in sent])
+        avg = torch.stack(sent).mean(0)
+        results = []
+        for g in gens:
+            try:
+                results.append(("yield", g.send(avg.clone())))
+            except StopIteration as stop:
+                results.append(("done", stop.value))
+        if all(kind == "done" for kind, _ in results):
+            return [v for _, v in results], yielded
+        assert all(kind == "yield" for kind, _ in results), "ranks disagree on the number of rounds"
+        sent = [v for _, v in results]
+
+
+def _low_rank(n, m, r, gen, dtype=torch.float32):
+    a = torch.randn(n, r, generator=gen, dtype=torch.float64)
+    return (a @ torch.randn(r, m, generator=gen, dtype=torch.float64)).to(dtype)
+
+
+def test_two_ranks_follow_the_powersgd_math():
+    gen = torch.Generator().manual_seed(5)
+    steps = [[torch.randn(20, 4, 3, generator=gen) for _ in range(2)] for _ in range(3)]
+    ranks = [get_compressor("powersgd", rank=3, seed=7) for _ in range(2)]
+    start = ranks[0]._draw("w", 12, 3, torch.device("cpu"), torch.float32)  # the seeded first Q
+    outputs, saved = [], None
+    for i, grads in enumerate(steps):
+        results, yielded = _averaged_rounds(ranks, grads, "w")
+        assert len(yielded) == 2  # P, then Q
+        mats = [g.reshape(20, 12) for g in grads]
+        mean = (mats[0] + mats[1]) / 2
+        assert torch.allclose(yielded[0][0], mats[0] @ start, atol=1e-5), "P is not M Q with the warm-start Q"
+        p = orthonormalize(mean @ start)
+        q = mean.T @ p
+        for r in results:
+            assert torch.equal(results[0], r), "ranks disagree"
+            assert torch.allclose(r, (p @ q.T).reshape(20, 4, 3), atol=1e-5)
+        # warm start: the averaged Q is kept, identically on both ranks, and starts the next step
+        assert torch.allclose(ranks[0]._q["w"], q, atol=1e-5) and torch.equal(ranks[0]._q["w"], ranks[1]._q["w"])
+        start = ranks[0]._q["w"]
+        outputs.append(results[0])
+        if i == 1:
+            saved = [c.state_dict() for c in ranks]
+    # state_dict round trip: ranks resumed after step 1 redo step 2 bit for bit
+    resumed = [get_compressor("powersgd", rank=3, seed=7) for _ in range(2)]
+    for c, sd in zip(resumed, saved):
+        c.load_state_dict(sd)
+    assert torch.equal(_averaged_rounds(resumed, steps[2], "w")[0][0], outputs[2])
+
+
+def test_rounds_of_a_skipped_tensor_average_it_once():
+    ranks = [get_compressor("powersgd") for _ in range(2)]
+    grads = [torch.randn(5, 3), torch.randn(5, 3)]  # 15 < 2 * (5+3) * 3: sent dense
+    results, yielded = _averaged_rounds(ranks, grads, "b")
+    assert len(yielded) == 1
+    assert torch.equal(results[0], (grads[0] + grads[1]) / 2) and torch.equal(results[0], results[1])
+
+
+def test_yielded_tensors_are_fresh_and_error_feedback_rounds():
+    """The caller may average in place; ErrorFeedback.rounds keeps acc - result."""
+    ef = ErrorFeedback(get_compressor("powersgd", rank=2))
+    g = torch.randn(16, 16)
+    gen = ef.rounds(g, "w")
+    p = next(gen)
+    p.mul_(1.0)  # an in-place "average" over one rank
+    q = gen.send(p)
+    try:
+        gen.send(q)
+    except StopIteration as stop:
+        result = stop.value
+    assert torch.allclose(g, result + ef.residual("w"), atol=1e-6)
+    dense = ErrorFeedback(get_compressor("powersgd")).rounds(g[0], "b")
+    sent = next(dense)
+    sent.zero_()  # must not be the accumulator itself
+    with pytest.raises(StopIteration):
+        dense.send(sent)
+
+
+def test_average_of_the_wrong_shape_is_a_clear_error():
+    gen = get_compressor("powersgd").rounds(torch.randn(16, 16), "w")
+    next(gen)
+    with pytest.raises(ValueError, match="shape"):
+        gen.send(torch.zeros(3, 3))
+
+
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float64, 1e-12)], ids=str)
+def test_rank_r_matrix_is_reproduced(method, dtype, tol):
+    gen = torch.Generator().manual_seed(6)
+    m = _low_rank(40, 30, 3, gen, dtype)
+    c = get_compressor("powersgd", rank=3, orthogonalize=method)
+    for _ in range(2):
+        out = c.decompress(c.compress(m, key="w"))
+    assert out.dtype == dtype
+    assert (out - m).norm() / m.norm() < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_half_precision_works_in_fp32(dtype):
+    gen = torch.Generator().manual_seed(8)
+    m = _low_rank(32, 24, 2, gen, dtype)
+    c = get_compressor("powersgd", rank=2)
+    p = c.compress(m, key="w")
+    assert [t.dtype for t in p.tensors] == [torch.float32, torch.float32]
+    out = c.decompress(p)
+    assert out.dtype == dtype
+    eps = torch.finfo(dtype).eps  # the input is rank 2 only up to its own rounding
+    assert (out.float() - m.float()).norm() / m.float().norm() < 8 * eps
+
+
+def test_warm_start_converges_to_the_best_rank_r_approximation():
+    gen = torch.Generator().manual_seed(9)
+    u, _ = torch.linalg.qr(torch.randn(60, 60, generator=gen, dtype=torch.float64))
+    v, _ = torch.linalg.qr(torch.randn(50, 50, generator=gen, dtype=torch.float64))
+    s = 0.5 ** torch.arange(50, dtype=torch.float64)
+    m = (u[:, :50] * s) @ v.T
+    best = torch.linalg.vector_norm(s[2:]).item()
+    c = get_compressor("powersgd", rank=2)
+    errors = [(c.decompress(c.compress(m, key="w")) - m).norm().item() for _ in range(8)]
+    assert errors[-1] < 1.01 * best < errors[0]
+
+
+def test_skip_rule_and_matrix_view():
+    c = get_compressor("powersgd", rank=4, min_compression_rate=2)
+    assert c.plan((10,)) is None and c.plan(()) is None and c.plan((0, 7)) is None
+    assert c.plan((16, 16)) == (16, 16, 4)  # 256 / (32 * 4) = 2: compressed
+    assert c.plan((15, 16)) is None  # 240 / (31 * 4) < 2: dense
+    assert c.plan((16, 2, 3, 4)) == (16, 24, 4)
+    assert c.plan((8, 2, 3, 4)) is None  # 192 / (32 * 4) < 2
+    assert c.plan((3, 500)) is None  # rank capped at 3: 1500 / (503 * 3) < 2
+    assert get_compressor("powersgd", rank=1).plan((3, 500)) == (3, 500, 1)
+    x = torch.randn(15, 16)
+    p = c.compress(x)
+    assert p.meta == {"dense": True} and torch.equal(c.decompress(p), x)
+    p = c.compress(torch.randn(16, 2, 3, 4))
+    assert p.meta == {"dense": False}
+    assert [tuple(t.shape) for t in p.tensors] == [(16, 4), (24, 4)]
+    assert p.nbytes == 4 * (16 + 24) * 4
+    assert c.bits_per_element(1 << 16) == pytest.approx(32 * 2 * 256 * 4 / (1 << 16))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_zero_gradient_does_not_kill_the_warm_start(method):
+    c = get_compressor("powersgd", rank=2, orthogonalize=method)
+    assert torch.equal(c.decompress(c.compress(torch.zeros(20, 20), key="w")), torch.zeros(20, 20))
+    gen = torch.Generator().manual_seed(10)
+    m = _low_rank(20, 20, 2, gen)
+    out = c.decompress(c.compress(m, key="w"))
+    assert (out - m).norm() / m.norm() < 1e-5
+
+
+def test_nonfinite_gradient_propagates_and_spares_the_warm_start():
+    c = get_compressor("powersgd", rank=2)
+    c.compress(torch.randn(20, 20), key="w")
+    kept = c._q["w"].clone()
+    bad = torch.randn(20, 20)
+    bad[3, 4] = float("nan")
+    assert not torch.isfinite(c.decompress(c.compress(bad, key="w"))).all()
+    assert torch.equal(c._q["w"], kept)
+    assert torch.isfinite(c.decompress(c.compress(torch.randn(20, 20), key="w"))).all()
+
+
+def test_seed_and_key_choose_the_start_and_nothing_else_does():
+    x = torch.randn(30, 30)
+    pairs = [(0, "a"), (0, "a"), (1, "a"), (0, "b")]
+    first = [get_compressor("powersgd", seed=s).compress(x, key=k).tensors[0] for s, k in pairs]
+    assert torch.equal(first[0], first[1])
+    assert not torch.allclose(first[0], first[2]) and not torch.allclose(first[0], first[3])
+
+
+def test_payload_checks():
+    c = get_compressor("powersgd")
+    p = c.compress(torch.randn(30, 30), key="w")
+    assert Payload.from_bytes(p.to_bytes()).meta == {"dense": False}
+    p.tensors[1] = p.tensors[1][:-1]
+    with pytest.raises(ValueError, match="powersgd"):
+        Payload.from_bytes(p.to_bytes())
+    p = c.compress(torch.randn(30, 30), key="w")
+    p.meta["dense"] = True
+    with pytest.raises(ValueError, match="powersgd"):
+        Payload.from_bytes(p.to_bytes())
+
+
+def test_options_and_key_errors():
+    for bad in [{"rank": 0}, {"min_compression_rate": 0.5}, {"min_compression_rate": math.inf},
+                {"orthogonalize": "svd"}]:
+        with pytest.raises(ValueError, match="allowed|must be"):
+            get_compressor("powersgd", **bad)
+    c = get_compressor("powersgd")
+    c.compress(torch.randn(20, 20), key="w")
+    with pytest.raises(ValueError, match="distinct key"):
+        c.compress(torch.randn(20, 30), key="w")
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_orthonormalize_rank_deficient_and_nonfinite(method):
+    gen = torch.Generator().manual_seed(11)
+    for p in (torch.randn(30, 4, generator=gen), torch.randn(30, 1, generator=gen) @ torch.randn(1, 4, generator=gen),
+              torch.zeros(30, 4)):
+        q = orthonormalize(p, method)
+        assert torch.isfinite(q).all()
+        gram = q.T @ q
+        assert torch.allclose(gram, torch.diag(gram.diagonal()), atol=1e-5)  # orthogonal columns
+        assert torch.all(((gram.diagonal() - 1).abs() < 1e-5) | (gram.diagonal() == 0))  # unit or zero
+        assert torch.allclose(q @ (q.T @ p), p, atol=1e-5)  # spans the columns of p
+    for bad in (float("nan"), float("inf")):
+        p = torch.randn(30, 4, generator=gen)
+        p[2, 1] = bad
+        assert not torch.isfinite(orthonormalize(p, method)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", METHODS)
+def test_cuda_matches_cpu(method):
+    gen = torch.Generator().manual_seed(12)
+    grads = [torch.randn(64, 8, 4, generator=gen) for _ in range(2)]
+    cpu = [get_compressor("powersgd", rank=3, orthogonalize=method) for _ in range(2)]
+    gpu = [get_compressor("powersgd", rank=3, orthogonalize=method) for _ in range(2)]
+    for _ in range(2):
+        want, _ = _averaged_rounds(cpu, grads, "w")
+        got, _ = _averaged_rounds(gpu, [g.cuda() for g in grads], "w")
+        assert got[0].is_cuda and torch.equal(got[0], got[1])
+        assert torch.allclose(got[0].cpu(), want[0], atol=1e-4)
+    c = gpu[0]
+    m = _low_rank(40, 30, 3, gen).cuda()
+    for _ in range(2):
+        out = c.decompress(c.compress(m, key="m"))
+    assert out.is_cuda and (out - m).norm() / m.norm() < 1e-5
