@@ -132,9 +132,8 @@ class DGCMomentum(_Feedback):
     def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
         """Compress ``v + momentum * u + clip(tensor)``; updates ``u`` and ``v`` of ``key``."""
         acc = self.accumulate(tensor, key)
-        payload, decoded = self.compressor.compress_decoded(acc, key, step=step)
-        payload.dtype = tensor.dtype
-        self.update(key, acc, decoded.to(tensor.dtype))
+        payload, decoded = self._send(acc, tensor.dtype, key, step)
+        self.update(key, acc, decoded)
         return payload
 
     def state_dict(self) -> Dict[str, Any]:

@@ -15,9 +15,11 @@ flags and ``decompress``.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Generator, Optional
+from typing import Any, Dict, Generator, Optional, Tuple
 
 import torch
+
+from gradcomp.kernels.memory import empty
 
 from .base import Compressor, work_dtype
 from .payload import Payload
@@ -84,6 +86,13 @@ class _Feedback:
         self.compressor.load_state_dict(state["compressor"])
         self._state = {k: v.clone() for k, v in state["state"].items()}
 
+    def _send(self, acc: torch.Tensor, dtype: torch.dtype, key: Optional[str],
+              step: Optional[int]) -> Tuple[Payload, torch.Tensor]:
+        """Compress ``acc`` as a tensor of the gradient's ``dtype``: the payload is exactly what
+        the compressor sends without feedback, and the cast's rounding lands in the memory."""
+        src = acc if acc.dtype == dtype else acc.to(dtype)
+        return self.compressor.compress_decoded(src, key, step=step)
+
     def combine(self, key: Optional[str], averaged: torch.Tensor) -> torch.Tensor:
         """Turn the average of decoded payloads into the collective's result."""
         return averaged
@@ -103,7 +112,8 @@ class ErrorFeedback(_Feedback):
         """``tensor + residual`` in the residual's dtype (a new tensor)."""
         self.compressor._check_input(tensor)
         res = self._slot("" if key is None else str(key), tensor)
-        return res + tensor
+        acc = empty(res.numel(), res.dtype, res.device).view(res.shape)
+        return torch.add(res, tensor, out=acc)
 
     def update(self, key: Optional[str], acc: torch.Tensor, sent: torch.Tensor) -> None:
         """Set the residual of ``key`` to ``acc - sent`` (``sent``: what the wire carried)."""
@@ -113,9 +123,8 @@ class ErrorFeedback(_Feedback):
     def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
         """Compress ``tensor + residual``; the residual becomes the new compression error."""
         acc = self.accumulate(tensor, key)
-        payload, decoded = self.compressor.compress_decoded(acc, key, step=step)
-        payload.dtype = tensor.dtype
-        self.update(key, acc, decoded.to(tensor.dtype))
+        payload, decoded = self._send(acc, tensor.dtype, key, step)
+        self.update(key, acc, decoded)
         return payload
 
     def rounds(self, tensor: torch.Tensor, key: Optional[str] = None) -> Generator:
@@ -165,10 +174,8 @@ class EF21(_Feedback):
         self.compressor._check_input(tensor)
         skey = "" if key is None else str(key)
         est = self._slot(skey, tensor)
-        delta = tensor.to(est.dtype) - est
-        payload = self.compressor.compress(delta, key, step=step)
-        est.add_(self.compressor.decompress(payload).to(est.dtype))
-        payload.dtype = tensor.dtype
+        payload, decoded = self._send(tensor.to(est.dtype) - est, tensor.dtype, key, step)
+        est.add_(decoded.to(est.dtype))
         return payload
 
     def combine(self, key: Optional[str], averaged: torch.Tensor) -> torch.Tensor:

@@ -127,3 +127,15 @@ def test_measured_bytes_match_theory(name):
     theory = c.bits_per_element(n)
     measured = 8.0 * p.nbytes / n
     assert math.isclose(measured, theory, rel_tol=0.02, abs_tol=0.01), (name, measured, theory)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_error_feedback_payload_is_the_plain_wire_format(name, dtype):
+    """With feedback, a 16-bit gradient still travels in the compressor's own wire format."""
+    ef = ErrorFeedback(get_compressor(name))
+    g = torch.randn(30, 20).to(dtype)
+    p = ef.compress(g, key="w")
+    q = Payload.from_bytes(p.to_bytes())
+    assert torch.equal(get_compressor(name).decompress(q), ef.decompress(p))
+    assert p.nbytes == get_compressor(name).compress(g, key="w").nbytes or not get_compressor(name).fixed_size
