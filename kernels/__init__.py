@@ -7,8 +7,19 @@ imports nothing else of gradcomp.
 """
 from .bits import pack_bits, unpack_bits, pack_codes, unpack_codes, packed_nbytes
 from .rng import stream_key, uniform
+from .quant import (block_absmax, bucket_norms, dequantize_levels, natural_decode, natural_encode,
+                    quantize_levels, stochastic_round)
+from .select import threshold_indices, topk_indices
+from .sparse import check_indices, densify, index_dtype, scatter_add_checked
+from .sign import sign_pack, sign_unpack
+from .linalg import orthonormalize
 
 __all__ = [
     "pack_bits", "unpack_bits", "pack_codes", "unpack_codes", "packed_nbytes",
     "stream_key", "uniform",
+    "block_absmax", "bucket_norms", "dequantize_levels", "natural_decode", "natural_encode",
+    "quantize_levels", "stochastic_round",
+    "threshold_indices", "topk_indices",
+    "check_indices", "densify", "index_dtype", "scatter_add_checked",
+    "sign_pack", "sign_unpack", "orthonormalize",
 ]

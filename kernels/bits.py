@@ -6,10 +6,16 @@ arithmetic); other devices use torch shifts. Both give the same bytes.
 """
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import torch
 
 _ALLOWED_BITS = (1, 2, 4, 8)
+# CPU packing of 2- and 4-bit codes by one integer multiply per word: the codes of a
+# little-endian uint32 (uint16) word, one per byte, are gathered into its top byte.
+_WORD = {2: (np.uint32, 0x01041040, 24), 4: (np.uint16, 0x0110, 8)}
+_FAST_CPU = sys.byteorder == "little"
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -45,6 +51,8 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return flat.clone()
     if bits == 1:
         return pack_bits(flat)
+    if flat.device.type == "cpu" and _FAST_CPU:
+        return torch.from_numpy(_pack_numpy(flat.contiguous().numpy(), bits))
     return _pack_torch(flat, bits)
 
 
@@ -57,6 +65,8 @@ def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
         return packed[:numel].clone()
     if bits == 1:
         return unpack_bits(packed, numel).to(torch.uint8)
+    if packed.device.type == "cpu" and _FAST_CPU:
+        return torch.from_numpy(_unpack_numpy(packed.numpy(), numel, bits))
     return _unpack_torch(packed, numel, bits)
 
 
@@ -66,6 +76,28 @@ def _check_packed(packed: torch.Tensor, numel: int, bits: int) -> None:
     need = packed_nbytes(numel, bits)
     if packed.numel() != need:
         raise ValueError(f"{numel} codes of {bits} bits need {need} bytes, got {packed.numel()}")
+
+
+def _pack_numpy(codes: np.ndarray, bits: int) -> np.ndarray:
+    word, mult, shift = _WORD[bits]
+    per_byte = 8 // bits
+    n = codes.size
+    full = n - n % per_byte
+    out = np.empty(packed_nbytes(n, bits), dtype=np.uint8)
+    words = codes[:full].view(word)
+    out[:full // per_byte] = (words * mult) >> shift  # wraps modulo the word size, as intended
+    if full < n:
+        tail = codes[full:].astype(np.int64) << (bits * np.arange(n - full))
+        out[-1] = tail.sum()
+    return out
+
+
+def _unpack_numpy(packed: np.ndarray, numel: int, bits: int) -> np.ndarray:
+    word = _WORD[bits][0]
+    shifts = np.arange(0, 8, bits)
+    # entry b of the table holds the codes of byte b, one per byte of a word
+    table = ((np.arange(256)[:, None] >> shifts) & ((1 << bits) - 1)).astype(np.uint8)
+    return np.take(table.view(word).reshape(-1), packed).view(np.uint8)[:numel]
 
 
 def _pack_torch(flat: torch.Tensor, bits: int) -> torch.Tensor:

@@ -1,0 +1,80 @@
+"""``terngrad``: ternary gradients ``{-1, 0, 1} * scale`` (Wen et al. 2017, TernGrad).
+
+Per bucket the scale is ``max |x|`` (fp32 on the wire) and each element becomes
+``sign(x) * scale`` with probability ``|x| / scale``, else 0, so the result is unbiased. The
+ternary codes ``level + 1`` are packed 2 bits per element. ``bucket_size=0`` uses one scale for
+the whole tensor, as the paper's layer-wise TernGrad; smaller buckets lower the variance.
+
+``clip=c`` (the paper uses 2.5) first clips ``x`` to ``[-c * sigma, c * sigma]`` with ``sigma``
+the standard deviation of the whole tensor: a smaller scale and lower variance, but the clipped
+elements make the result biased.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from gradcomp.kernels.bits import pack_codes, packed_nbytes, unpack_codes
+from gradcomp.kernels.quant import block_absmax, dequantize_levels, fp32_scales, num_blocks, quantize_levels
+
+from .base import Compressor, Option, expect, meta_int, seed_option, tensor_spec, work_dtype
+from .registry import register
+
+
+def _block(bucket_size: int, numel: int) -> int:
+    return bucket_size if bucket_size else max(numel, 1)
+
+
+@register("terngrad")
+class TernGrad(Compressor):
+    """Unbiased stochastic ternarisation, 2 bits per element plus an fp32 scale per bucket."""
+
+    options = {
+        "bucket_size": Option(512, int, "elements per fp32 scale (0: one scale per tensor, as in the "
+                              "paper); smaller buckets => lower variance, 32 more bits per bucket",
+                              lambda v: v >= 0, "an int >= 0"),
+        "clip": Option(0.0, float, "clip |x| to clip * std(x) before ternarising (0: off; the paper "
+                       "uses 2.5); lower => lower variance but more bias",
+                       lambda v: v == 0 or 0 < v < math.inf, "0 (off) or a finite float > 0"),
+        "seed": seed_option(),
+    }
+    unbiased = True  # with the default clip=0
+    stochastic = True
+
+    def _post_init(self):
+        self.unbiased = self.clip == 0  # clipping biases the clipped elements
+
+    def _compress(self, flat, key, step):
+        x = flat.to(work_dtype(flat.dtype))
+        bs = _block(self.bucket_size, x.numel())
+        scale = block_absmax(x, bs)
+        if self.clip and x.numel() > 1:
+            limit = self.clip * x.std()
+            if float(limit) != 0:  # a constant tensor is not clipped to zero; NaN propagates
+                scale = torch.minimum(scale, limit)
+        scale32 = fp32_scales(x, scale, bs)
+        scale_x = scale32.to(x.dtype)
+        mult = torch.where(scale_x > 0, 1.0 / scale_x, torch.zeros_like(scale_x))
+        u = self._uniform(x.numel(), key, step, x.device)
+        levels = quantize_levels(x, mult, bs, 1, u, overwrite_u=True)  # clipped values saturate
+        codes = pack_codes(levels.add_(1).view(torch.uint8), 2)
+        return [scale32, codes], {"bucket_size": self.bucket_size}
+
+    def _decompress(self, payload):
+        scale, codes = payload.tensors
+        n = payload.numel
+        levels = unpack_codes(codes, n, 2).view(torch.int8).sub_(1)
+        wd = work_dtype(payload.dtype)
+        return dequantize_levels(levels, scale.to(wd), _block(payload.meta["bucket_size"], n), wd)
+
+    def _wire_bytes(self, numel):
+        return 4.0 * num_blocks(numel, _block(self.bucket_size, numel)) + packed_nbytes(numel, 2)
+
+    @classmethod
+    def _check_tensors(cls, payload):
+        bs = meta_int(payload, "bucket_size", cls.name, 0)
+        expect(set(payload.meta) == {"bucket_size"}, cls.name, "meta must hold only bucket_size")
+        n = payload.numel
+        tensor_spec(payload, [(torch.float32, num_blocks(n, _block(bs, n))),
+                              (torch.uint8, packed_nbytes(n, 2))], cls.name)

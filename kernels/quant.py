@@ -1,0 +1,315 @@
+"""Quantisation primitives: per-block scales, rounding to integer levels, power-of-two rounding.
+
+A block (bucket) is ``block_size`` consecutive elements of a flat tensor; the last block may
+be shorter. Every function is a pure function of its tensor inputs (``overwrite_u=True`` only
+lets a function reuse the memory of its uniform draws ``u`` as scratch, which saves a 4-byte
+per element allocation) and is the reference that a CUDA kernel must match bit for bit.
+
+Rounding rules, stated exactly so that a kernel can reproduce them:
+
+- stochastic levels: ``clamp(floor(fma(x, mult_b, u)), -levels, levels)`` with one rounding
+  (``torch.addcmul``; ``__fmaf_rn`` / ``fma`` in CUDA), unbiased for ``x * mult_b`` up to that
+  rounding; deterministic levels: round half to even of ``x * mult_b``;
+- natural rounding of an fp32 ``y``: add ``floor(u * 2**23)`` to the bits of ``y`` and keep
+  the exponent field; the carry out of the mantissa rounds ``|y| = 2**e (1 + f)`` up to
+  ``2**(e+1)`` with probability exactly ``f`` (a subnormal ``y`` rounds to 0 or ``2**-126``
+  with probability ``|y| / 2**-126``), so ``E[result] = y``.
+
+Maxima and element-wise results are exact on every device; :func:`bucket_norms` is a sum, so
+there a kernel matches only up to the rounding of its reduction order.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable, Iterator, Optional, Tuple
+
+import numpy as np
+import torch
+
+NATURAL_TOP = 125  # natural codes: magnitudes 2**(m - 125 + E) for m in 1..125
+NATURAL_INF = 126  # magnitude field of +-inf
+NATURAL_NAN = 127  # magnitude field of NaN
+_CHUNK = 1 << 18  # elements per chunk on CPU: a chunk's fp32 temporaries fit in a 1-2 MiB L2 cache
+_POW2_STEP = {torch.float32: 100, torch.float64: 1000}  # largest safe exponent per multiply
+
+
+def num_blocks(numel: int, block_size: int) -> int:
+    """Number of blocks of ``block_size`` covering ``numel`` elements (0 for an empty tensor)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be an int >= 1, got {block_size}")
+    return -(-numel // block_size)
+
+
+def _split(x: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The full blocks as a ``(nb, block_size)`` view and the ragged tail (maybe empty)."""
+    full = x.numel() // block_size
+    return x[:full * block_size].view(full, block_size), x[full * block_size:]
+
+
+def _per_block(fn: Callable, block_size: int, *tensors: torch.Tensor) -> torch.Tensor:
+    """``fn`` applied to the full blocks (dim 1) and to the tail, results concatenated."""
+    parts = [_split(t, block_size) for t in tensors]
+    out = [fn(*(p[0] for p in parts))]
+    if parts[0][1].numel():
+        out.append(fn(*(p[1].unsqueeze(0) for p in parts)))
+    return torch.cat(out) if len(out) > 1 else out[0]
+
+
+def _broadcast_op(dst: torch.Tensor, op: Callable, x: torch.Tensor, per_block: torch.Tensor,
+                  block_size: int) -> None:
+    """``op(dst_b, x_b, per_block[b])`` in place over every block of ``dst``, ``x``."""
+    dmain, dtail = _split(dst, block_size)
+    xmain, xtail = _split(x, block_size)
+    nfull = dmain.shape[0]
+    if nfull:
+        op(dmain, xmain, per_block[:nfull].unsqueeze(1))
+    if dtail.numel():
+        op(dtail, xtail, per_block[nfull:nfull + 1])
+
+
+def _chunks(numel: int, block_size: int, device: torch.device) -> Iterator[Tuple[int, int, int, int]]:
+    """``(start, stop, first_block, chunk_block_size)`` covering ``numel`` elements.
+
+    On CPU a chunk holds about ``_CHUNK`` elements, whole blocks or a piece of one block (its
+    block size is then the chunk's length), so per-chunk temporaries stay in cache instead of
+    costing a fresh 4-byte-per-element allocation. Elsewhere the whole tensor is one chunk.
+    """
+    if device.type != "cpu" or numel <= _CHUNK:
+        yield 0, numel, 0, block_size
+        return
+    if block_size <= _CHUNK:
+        step = (_CHUNK // block_size) * block_size
+        for a in range(0, numel, step):
+            yield a, min(a + step, numel), a // block_size, block_size
+        return
+    a = 0
+    while a < numel:
+        b = min(a + _CHUNK, numel, (a // block_size + 1) * block_size)
+        yield a, b, a // block_size, b - a
+        a = b
+
+
+def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``max |x|`` of each block, in ``x``'s dtype; a block holding NaN gives NaN."""
+    if x.numel() == 0:
+        return x.new_empty(0)
+    # amax and amin read x without the |x| temporary; maximum() propagates NaN
+    return _per_block(lambda b: torch.maximum(b.amax(dim=1), b.amin(dim=1).neg()), block_size, x)
+
+
+def bucket_norms(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """L2 norm of each bucket, in ``x``'s dtype.
+
+    A sum of squares overflows or underflows far inside the dtype's range (fp32: beyond 1e19
+    or below 1e-19); buckets whose norm comes out 0 or inf although their values are nonzero
+    and finite are recomputed scaled by their absmax, so the result is inf only where the norm
+    exceeds the dtype or the bucket holds inf.
+    """
+    if x.numel() == 0:
+        return x.new_empty(0)
+    norms = _per_block(lambda b: torch.linalg.vector_norm(b, dim=1), bucket_size, x)
+    suspect = (norms == 0) | torch.isinf(norms)
+    if bool(suspect.any()):  # all-zero buckets are common; a second look is cheap
+        amax = block_absmax(x, bucket_size)
+        redo = (suspect & (amax > 0) & torch.isfinite(amax)).nonzero().flatten()
+        if redo.numel():
+            top = amax[redo].unsqueeze(1)
+            rows = _gather_blocks(x, bucket_size, redo)
+            norms[redo] = (top * torch.linalg.vector_norm(rows / top, dim=1, keepdim=True)).flatten()
+    return norms
+
+
+def _gather_blocks(x: torch.Tensor, block_size: int, idx: torch.Tensor) -> torch.Tensor:
+    """Blocks ``idx`` (ascending) of ``x`` as rows of a ``(len(idx), block_size)`` tensor; the
+    ragged last block is zero padded."""
+    main, tail = _split(x, block_size)
+    rows = main[idx[idx < main.shape[0]]]
+    if tail.numel() and bool((idx == main.shape[0]).any()):
+        last = x.new_zeros(1, block_size)
+        last[0, :tail.numel()] = tail
+        rows = torch.cat([rows, last])
+    return rows
+
+
+def fp32_ceil(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float32, rounded up where the cast rounded down (so ``|x| <= scale`` holds)."""
+    t32 = t.to(torch.float32)
+    if t.dtype == torch.float64:
+        low = t32.double() < t
+        t32 = torch.where(low, torch.nextafter(t32, torch.full_like(t32, math.inf)), t32)
+    return t32
+
+
+def fp32_scales(x: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Per-block ``scales`` of ``x`` as float32 for the wire, rounded up (:func:`fp32_ceil`).
+
+    ``ValueError`` if a block of finite values has a scale beyond the float32 range; a block
+    holding inf keeps its inf scale, which carries the inf to the receiver.
+    """
+    s32 = fp32_ceil(scales)
+    inf = torch.isinf(s32)
+    if bool(inf.any()) and bool((inf & torch.isfinite(block_absmax(x, block_size))).any()):
+        raise ValueError("a block's scale exceeds the float32 range of the wire (3.4e38); "
+                         "scale the tensor down")
+    return s32
+
+
+def div_scalar(t: torch.Tensor, v: float) -> torch.Tensor:
+    """``t / v`` rounded once on every device (CUDA turns a division by a Python number into
+    a multiplication by its rounded reciprocal, which can differ in the last bit)."""
+    return torch.div(t, torch.tensor(v, dtype=t.dtype, device=t.device))
+
+
+def stochastic_round(x: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``floor(x + u)``: one of the two integers around ``x``, the upper with probability
+    ``frac(x)`` when ``u`` is uniform in [0, 1), so ``E[result] = x``."""
+    return torch.floor(x + u.to(x.dtype))
+
+
+def quantize_levels(x: torch.Tensor, mult: torch.Tensor, block_size: int, levels: int,
+                    u: Optional[torch.Tensor] = None, *, overwrite_u: bool = False) -> torch.Tensor:
+    """Integer levels (int8, within ``[-levels, levels]``) of ``x * mult[block]``.
+
+    With uniform draws ``u`` the rounding is stochastic, ``floor(fma(x, mult_b, u))``, and
+    unbiased; without, round half to even. ``mult`` has one entry per block in ``x``'s
+    dtype. Values beyond ``levels`` (clipping, float rounding) saturate; a NaN product gives
+    some valid level, so the caller's NaN scale must carry it.
+    """
+    if not 1 <= levels <= 127:
+        raise ValueError(f"levels must be in [1, 127] to fit int8, got {levels}")
+    q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
+    scratch = None
+    for a, b, blk, cbs in _chunks(x.numel(), block_size, x.device):
+        m = mult[blk:blk + num_blocks(b - a, cbs)]
+        if u is not None:
+            t = u[a:b] if (overwrite_u and u.dtype == x.dtype) else u[a:b].to(x.dtype, copy=True)
+            _broadcast_op(t, lambda d, xb, mb: d.addcmul_(xb, mb), x[a:b], m, cbs)
+            t.floor_()
+        else:
+            if scratch is None:
+                scratch = torch.empty(b - a, dtype=x.dtype, device=x.device)
+            t = scratch[:b - a]
+            _broadcast_op(t, lambda d, xb, mb: torch.mul(xb, mb, out=d), x[a:b], m, cbs)
+            t.round_()
+        t.clamp_(-levels, levels)  # keeps the int8 cast in range
+        q[a:b].copy_(t)
+    return q.clamp_(-levels, levels)  # NaN casts to an arbitrary integer
+
+
+def dequantize_levels(q: torch.Tensor, scale: torch.Tensor, block_size: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale[block]`` as a new tensor of ``dtype``: one rounding per element."""
+    out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    out.copy_(q)  # no temporaries here, so chunks would not save anything
+    _broadcast_op(out, lambda d, _, s: d.mul_(s), out, scale.to(dtype), block_size)
+    return out
+
+
+# ---- natural (power-of-two) rounding ---------------------------------------------------------
+
+def max_exponent(x: torch.Tensor) -> Tuple[int, bool]:
+    """``(E, finite)``: the least ``E`` with ``|x| < 2**E`` over the finite elements of ``x``
+    (0 when there are none or all are zero), and whether every element is finite."""
+    if x.numel() == 0:
+        return 0, True
+    top = float(torch.maximum(x.amax(), x.amin().neg()))
+    finite = math.isfinite(top)
+    if not finite:
+        fin = x[torch.isfinite(x)]
+        top = float(fin.abs().amax()) if fin.numel() else 0.0
+    return (math.frexp(top)[1] if top > 0 else 0), finite
+
+
+def mul_pow2_(t: torch.Tensor, k: int) -> torch.Tensor:
+    """Multiply the float32/float64 tensor ``t`` in place by ``2**k`` with one rounding.
+
+    A factor beyond the dtype's range is split; only upward steps are split, and scaling up
+    is exact, so the single rounding (into the subnormals) happens at most once.
+    """
+    step = _POW2_STEP[t.dtype]
+    while k > step:
+        t.mul_(2.0 ** step)
+        k -= step
+    while k < -2 * step:  # only for factors below the subnormals, which gradcomp never needs
+        t.mul_(2.0 ** -step)
+        k += step
+    return t.mul_(2.0 ** k)  # 2**k >= 2**-149 (fp32) / 2**-1074 (fp64) is exact
+
+
+def _scaled_fp32(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x * 2**k`` as a new float32 tensor (float64 input is scaled first, then rounded)."""
+    wd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if x.dtype == wd and k <= _POW2_STEP[wd]:
+        y = torch.mul(x, 2.0 ** k)  # one pass, no copy first
+    else:
+        y = mul_pow2_(x.to(wd, copy=True), k)
+    return y if wd == torch.float32 else y.to(torch.float32)
+
+
+def natural_codes(y: torch.Tensor, u: torch.Tensor, *, overwrite_u: bool = False,
+                  out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """8-bit codes ``sign << 7 | field`` of ``y`` rounded stochastically to a power of two.
+
+    ``y`` is finite float32 with ``|y| < 2**-2``, so the rounded exponent field is in
+    ``[0, 125]`` (0 only for zero); see the module docstring for the rounding rule. The codes
+    go to ``out`` (uint8, ``y``'s shape) when given.
+    """
+    if y.dtype != torch.float32 or u.dtype != torch.float32 or u.shape != y.shape:
+        raise ValueError("natural_codes expects float32 y and u of the same shape")
+    r = u if overwrite_u else u.clone()
+    r.mul_(float(1 << 23))
+    r = r.view(torch.int32).copy_(r)  # floor(u * 2**23), converted in place
+    r.add_(y.view(torch.int32))  # the mantissa carry rounds up; the sign bit is untouched
+    neg = r < 0
+    r.bitwise_right_shift_(23)  # = field - 256 * sign
+    codes = r.to(torch.uint8) if out is None else out.copy_(r)  # = field
+    return codes.bitwise_or_(neg.view(torch.uint8).bitwise_left_shift_(7))
+
+
+def natural_encode(x: torch.Tensor, u: torch.Tensor, *, overwrite_u: bool = False) -> Tuple[torch.Tensor, int]:
+    """``(codes, E)``: natural compression of the flat float tensor ``x`` with draws ``u``.
+
+    ``E`` is :func:`max_exponent` of ``x``. Code ``c = sign << 7 | m`` stands for
+    ``±2**(m - 125 + E)`` for ``m`` in 1..125, ``±0`` for ``m = 0``, ``±inf`` for 126 and NaN
+    for 127. Every value is rounded to one of its two neighbouring powers of two, unbiasedly;
+    magnitudes below ``2**(E - 124)`` round to 0 or ``2**(E - 124)``, also unbiasedly (for
+    float64 input the probabilities are resolved to 2**-24, as the draws are).
+    """
+    exp, finite = max_exponent(x)
+    xs = x if finite else torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
+    codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+    for a, b, _, _ in _chunks(x.numel(), x.numel() or 1, x.device):
+        y = _scaled_fp32(xs[a:b], -2 - exp)  # the largest magnitude lands in [2**-3, 2**-2)
+        natural_codes(y, u[a:b], overwrite_u=overwrite_u, out=codes[a:b])
+    if not finite:
+        codes[torch.isnan(x)] = NATURAL_NAN
+        codes[x == math.inf] = NATURAL_INF
+        codes[x == -math.inf] = NATURAL_INF | 0x80
+    return codes, exp
+
+
+def _max_pow2_exponent(dtype: torch.dtype) -> int:
+    return math.frexp(torch.finfo(dtype).max)[1] - 1
+
+
+def natural_table(exp: int, dtype: torch.dtype, limit_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The 256 values of the natural codes for exponent ``exp``, as ``dtype``.
+
+    Powers of two above the largest one of ``limit_dtype`` (default ``dtype``) saturate to it,
+    so that a finite input never decodes to inf (a slight bias at the very top of the range).
+    """
+    top = _max_pow2_exponent(limit_dtype or dtype)
+    mags = [0.0] + [math.ldexp(1.0, min(m - NATURAL_TOP + exp, top)) for m in range(1, NATURAL_TOP + 1)]
+    mags += [math.inf, math.nan]
+    half = torch.tensor(mags, dtype=torch.float64)
+    return torch.cat([half, -half]).to(dtype)
+
+
+def natural_decode(codes: torch.Tensor, exp: int, dtype: torch.dtype = torch.float32,
+                   limit_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """The values of natural ``codes`` (uint8) for exponent ``exp``: a new tensor of ``dtype``
+    (float32 or float64)."""
+    table = natural_table(exp, dtype, limit_dtype).to(codes.device)
+    if codes.device.type == "cpu":
+        return torch.from_numpy(np.take(table.numpy(), codes.numpy()))
+    return table[codes.long()]
