@@ -1,0 +1,87 @@
+"""What every allreduce algorithm shares: the two-phase interface and a few exact helpers.
+
+An algorithm first works locally (``local``: compress, before any communication, so that a
+failure there reaches the other ranks through the header instead of leaving them waiting),
+then communicates (``run``) and returns the average plus what this rank's own payload decodes
+to (``sent``), which error feedback keeps the difference to.
+"""
+from __future__ import annotations
+
+from typing import ClassVar, Iterable, List, Optional, Tuple
+
+import torch
+
+from gradcomp.compress import Compressor
+from gradcomp.compress.base import work_dtype
+
+from ._comm import Comm
+
+
+class Algorithm:
+    """Average a tensor over ``comm`` with ``compressor``; one instance per call."""
+
+    name: ClassVar[str] = "?"
+
+    def __init__(self, compressor: Compressor, key: str, comm: Comm, *, want_sent: bool,
+                 server=None, verify: bool = False) -> None:
+        self.comp = compressor
+        self.key = key
+        self.comm = comm
+        self.rec = comm.record
+        self.want_sent = want_sent
+        self.server = server  # scatter-reduce: error feedback of the second compression
+        self.verify = verify
+        self.payload_bytes = 0
+        self.sent: Optional[torch.Tensor] = None
+
+    @classmethod
+    def unsuitable(cls, compressor: Compressor) -> Optional[str]:
+        """Why this algorithm cannot serve ``compressor`` (None when it can)."""
+        return None
+
+    def local(self, acc: torch.Tensor, dtype: torch.dtype) -> Tuple[int, List[int]]:
+        """Compress ``acc`` (the input's shape; fp32 under error feedback) as a tensor of the
+        input's ``dtype``, so payloads are what the compressor sends without feedback and the
+        cast's rounding lands in the residual. Returns (check hash, sizes for the header)."""
+        raise NotImplementedError
+
+    def run(self, table: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Communicate and decode: ``(average, sent)``, both with ``acc``'s number of elements."""
+        raise NotImplementedError
+
+
+def mean_in_order(tensors: Iterable[torch.Tensor], count: int, dtype: torch.dtype) -> torch.Tensor:
+    """Sum in the given (rank) order in ``dtype``, divide by ``count``: every rank that runs
+    this on the same tensors gets the same bits."""
+    total = None
+    for t in tensors:
+        t = t.reshape(-1)
+        total = t.to(dtype, copy=True) if total is None else total.add_(t.to(dtype))
+    return total.div_(count)
+
+
+def fresh(t: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
+    """``t``, cloned if it shares memory with any of ``others`` (so it may be changed in place)."""
+    if t.numel() and any(o is not None and o.numel() and
+                         t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in others):
+        return t.clone()
+    return t
+
+
+def chunk_sizes(numel: int, parts: int) -> List[int]:
+    """Sizes of ``torch.tensor_split`` into ``parts``: the first ``numel % parts`` one larger."""
+    q, r = divmod(numel, parts)
+    return [q + (j < r) for j in range(parts)]
+
+
+def chunk_key(key: str, j: int) -> str:
+    """The compressor key of chunk ``j`` in scatter-reduce (its own step counter and seed)."""
+    return f"{key}/chunk{j}"
+
+
+def wdtype(t: torch.Tensor) -> torch.dtype:
+    return work_dtype(t.dtype)
+
+
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype else t.to(dtype)

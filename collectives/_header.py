@@ -1,0 +1,148 @@
+"""The small header every rank all-gathers before a collective's payload.
+
+It makes a mismatch an error on every rank instead of a hang or garbage: shape, dtype,
+compressor (name and options), algorithm, key and the option to measure error must agree;
+a rank whose own input or compressor failed says so here, so the others raise too. The same
+exchange carries the payload sizes (one per rank, or one per destination chunk), so variable
+payloads cost no extra round trip. Fixed part: 22 int64; then ``w`` size slots.
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Dict, List, Optional, Sequence
+
+import torch
+
+MAGIC = 0x67636F6C6C01  # "gcoll" + version 1
+_DIMS = 8
+FIELDS = ["magic", "op", "algorithm", "dtype", "ndim", "numel", "shape",
+          *(f"d{i}" for i in range(_DIMS)), "compressor", "key", "part", "parts", "measure", "error", "check"]
+IDX = {name: i for i, name in enumerate(FIELDS)}
+SIZES = len(FIELDS)  # index of the first size slot
+
+OPS = {"allreduce": 1, "hierarchical": 2}
+ALGORITHMS = {"native": 1, "allgather": 2, "scatter-reduce": 3, "rounds": 4, "dense": 5}
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+           torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
+_DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
+
+
+def h64(text: str | bytes) -> int:
+    """A signed 64-bit hash of ``text`` (the same on every rank and run)."""
+    data = text.encode() if isinstance(text, str) else text
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def build(world_size: int, *, op: str, algorithm: str, tensor, compressor: str, key: str,
+          part: int = 0, parts: int = 1, measure: bool = False, error: bool = False,
+          check: int = 0, sizes: Sequence[int] = ()) -> List[int]:
+    """This rank's header; ``tensor`` may be anything (a non-tensor is described as such)."""
+    row = [0] * (SIZES + world_size)
+    row[IDX["magic"]] = MAGIC
+    row[IDX["op"]] = OPS[op]
+    row[IDX["algorithm"]] = ALGORITHMS.get(algorithm, 0)
+    if isinstance(tensor, torch.Tensor):
+        shape = tuple(tensor.shape)
+        row[IDX["dtype"]] = _DTYPE_CODE.get(tensor.dtype, 0)
+        row[IDX["ndim"]] = len(shape)
+        row[IDX["numel"]] = tensor.numel()
+        row[IDX["shape"]] = h64(repr(shape))
+        for i in range(_DIMS):
+            row[IDX[f"d{i}"]] = shape[i] if i < len(shape) else -1
+    else:
+        row[IDX["dtype"]] = -1
+        row[IDX["ndim"]] = -1
+    row[IDX["compressor"]] = h64(compressor)
+    row[IDX["key"]] = h64(key)
+    row[IDX["part"]] = part
+    row[IDX["parts"]] = parts
+    row[IDX["measure"]] = int(measure)
+    row[IDX["error"]] = int(error)
+    row[IDX["check"]] = check
+    for i, s in enumerate(sizes):
+        row[SIZES + i] = int(s)
+    return row
+
+
+def sizes(table: torch.Tensor) -> torch.Tensor:
+    """The ``(w, w)`` size slots of an exchanged header table."""
+    return table[:, SIZES:]
+
+
+def verify(table: torch.Tensor, *, op: str, error: Optional[BaseException], local: Dict[str, str]) -> None:
+    """Raise the same ``ValueError`` on every rank if the ranks' headers disagree; re-raise
+    this rank's own ``error`` (or report the ranks that failed) if any rank failed locally.
+
+    ``local`` describes this rank's compressor, key and algorithm for the message.
+    """
+    rows = table.tolist()
+
+    def col(name: str) -> List[int]:
+        return [row[IDX[name]] for row in rows]
+
+    def differs(*names: str) -> bool:
+        return any(len(set(col(n))) > 1 for n in names)
+
+    if differs("magic", "op"):
+        ops = {v: k for k, v in OPS.items()}
+        per_rank = ", ".join(f"rank {r}: {ops.get(row[IDX['op']], 'another gradcomp version')}"
+                             for r, row in enumerate(rows))
+        raise ValueError(f"{op}: ranks are in different collectives ({per_rank}); every rank must make the same calls in the same order")
+    if differs("dtype"):
+        per_rank = ", ".join(f"rank {r}: {_dtype_name(row)}" for r, row in enumerate(rows))
+        raise ValueError(f"{op}: ranks passed tensors of different dtypes ({per_rank}); every rank must pass the same shape and dtype")
+    if differs("ndim", "numel", "shape", *(f"d{i}" for i in range(_DIMS))):
+        per_rank = ", ".join(f"rank {r}: {_shape_text(row)}" for r, row in enumerate(rows))
+        raise ValueError(f"{op}: ranks passed tensors of different shapes ({per_rank}); every rank must pass the same shape and dtype")
+    if differs("compressor"):
+        raise ValueError(f"{op}: ranks use different compressors or options (this rank: {local['compressor']}); "
+                         f"every rank must pass the same compressor configuration")
+    if differs("algorithm"):
+        names = {v: k for k, v in ALGORITHMS.items()}
+        per_rank = ", ".join(f"rank {r}: {names.get(a, '?')}" for r, a in enumerate(col("algorithm")))
+        raise ValueError(f"{op}: ranks chose different algorithms ({per_rank}); pass the same algorithm= on every rank")
+    if differs("key"):
+        raise ValueError(f"{op}: ranks passed different keys (this rank: {local['key']!r}); calls were made in a "
+                         f"different order on some rank, or keys differ")
+    if differs("part", "parts"):
+        per_rank = ", ".join(f"rank {r}: {row[IDX['part']]}/{row[IDX['parts']]}" for r, row in enumerate(rows))
+        raise ValueError(f"{op}: ranks of the inter-node group hold different shards ({per_rank}); each inter "
+                         f"group must join the ranks with the same local index, as make_node_groups builds them")
+    if differs("measure"):
+        raise ValueError(f"{op}: ranks disagree on measure_error; pass the same value on every rank")
+    failed = [r for r, e in enumerate(col("error")) if e]
+    if failed:
+        if error is not None:
+            raise error
+        raise ValueError(f"{op}: rank(s) {failed} rejected their input or failed to compress it (the error is "
+                         f"raised there); nothing was exchanged")
+    if differs("check"):
+        raise ValueError(f"{op}: the native payloads differ between ranks outside the averaged tensor (metadata "
+                         f"or index tensors), so they cannot be summed; the compressor's shared state (seed, "
+                         f"step of key {local['key']!r}) is out of step across ranks")
+
+
+def _dtype_name(row: List[int]) -> str:
+    code = row[IDX["dtype"]]
+    if code == -1:
+        return "not a tensor"
+    return str(_DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(_DTYPES) else "unsupported dtype"
+
+
+def _shape_text(row: List[int]) -> str:
+    ndim = row[IDX["ndim"]]
+    if ndim < 0:
+        return "not a tensor"
+    if ndim > _DIMS:
+        return f"{ndim}-d with {row[IDX['numel']]} elements"
+    return str(tuple(row[IDX[f"d{i}"]] for i in range(ndim)))
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    return _DTYPE_CODE.get(dtype, 0)
+
+
+def code_dtype(code: int) -> torch.dtype:
+    if not 0 < code <= len(_DTYPES):
+        raise ValueError(f"dtype code {code} is not one gradcomp sends")
+    return _DTYPES[code - 1]

@@ -1,0 +1,133 @@
+"""Telemetry: what every collective sent, received and spent, per rank, as plain dicts.
+
+Each call fills one :class:`Record`; records are summed per ``"op/algorithm"`` (e.g.
+``"allreduce/scatter-reduce"``, ``"send"``). Bytes are counted from the tensors handed to
+``torch.distributed`` (see ``_comm.py`` for the per-operation convention), so framing,
+headers and padding are included. ``measure_error`` adds the relative error and cosine
+similarity against the dense mean; that costs one extra dense allreduce, whose bytes are not
+counted.
+"""
+from __future__ import annotations
+
+import math
+import threading
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, Iterator, Optional
+
+_SUMMED = ("calls", "bytes_sent", "bytes_recv", "dense_bytes", "payload_bytes",
+           "compress_s", "comm_s", "decompress_s")
+
+
+@dataclass
+class Record:
+    """One call of one collective on this rank."""
+
+    op: str
+    algorithm: str
+    compressor: str
+    key: str
+    world_size: int
+    bytes_sent: int = 0  # every byte this rank handed to the backend to send
+    bytes_recv: int = 0  # every byte this rank received
+    dense_bytes: int = 0  # bytes of the uncompressed input
+    payload_bytes: int = 0  # this rank's compressed payload(s), the tensors only
+    compress_s: float = 0.0
+    comm_s: float = 0.0
+    decompress_s: float = 0.0
+    rel_error: Optional[float] = None  # ||result - dense mean|| / ||dense mean||
+    cos_sim: Optional[float] = None
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio: dense bytes over this rank's payload bytes."""
+        return self.dense_bytes / self.payload_bytes if self.payload_bytes else math.inf if self.dense_bytes else 1.0
+
+    @contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        """Add the time spent in the block to ``<phase>_s`` (compress, comm or decompress)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            name = f"{phase}_s"
+            setattr(self, name, getattr(self, name) + time.perf_counter() - start)
+
+    def as_dict(self) -> Dict[str, Any]:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        return d
+
+
+_lock = threading.Lock()
+_by_op: Dict[str, Dict[str, Any]] = {}
+_last: Optional[Record] = None
+_measure_error = False
+
+
+def commit(record: Record) -> None:
+    """Add a finished record to the aggregates (thread-safe: async calls finish on workers)."""
+    global _last
+    name = record.op if record.op in ("send", "recv") else f"{record.op}/{record.algorithm}"
+    with _lock:
+        agg = _by_op.setdefault(name, {**{k: 0 for k in _SUMMED}, "measured": 0,
+                                       "rel_error_sum": 0.0, "cos_sim_sum": 0.0})
+        agg["calls"] += 1
+        for k in _SUMMED[1:]:
+            agg[k] += getattr(record, k)
+        if record.rel_error is not None:
+            agg["measured"] += 1
+            agg["rel_error_sum"] += record.rel_error
+            agg["cos_sim_sum"] += record.cos_sim
+        _last = record
+
+
+def _finish(agg: Dict[str, Any]) -> Dict[str, Any]:
+    out = {k: agg[k] for k in _SUMMED}
+    out["ratio"] = agg["dense_bytes"] / agg["payload_bytes"] if agg["payload_bytes"] else (
+        math.inf if agg["dense_bytes"] else 1.0)
+    if agg["measured"]:
+        out["rel_error"] = agg["rel_error_sum"] / agg["measured"]
+        out["cos_sim"] = agg["cos_sim_sum"] / agg["measured"]
+    return out
+
+
+def telemetry() -> Dict[str, Any]:
+    """This rank's counters as a plain dict.
+
+    ``{"by_op": {"allreduce/native": {...}, ...}, "total": {...}, "last": {...} or None}``;
+    each aggregate holds ``calls, bytes_sent, bytes_recv, dense_bytes, payload_bytes,
+    compress_s, comm_s, decompress_s, ratio`` and, when errors were measured, the mean
+    ``rel_error`` and ``cos_sim``; ``last`` is the most recent call's record.
+    """
+    with _lock:
+        by_op = {k: _finish(v) for k, v in sorted(_by_op.items())}
+        total = {k: 0 for k in _SUMMED}
+        total.update(measured=0, rel_error_sum=0.0, cos_sim_sum=0.0)
+        for agg in _by_op.values():
+            for k in total:
+                total[k] += agg[k]
+        last = _last.as_dict() if _last is not None else None
+    return {"by_op": by_op, "total": _finish(total), "last": last}
+
+
+def reset_telemetry() -> None:
+    """Forget every record of this rank."""
+    global _last
+    with _lock:
+        _by_op.clear()
+        _last = None
+
+
+def set_measure_error(enabled: bool) -> None:
+    """Measure relative error and cosine similarity on every allreduce (an extra dense
+    allreduce per call). Every rank must make the same choice."""
+    global _measure_error
+    if not isinstance(enabled, bool):
+        raise ValueError(f"set_measure_error expects True or False, got {enabled!r}")
+    _measure_error = enabled
+
+
+def measure_error_default() -> bool:
+    return _measure_error

@@ -1,0 +1,49 @@
+"""Payloads as flat byte tensors, and the exchange of byte tensors of different sizes.
+
+A payload travels in the project's wire format (``Payload.to_bytes``): self-describing, so
+metadata that depends on the data (a scale, a count) reaches the other ranks, and validated
+by ``Payload.from_bytes`` (index ranges included) before anything decodes it.
+"""
+from __future__ import annotations
+
+from typing import List, Sequence
+
+import torch
+
+from gradcomp.compress import Payload
+
+from ._comm import Comm
+
+
+def encode(payload: Payload, device: torch.device) -> torch.Tensor:
+    """The payload's wire bytes as a 1-D uint8 tensor on ``device``."""
+    buf = torch.frombuffer(bytearray(payload.to_bytes()), dtype=torch.uint8)
+    return buf if device.type == "cpu" else buf.to(device)
+
+
+def decode(buf: torch.Tensor, device: torch.device) -> Payload:
+    """Inverse of :func:`encode`; ``ValueError`` if the bytes are not a valid payload."""
+    payload = Payload.from_bytes(buf.cpu().numpy())
+    return payload if device.type == "cpu" else payload.to(device)
+
+
+def gather_bytes(comm: Comm, buf: torch.Tensor, sizes: Sequence[int], *, exact: bool) -> List[torch.Tensor]:
+    """Every rank's byte tensor, in rank order; ``sizes[r]`` is rank r's length.
+
+    ``exact``: point-to-point blocks of the exact sizes (for payloads whose size varies with
+    the data); otherwise one all_gather of blocks padded to the largest (sizes nearly equal).
+    """
+    sizes = [int(s) for s in sizes]
+    if comm.size == 1:
+        return [buf]
+    if exact:
+        in_splits = [0 if r == comm.rank else sizes[comm.rank] for r in range(comm.size)]
+        out_splits = [0 if r == comm.rank else sizes[r] for r in range(comm.size)]
+        out = comm.all_to_all(buf.repeat(comm.size - 1), in_splits, out_splits)
+        parts = list(out.split(out_splits))
+        parts[comm.rank] = buf
+        return parts
+    padded = buf.new_zeros(max(sizes))
+    padded[:buf.numel()] = buf
+    rows = comm.all_gather(padded)
+    return [rows[r, :sizes[r]] for r in range(comm.size)]

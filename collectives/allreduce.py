@@ -1,0 +1,48 @@
+"""``allreduce``: the mean of a tensor over a process group, sent compressed.
+
+The algorithm is chosen from what the compressor declares, never from its name (see
+``choose_algorithm`` and the table in the README): ``rounds`` for multi-round compressors,
+``native`` for payloads that can be summed as they are, otherwise ``allgather`` on two ranks
+and ``scatter-reduce`` on more. ``algorithm=`` forces one; a pairing that cannot work raises
+``ValueError`` before anything is sent.
+"""
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from . import _async
+from ._core import ALGORITHMS, choose_algorithm, flat_job, make_spec
+from .hierarchical import hierarchical_job
+
+__all__ = ["allreduce", "choose_algorithm", "ALGORITHMS"]
+
+
+def allreduce(tensor: torch.Tensor, compressor: Any = "none", key: Optional[str] = None, group=None,
+              async_op: bool = False, *, algorithm: Optional[str] = None, intra_group=None, inter_group=None,
+              measure_error: Optional[bool] = None, verify: bool = False):
+    """The mean of ``tensor`` over ``group`` (default: every rank), sent compressed.
+
+    ``compressor``: a name, a compressor, or an error-feedback wrapper (``ErrorFeedback(c)``).
+    ``key`` names the tensor across steps: error feedback, warm starts and shared random
+    streams are kept per key. Returns a new tensor of the input's shape and dtype, the same
+    bits on every rank; the input is never written to. ``async_op=True`` returns a
+    ``torch.futures.Future`` at once (chain with ``.then()``); async calls run in FIFO order
+    on a worker thread over a dedicated twin of the group, so leave ``tensor`` unchanged until
+    the future completes. ``intra_group``/``inter_group``:
+    hierarchical mean (dense inside a node, compressed across nodes; see ``make_node_groups``).
+    ``measure_error``: also record relative error and cosine similarity to the dense mean (one
+    extra dense allreduce). ``verify``: for ``native``, also check that the payload tensors
+    that are not summed are identical on every rank. Mismatched shapes, dtypes, compressors or
+    keys raise ``ValueError`` on every rank; a dead or stalled peer raises
+    ``CommunicationError`` within the group's timeout.
+    """
+    spec = make_spec(compressor, algorithm, measure_error, verify)
+    key = "" if key is None else str(key)
+    if (intra_group is None) != (inter_group is None):
+        raise ValueError("hierarchical allreduce needs both intra_group and inter_group (see make_node_groups), or neither")
+    if intra_group is not None:
+        return _async.submit(lambda eff: hierarchical_job(tensor, spec, key, eff(intra_group), eff(inter_group)),
+                             (intra_group, inter_group), async_op)
+    return _async.submit(lambda eff: flat_job(tensor, spec, key, eff(group)), (group,), async_op)

@@ -1,0 +1,73 @@
+"""``native``: allreduce the compressed representation itself.
+
+For compressors that declare ``native`` (fp16, bf16, shared-seed random-k): ``tensors[0]`` of
+every rank's payload is summed by the backend's allreduce and divided by the world size;
+everything else in the payload (metadata, index tensors) must be the same on every rank. The
+header compares a hash of the metadata on every call (``verify=True`` hashes the index tensors
+too), so ranks whose seeds or steps drifted apart get an error, not a wrong average.
+
+fp16 payloads are divided by the world size before the sum, since a sum can overflow fp16's
+65504 where the mean does not (as PyTorch's ``fp16_compress_hook``); other dtypes are divided
+after, which for fp32 makes ``none`` equal to a dense ``all_reduce`` mean bit for bit.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+
+from gradcomp.compress import Payload
+
+from ._algorithm import Algorithm, as_dtype, fresh
+
+
+class Native(Algorithm):
+    name = "native"
+
+    @classmethod
+    def unsuitable(cls, compressor):
+        if not compressor.native:
+            return f"{compressor.name} payloads cannot be summed as they are (it declares native=False)"
+        return None
+
+    def local(self, acc, dtype):
+        src = as_dtype(acc, dtype)
+        if self.want_sent:
+            payload, sent = self.comp.compress_decoded(src, self.key)
+        else:
+            payload, sent = self.comp.compress(src, self.key), None
+        if not payload.tensors or not payload.tensors[0].is_floating_point():
+            raise ValueError(f"{self.comp.name} declares native=True but its first payload tensor is not floating point")
+        summed = fresh(payload.tensors[0], acc, src)
+        self.sent = None if sent is None else fresh(sent, summed)
+        self.payload = payload
+        self.summed = summed
+        self.payload_bytes = payload.nbytes
+        return _check_hash(payload, self.verify), []
+
+    def run(self, table):
+        summed, w = self.summed, self.comm.size
+        if w > 1:
+            before = summed.dtype == torch.float16
+            if before:
+                summed.div_(w)
+            self.comm.all_reduce_(summed)
+            if not before:
+                summed.div_(w)
+        p = self.payload
+        with self.rec.timing("decompress"):
+            avg = self.comp.decompress(Payload(p.compressor, p.shape, p.dtype, [summed, *p.tensors[1:]], p.meta))
+        return avg, self.sent
+
+
+def _check_hash(payload: Payload, with_tensors: bool) -> int:
+    """Hash of what must be identical across ranks: metadata, tensor specs (and, on request,
+    the tensors after the first)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(json.dumps(payload.meta, sort_keys=True, default=str).encode())
+    h.update(repr([(str(t.dtype), tuple(t.shape)) for t in payload.tensors]).encode())
+    if with_tensors:
+        for t in payload.tensors[1:]:
+            h.update(t.detach().reshape(-1).cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return int.from_bytes(h.digest(), "little", signed=True)

@@ -1,0 +1,185 @@
+"""The collectives in one process, without a process group: a local round trip through the
+same code, the algorithm choice from capability flags, argument errors, bucketing plans and
+telemetry. (Multi-rank guarantees: test_collectives_dist.py.)"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradcomp.collectives import (ALGORITHMS, allreduce, allreduce_buckets, choose_algorithm, make_node_groups,
+                                  plan_buckets, recv, reset_telemetry, send, server_feedback, telemetry)
+from gradcomp.compress import (EF21, Compressor, DGCMomentum, ErrorFeedback, available_compressors,
+                               get_compressor)
+
+NAMES = available_compressors()
+
+
+def _suitable(name):
+    c = get_compressor(name)
+    return [a for a, cls in ALGORITHMS.items() if cls.unsuitable(c) is None]
+
+
+def _one_process(gen):
+    """Drive a rounds generator alone: the average of one rank is its own tensor."""
+    try:
+        sent = next(gen)
+        while True:
+            sent = gen.send(sent)
+    except StopIteration as stop:
+        return stop.value
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_one_process_is_a_local_round_trip(name):
+    """Mean of one rank = what the compressor itself makes of the tensor; input untouched."""
+    for algo in _suitable(name):
+        for shape, dtype in [((33, 17), torch.float32), ((6,), torch.float16), ((), torch.float64), ((0, 3), torch.bfloat16)]:
+            t = torch.randn(shape, dtype=torch.float64).to(dtype)
+            before = t.clone()
+            out = allreduce(t, get_compressor(name), key="k", algorithm=algo)
+            assert torch.equal(t, before), f"{name}/{algo} wrote to its input"
+            assert out.shape == t.shape and out.dtype == t.dtype
+            if t.numel():
+                assert out.data_ptr() != t.data_ptr()
+            c = get_compressor(name)
+            if algo == "rounds":
+                expected = _one_process(c.rounds(t, "k"))
+            elif algo == "scatter-reduce":  # one flat chunk, compressed twice
+                once = c.decompress(c.compress(t.reshape(-1), "k/chunk0"))
+                expected = c.decompress(c.compress(once, "k/chunk0/server")).reshape(shape)
+            else:
+                expected = c.decompress(c.compress(t, "k"))
+            assert torch.equal(out, expected.to(dtype)), f"{name}/{algo}: not the local round trip"
+
+
+def test_async_without_process_group_is_a_completed_future():
+    t = torch.randn(10)
+    fut = allreduce(t, "fp16", async_op=True)
+    assert fut.done() and torch.equal(fut.wait(), t.half().float())
+    assert torch.equal(fut.then(lambda f: f.value() * 2).wait(), t.half().float() * 2)
+    bad = allreduce(torch.ones(3, dtype=torch.int64), "fp16", async_op=True)
+    with pytest.raises(ValueError, match="dtype"):
+        bad.wait()
+
+
+class _Flags(Compressor):
+    """Unregistered stand-in: only the capability flags matter to the choice."""
+
+    name = "flags"
+
+
+@pytest.mark.parametrize("native,multi_round,world,expected", [
+    (True, False, 2, "native"), (True, False, 8, "native"), (False, True, 4, "rounds"), (True, True, 4, "rounds"),
+    (False, False, 1, "allgather"), (False, False, 2, "allgather"), (False, False, 3, "scatter-reduce"),
+    (False, False, 64, "scatter-reduce"),
+])
+def test_algorithm_follows_capability_flags(native, multi_round, world, expected):
+    c = _Flags()
+    c.native, c.multi_round = native, multi_round
+    assert choose_algorithm(c, world) == expected
+    assert choose_algorithm(ErrorFeedback(c), world) == expected
+
+
+def test_impossible_pairings_and_bad_arguments_are_value_errors():
+    non_native = next(n for n in NAMES if not get_compressor(n).native and not get_compressor(n).multi_round)
+    with pytest.raises(ValueError, match="native"):
+        allreduce(torch.ones(4), non_native, algorithm="native")
+    with pytest.raises(ValueError, match="multi-round"):
+        allreduce(torch.ones(4), "fp16", algorithm="rounds")
+    with pytest.raises(ValueError, match="allowed"):
+        allreduce(torch.ones(4), "fp16", algorithm="ring")
+    with pytest.raises(ValueError, match="compressor must be"):
+        allreduce(torch.ones(4), 3.5)
+    with pytest.raises(ValueError, match="unknown compressor"):
+        allreduce(torch.ones(4), "zip")
+    with pytest.raises(ValueError, match="dtype"):
+        allreduce(torch.ones(4, dtype=torch.int32), "none")
+    with pytest.raises(ValueError, match="torch.Tensor"):
+        allreduce([1.0, 2.0], "none")
+    with pytest.raises(ValueError, match="not initialised"):
+        allreduce(torch.ones(4), "none", group=object())
+    with pytest.raises(ValueError, match="both"):
+        allreduce(torch.ones(4), "none", intra_group=object())
+    with pytest.raises(ValueError, match="process group"):
+        send(torch.ones(3), 1, "fp16")
+    with pytest.raises(ValueError, match="process group"):
+        recv(1, "fp16")
+    with pytest.raises(ValueError, match="process group"):
+        make_node_groups(2)
+    with pytest.raises(ValueError, match="True or False"):
+        allreduce(torch.ones(4), "none", measure_error="yes")
+
+
+def test_feedback_wrappers_keep_their_invariants_through_allreduce():
+    g = [torch.randn(40, 8) for _ in range(3)]
+    ef, ref = ErrorFeedback("topk"), ErrorFeedback("topk")
+    for x in g:  # one process: allreduce == the wrapper's own compress/decompress
+        assert torch.equal(allreduce(x, ef, key="w", algorithm="allgather"), ref.decompress(ref.compress(x, key="w")))
+        assert torch.equal(ef.residual("w"), ref.residual("w"))
+    ef21, ref21 = EF21("onebit"), EF21("onebit")
+    for x in g:
+        expected = ref21.combine("w", ref21.decompress(ref21.compress(x, key="w")))
+        assert torch.allclose(allreduce(x, ef21, key="w"), expected, atol=1e-6)
+    dgc = DGCMomentum(get_compressor("topk", ratio=0.1), momentum=0.0)  # no momentum: plain residual memory
+    total_in, total_out = torch.zeros(40, 8), torch.zeros(40, 8)
+    for x in g:
+        total_in += x
+        total_out += allreduce(x, dgc, key="w")
+    assert torch.allclose(total_out + dgc.residual("w"), total_in, atol=1e-5), "DGC feedback lost gradient mass"
+
+
+def test_scatter_reduce_server_feedback_is_kept_per_key_and_resumable():
+    ef = ErrorFeedback("topk")
+    for step in range(2):
+        allreduce(torch.randn(50), ef, key="s", algorithm="scatter-reduce")
+    server = server_feedback(ef)
+    assert server.residual("s/chunk0/server").shape == (50,)
+    sd = server.state_dict()
+    other = ErrorFeedback("topk")
+    server_feedback(other).load_state_dict(sd)
+    assert torch.equal(server_feedback(other).residual("s/chunk0/server"), server.residual("s/chunk0/server"))
+    with pytest.raises(ValueError, match="error-feedback"):
+        server_feedback(get_compressor("topk"))
+
+
+def test_plan_buckets_groups_by_dtype_caps_size_and_keeps_order():
+    ts = [("a", torch.zeros(100)), ("b", torch.zeros(100, dtype=torch.float16)), ("c", torch.zeros(200)),
+          ("d", torch.zeros(10)), ("e", torch.zeros(1000)), ("f", torch.zeros(5, dtype=torch.float16))]
+    cap = 1200 / 2**20  # 1200 bytes: 300 fp32 elements
+    assert plan_buckets(ts, cap) == [[0, 2], [3], [4], [1, 5]]
+    assert plan_buckets(ts, 100.0) == [[0, 2, 3, 4], [1, 5]]
+    with pytest.raises(ValueError, match="bucket_mb"):
+        plan_buckets(ts, 0)
+
+
+def test_buckets_equal_per_tensor_results_locally():
+    named = {f"p{i}": torch.randn(s) for i, s in enumerate([(3, 4), (5,), (), (0,), (7, 2)])}
+    before = {n: t.clone() for n, t in named.items()}
+    got = allreduce_buckets(named, "fp16", bucket_mb=1e-4)
+    assert list(got) == list(named)
+    for n, t in named.items():
+        assert torch.equal(t, before[n]) and got[n].shape == t.shape
+        assert torch.equal(got[n], t.half().float())
+    fut = allreduce_buckets(named, "fp16", bucket_mb=1e-4, async_op=True)
+    assert all(torch.equal(fut.wait()[n], got[n]) for n in named)
+    with pytest.raises(ValueError, match="unique"):
+        allreduce_buckets([("a", torch.ones(1)), ("a", torch.ones(1))])
+
+
+def test_telemetry_counts_calls_and_times_and_resets():
+    reset_telemetry()
+    t = torch.randn(1000)
+    allreduce(t, "fp16", key="t")
+    allreduce(t, "onebit", key="t", measure_error=True)
+    tel = telemetry()
+    assert set(tel["by_op"]) == {"allreduce/native", "allreduce/allgather"}
+    native = tel["by_op"]["allreduce/native"]
+    assert native["calls"] == 1 and native["bytes_sent"] == 0 and native["dense_bytes"] == 4000
+    assert native["payload_bytes"] == 2000 and native["ratio"] == 2.0 and "rel_error" not in native
+    last = tel["last"]
+    assert last["compressor"] == "onebit" and last["world_size"] == 1 and last["ratio"] > 20
+    assert 0 < last["rel_error"] < 1 and 0 < last["cos_sim"] <= 1
+    assert tel["total"]["calls"] == 2 and tel["total"]["compress_s"] > 0
+    reset_telemetry()
+    assert telemetry() == {"by_op": {}, "total": telemetry()["total"], "last": None}
+    assert telemetry()["total"]["calls"] == 0
