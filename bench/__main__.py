@@ -1,0 +1,6 @@
+"""``python -m gradcomp.bench``: the collective benchmark; ``python -m gradcomp.bench train``: training."""
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,239 @@
+"""``python -m gradcomp.bench [train] [options]``: the command line of both benchmarks."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import sys
+from typing import Any, Dict, List, Optional, Sequence
+
+from gradcomp import collectives as _collectives
+
+from . import collective, launch, netem, shapes
+from . import env as envmod
+
+DEFAULT_NUMEL = 1 << 22  # 16 MB of fp32: the default run stays well under 3 minutes on 2 cores
+ALGORITHMS = ("auto", *_collectives.ALGORITHMS)
+
+
+# ---- shared pieces ---------------------------------------------------------------------------
+def common_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--world-size", type=int, default=2, metavar="N", help="number of ranks (default 2)")
+    p.add_argument("--netem", metavar="RATE[,DELAY]",
+                   help="emulate a cluster: each rank in its own network namespace, its link shaped to RATE "
+                        "(e.g. 1gbit) and DELAY one way (e.g. 5ms) with tc; needs root on Linux")
+    p.add_argument("--threads", type=int, default=1, metavar="N", help="torch threads per rank (default 1)")
+    p.add_argument("--json", metavar="PATH", help="write the results as JSON records")
+    p.add_argument("--plot", metavar="PATH", help="write a PNG plot")
+    p.add_argument("--timeout", type=float, default=1800.0, metavar="S",
+                   help="stop the run after S seconds (default 1800)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+class Progress:
+    """tqdm on stderr when installed, else a one-line bar; silent when stderr is not a terminal."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and sys.stderr.isatty()
+        self.bar = None
+
+    def __call__(self, info: Dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        done, total, label = info["done"], info["total"], info.get("label", "")
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            width = 30
+            fill = int(width * done / max(total, 1))
+            sys.stderr.write(f"\r[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {label:<24.24}")
+            sys.stderr.flush()
+            return
+        if self.bar is None:
+            self.bar = tqdm(total=total, file=sys.stderr, unit="call", leave=False, dynamic_ncols=True)
+        self.bar.set_description_str(f"{label:<20.20}")
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        elif self.enabled:
+            sys.stderr.write("\r" + " " * 70 + "\r")
+
+
+def resolve_link(args) -> Optional[netem.Link]:
+    if args.netem is None:
+        return None
+    link = netem.parse_link(args.netem)
+    netem.check_support()  # no silent loopback fallback: say why and stop
+    return link
+
+
+def link_text(link: Optional[netem.Link]) -> str:
+    if link is None:
+        return "loopback (all ranks on this machine, unshaped)"
+    return (f"emulated {link} per rank (tc tbf each way{', netem delay' if link.delay_ms else ''}), "
+            f"each rank in its own network namespace")
+
+
+def check_sizes(args) -> None:
+    if not 1 <= args.world_size <= netem.MAX_RANKS:
+        raise ValueError(f"--world-size must be between 1 and {netem.MAX_RANKS}, not {args.world_size}")
+    if args.threads < 1:
+        raise ValueError(f"--threads must be >= 1, not {args.threads}")
+    if args.timeout <= 0:
+        raise ValueError(f"--timeout must be > 0 seconds, not {args.timeout}")
+
+
+def fmt(v: Optional[float], spec: str, dash: str = "-") -> str:
+    return dash if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
+
+
+def fmt_bytes(n: Optional[float]) -> str:
+    if n is None:
+        return "-"
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def write_json(path: str, records: List[Dict[str, Any]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(records, f, indent=1)
+
+
+# ---- the collective benchmark ----------------------------------------------------------------
+def collective_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m gradcomp.bench",
+        description="Average a gradient over local gloo ranks with every compressor and compare it with "
+                    "dense all_reduce. `python -m gradcomp.bench train --help` for the training benchmark.")
+    size = p.add_mutually_exclusive_group()
+    size.add_argument("--numel", type=int, metavar="N",
+                      help=f"elements of the fp32 gradient, one tensor (default {DEFAULT_NUMEL:,})")
+    size.add_argument("--model", choices=sorted(shapes.MODELS),
+                      help="use this model's parameter shapes, bucketed as DDP does, instead of --numel")
+    p.add_argument("--bucket-mb", type=float, default=25.0, metavar="MB", help="bucket size with --model (default 25)")
+    p.add_argument("--compressors", metavar="A,B,C",
+                   help="methods to run, each NAME or NAME:opt=value[:opt=value]: gradcomp compressor names and "
+                        f"{', '.join(collective.TORCH_METHODS)} "
+                        "(PyTorch's hooks); default: all")
+    p.add_argument("--error-feedback", default="auto", choices=("auto", "on", "off", "both"),
+                   help="wrap compressors in error feedback; auto: as gradcomp's DDP hook does (biased "
+                        "compressors except the 16-bit casts and the plain signs)")
+    p.add_argument("--algorithm", default="auto", choices=ALGORITHMS,
+                   help="collective algorithm (default: chosen per compressor)")
+    p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed calls per method (default 5)")
+    p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed calls first (default 1)")
+    common_options(p)
+    return p
+
+
+def run_collective(argv: Sequence[str]) -> int:
+    args = collective_parser().parse_args(argv)
+    check_sizes(args)
+    if args.repeats < 1 or args.warmup < 1:
+        raise ValueError(f"--repeats and --warmup must be >= 1 (got {args.repeats} and {args.warmup}); the first "
+                         "call is the warm-up that also measures the relative error")
+    numel = args.numel if args.numel is not None else (None if args.model else DEFAULT_NUMEL)
+    if numel is not None and numel < 1:
+        raise ValueError(f"--numel must be >= 1, not {numel}")
+    methods = collective.parse_methods(args.compressors, args.error_feedback)
+    if args.model and args.algorithm != "auto":
+        raise ValueError("--algorithm applies to the collective on one tensor (--numel); with --model the gradients "
+                         "go through gradcomp's DDP hook, which picks the transport per parameter")
+    link = resolve_link(args)
+    cfg = {"numel": numel, "model": args.model, "bucket_mb": args.bucket_mb, "methods": methods,
+           "algorithm": None if args.algorithm == "auto" else args.algorithm, "repeats": args.repeats,
+           "warmup": args.warmup, "seed": args.seed}
+    env = envmod.environment(args.world_size, link_text(link), args.threads)
+    if args.model:
+        layers = shapes.model_layers(args.model)
+        info = shapes.summary(layers)
+        grad = (f"{args.model}: {info['layers']} tensors, {info['numel']:,} fp32 elements "
+                f"({fmt_bytes(4 * info['numel'])}) per rank in {len(shapes.buckets(layers, args.bucket_mb))} "
+                f"buckets of <= {args.bucket_mb:g} MB")
+    else:
+        shape = "x".join(map(str, collective.matrix_shape(numel)))
+        grad = f"{numel:,} fp32 elements ({fmt_bytes(4 * numel)}) per rank, one {shape} tensor"
+    print(envmod.header(env, [
+        f"gradient {grad}",
+        f"timing: median over {args.repeats} calls after {args.warmup} warm-up, slowest rank per call; "
+        f"algorithm {args.algorithm}; error feedback {args.error_feedback}; seed {args.seed}",
+    ]), flush=True)
+    bar = Progress(not args.no_progress)
+    try:
+        results = launch.run_ranks("collective", cfg, args.world_size, link=link, threads=args.threads,
+                                   timeout_s=args.timeout, on_progress=bar)
+    finally:
+        bar.close()
+    records = results[0]
+    for r in records:
+        r["env"] = env
+    print()
+    print(collective_table(records))
+    if args.json:
+        write_json(args.json, records)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        from . import plot
+
+        plot.collective_plot(records, args.plot, title=f"{grad}\n{env['world_size']} ranks, {env['link']}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def collective_table(records: List[Dict[str, Any]]) -> str:
+    """The records as a fixed-width table, one line per method."""
+    head = ("method", "ratio", "rel.err", "compress", "decomp.", "comm", "collective", "dense", "speed-up",
+            "bytes/rank")
+    units = ("", "", "", "ms", "ms", "ms", "ms", "ms", "", "")
+    rows = []
+    for r in records:
+        if r.get("error"):
+            rows.append((r["compressor"], "skipped: " + r["error"]))
+            continue
+        rows.append((r["compressor"], fmt(r["ratio"], ".1f") + "x", fmt(r["rel_error"], ".3g"),
+                     fmt(r["compress_ms"], ".1f"), fmt(r["decompress_ms"], ".1f"), fmt(r.get("comm_ms"), ".1f"),
+                     fmt(r["collective_ms"], ".1f"),
+                     fmt(r["dense_ms"], ".1f"), fmt(r["speedup"], ".2f") + "x", fmt_bytes(r["bytes_per_rank"])))
+    w0 = max([len(head[0])] + [len(row[0]) for row in rows])
+    widths = [w0, 7, 8, 9, 8, 7, 11, 8, 9, 11]
+
+    def line(cells) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    out = [line(head), line(units)]
+    for row in rows:
+        out.append(line(row) if len(row) == len(head) else f"{row[0].ljust(w0)}  {row[1]}")
+    return "\n".join(out)
+
+
+# ---- entry point -----------------------------------------------------------------------------
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    previous = netem.exit_on_signals()
+    try:
+        if argv[:1] == ["train"]:
+            from . import train
+
+            return train.main(argv[1:])
+        return run_collective(argv)
+    except netem.NetemUnavailable as exc:
+        print(f"gradcomp.bench: --netem cannot run here: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"gradcomp.bench: error: {exc}", file=sys.stderr)
+        return 2
+    except launch.RankError as exc:
+        print(f"gradcomp.bench: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("gradcomp.bench: interrupted; ranks stopped and cleaned up", file=sys.stderr)
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

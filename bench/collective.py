@@ -1,0 +1,302 @@
+"""The collective benchmark: every compressor's averaged gradient exchange on real gloo ranks.
+
+Each rank draws its own N(0, 1) gradient (seeded by rank); call ``i`` sends it rotated by an
+``i``-dependent offset, so consecutive calls see different data, as training steps do, and
+every method sees the same sequence. With ``--numel`` the gradient is one near-square matrix;
+with ``--model`` it has the model's parameter shapes, in DDP's buckets. A *method* averages
+it over the ranks:
+
+- ``dense``: ``torch.distributed.all_reduce`` then a division by the world size, bucket by
+  bucket, as DDP does without a hook. Every speed-up is against it.
+- a gradcomp compressor, with or without error feedback: on one tensor the compressed
+  collective itself (``gradcomp.collectives.allreduce``); with model shapes gradcomp's DDP
+  hook (``gradcomp.training.ddp_comm_hook``), which compresses parameter by parameter.
+- ``torch-fp16`` / ``torch-powersgd``: PyTorch's own ``fp16_compress_hook`` and
+  ``powerSGD_hook``, called on stand-in buckets as DDP calls them.
+
+Every call starts after a barrier; a call's time is the slowest rank's; figures are medians
+over the timed calls, after warm-up. Bytes (sent per rank; a ring allreduce of ``n`` bytes
+counts ``2 (w-1)/w * n``) and compress / communicate / decompress times come from gradcomp's
+telemetry, measured during the call; for PyTorch's hooks and the dense baseline the bytes
+handed to ``all_reduce`` are counted the same way. The relative error is the first call's
+(no residual, no warm start yet) against the exact average.
+"""
+from __future__ import annotations
+
+import ast
+import math
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from . import hooks, shapes
+
+# Benchmark settings that differ from a compressor's own defaults: PowerSGD at rank 4 (the rank
+# users compare), and a threshold that keeps ~1% of the benchmark's N(0, 1) gradient (|x| >=
+# 2.576 sigma), like topk's default ratio; the default tau is meant for real gradient scales.
+BENCH_OPTIONS: Dict[str, Dict[str, Any]] = {"powersgd": {"rank": 4}, "threshold": {"tau": 2.576}}
+TORCH_METHODS = ("torch-fp16", "torch-powersgd")
+FIELDS = ("compressor", "world_size", "numel", "bytes_per_rank", "dense_bytes_per_rank", "ratio", "rel_error",
+          "compress_ms", "decompress_ms", "collective_ms", "dense_ms", "speedup")
+
+
+# ---- method specs (parsed in the parent, sent to the ranks as JSON) --------------------------
+def parse_methods(text: Optional[str], error_feedback: str = "auto") -> List[Dict[str, Any]]:
+    """Method specs from ``"topk,qsgd:levels=4,torch-fp16"``; ``None`` means every compressor.
+
+    ``error_feedback``: ``on``/``off``/``both``, or ``auto``: as gradcomp's DDP hook decides
+    (biased compressors get it, except 16-bit casts and the scale-free signs).
+    """
+    from gradcomp.compress import available_compressors, get_compressor
+    from gradcomp.training.policy import wants_feedback
+
+    if error_feedback not in ("auto", "on", "off", "both"):
+        raise ValueError(f"error feedback must be auto, on, off or both, not {error_feedback!r}")
+    if text is None:
+        entries = [(n, {}) for n in available_compressors()] + [(t, {}) for t in TORCH_METHODS]
+    else:
+        entries = [parse_entry(e) for e in text.split(",") if e.strip()]
+        if not entries:
+            raise ValueError("--compressors is empty; give names separated by commas")
+    specs: List[Dict[str, Any]] = []
+    for name, opts in entries:
+        if name in TORCH_METHODS:
+            specs.append(_torch_spec(name, opts))
+            continue
+        options = {k: v for k, v in BENCH_OPTIONS.get(name, {}).items() if k in _option_names(name)}
+        options.update(opts)
+        comp = get_compressor(name, **options)  # validates name and options here, once
+        efs = {"auto": [wants_feedback(comp)], "on": [True], "off": [False], "both": [False, True]}[error_feedback]
+        for ef in efs:
+            label = name + "".join(f":{k}={v}" for k, v in opts.items()) + ("+ef" if ef else "")
+            specs.append({"label": label, "kind": "gradcomp", "name": name, "options": options, "ef": ef})
+    return specs
+
+
+def _option_names(name: str) -> Sequence[str]:
+    from gradcomp.compress import compressor_class
+
+    return tuple(compressor_class(name).options)
+
+
+def parse_entry(entry: str) -> Tuple[str, Dict[str, Any]]:
+    name, *pairs = [p.strip() for p in entry.strip().split(":")]
+    opts: Dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"compressor option {pair!r} in {entry!r} must look like name=value "
+                             f"(e.g. topk:ratio=0.001)")
+        k, v = pair.split("=", 1)
+        try:
+            opts[k.strip()] = ast.literal_eval(v.strip())
+        except (ValueError, SyntaxError):
+            opts[k.strip()] = v.strip()
+    return name, opts
+
+
+def _torch_spec(name: str, opts: Dict[str, Any]) -> Dict[str, Any]:
+    allowed = {"torch-fp16": set(), "torch-powersgd": {"rank"}}[name]
+    bad = sorted(set(opts) - allowed)
+    if bad:
+        raise ValueError(f"{name}: unknown option(s) {', '.join(bad)}; allowed: {', '.join(sorted(allowed)) or 'none'}")
+    if name == "torch-powersgd":
+        rank = opts.get("rank", BENCH_OPTIONS["powersgd"]["rank"])
+        if not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"torch-powersgd: rank={rank!r} must be an int >= 1")
+        return {"label": f"{name}:rank={rank}", "kind": name, "options": {"rank": rank}, "ef": True}
+    return {"label": name, "kind": name, "options": {}, "ef": False}
+
+
+# ---- per-rank work ---------------------------------------------------------------------------
+def _layout(cfg: Dict[str, Any]) -> List[List[shapes.Layer]]:
+    if cfg.get("model"):
+        return shapes.buckets(shapes.model_layers(cfg["model"]), cfg.get("bucket_mb", 25.0))
+    return [[("grad", matrix_shape(int(cfg["numel"])))]]
+
+
+def matrix_shape(numel: int) -> Tuple[int, ...]:
+    """The most nearly square ``(rows, cols)`` with ``rows * cols == numel`` (a weight matrix,
+    so that matrix compressors apply too; element-wise ones do not care), or ``(numel,)``."""
+    rows = next(d for d in range(math.isqrt(numel), 0, -1) if numel % d == 0)
+    return (rows, numel // rows) if rows > 1 else (numel,)
+
+
+def _method(spec: Dict[str, Any], world: int, layout, algorithm: Optional[str], model: bool) -> Callable:
+    """``run(bufs) -> (outputs, stats)`` for one method; ``bufs`` are the per-bucket inputs."""
+    kind = spec["kind"]
+    if kind == "dense":
+        def dense(bufs):
+            with hooks.CountingAllReduce(world) as counter:
+                for b in bufs:
+                    dist.all_reduce(b)
+                    b.div_(world)
+            return bufs, {"bytes": counter.nbytes}
+        return dense
+    # stand-in parameters (no storage) that give the hooks each bucket's layer shapes and names
+    params = [[torch.empty(shape, device="meta") for _, shape in bucket] for bucket in layout]
+
+    def launch(state, hook, bufs):
+        # one bucket at a time: PyTorch's PowerSGD hook issues collectives from future callbacks,
+        # so with several buckets in flight the ranks could issue them in different orders
+        return [hook(state, hooks.Bucket(i, b, params[i], i == len(bufs) - 1)).wait() for i, b in enumerate(bufs)]
+
+    if kind in TORCH_METHODS:
+        state, hook, setup = hooks.torch_hook(kind, spec["options"])
+
+        def torch_run(bufs):
+            with hooks.CountingAllReduce(world) as counter:
+                outs = launch(state, hook, bufs)
+            return outs, {"bytes": counter.nbytes}
+        torch_run.setup_calls = setup  # type: ignore[attr-defined]
+        return torch_run
+
+    from gradcomp.collectives import allreduce, reset_telemetry, telemetry
+    from gradcomp.compress import ErrorFeedback, get_compressor
+
+    if model:  # realistic layers: gradcomp's DDP hook, which compresses parameter by parameter
+        state, hook = hooks.gradcomp_hook(spec)
+
+        def exchange(bufs):
+            return launch(state, hook, bufs)
+    else:  # one tensor: the compressed collective itself
+        comp = get_compressor(spec["name"], **spec["options"])
+        comp = ErrorFeedback(comp) if spec["ef"] else comp
+
+        def exchange(bufs):
+            return [allreduce(b.view(p.shape), compressor=comp, key=f"bucket{i}", algorithm=algorithm)
+                    for i, (b, p) in enumerate(zip(bufs, (ps[0] for ps in params)))]
+
+    def ours(bufs):
+        reset_telemetry()
+        outs = exchange(bufs)
+        total = telemetry()["total"]
+        return outs, {"bytes": total["bytes_sent"], "bytes_recv": total["bytes_recv"],
+                      "payload_bytes": total["payload_bytes"], "compress_ms": 1e3 * total["compress_s"],
+                      "decompress_ms": 1e3 * total["decompress_s"], "comm_ms": 1e3 * total["comm_s"]}
+    return ours
+
+
+def _step_input(flat: torch.Tensor, call: int) -> torch.Tensor:
+    """The gradient of call ``call``: the rank's draw rotated by a call-dependent offset, so
+    that consecutive calls see different data (as consecutive training steps do; a constant
+    gradient would let error-feedback residuals grow without bound) at the cost of one copy."""
+    return torch.roll(flat, 104_729 * call % max(flat.numel(), 1)) if call else flat.clone()
+
+
+def _time_calls(run: Callable, flat: torch.Tensor, views: Callable, exact: torch.Tensor, warmup: int, repeats: int,
+                tick: Callable[[], None]) -> Dict[str, Any]:
+    """Warm-up then timed calls of ``run``; this rank's raw times and stats, and the first call's error."""
+    for _ in range(getattr(run, "setup_calls", 0)):
+        run(views(flat.clone()))
+    times, stats, rel_error = [], [], None
+    for i in range(warmup + repeats):
+        bufs = views(_step_input(flat, i))  # untimed; a fresh tensor also serves the in-place hooks
+        dist.barrier()
+        t0 = time.perf_counter()
+        outs, st = run(bufs)
+        elapsed = time.perf_counter() - t0
+        if i == 0:
+            out = torch.cat([o.reshape(-1) for o in outs])
+            rel_error = float((out.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
+        if i >= warmup:
+            times.append(elapsed * 1e3)
+            stats.append(st)
+        tick()
+    return {"times_ms": times, "stats": stats, "rel_error": rel_error}
+
+
+def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[..., None]) -> Any:
+    """Benchmark every method in ``cfg['methods']``; rank 0 returns the records, others None."""
+    layout = _layout(cfg)
+    sizes = [sum(math.prod(s) for _, s in bucket) for bucket in layout]
+    numel = sum(sizes)
+    gen = torch.Generator().manual_seed(int(cfg.get("seed", 0)) * 1000 + rank)
+    flat = torch.randn(numel, generator=gen, dtype=torch.float32)
+    exact = flat.clone()
+    dist.all_reduce(exact)
+    exact.div_(world)
+
+    def views(t: torch.Tensor) -> List[torch.Tensor]:
+        return list(torch.split(t, sizes))
+
+    warmup, repeats = int(cfg["warmup"]), int(cfg["repeats"])
+    methods = [{"label": "dense", "kind": "dense", "ef": False, "options": {}}] + list(cfg["methods"])
+    total, done = len(methods) * (warmup + repeats), [0]
+
+    def tick(label: str) -> Callable[[], None]:
+        def f() -> None:
+            done[0] += 1
+            progress(done=done[0], total=total, label=label)
+        return f
+
+    raw: List[Dict[str, Any]] = []
+    for spec in methods:
+        try:
+            run = _method(spec, world, layout, cfg.get("algorithm"), bool(cfg.get("model")))
+            res = _time_calls(run, flat, views, exact, warmup, repeats, tick(spec["label"]))
+        except ValueError as exc:  # e.g. an algorithm this compressor cannot use: same on every rank
+            res = {"error": str(exc)}
+            done[0] += warmup + repeats
+        raw.append(res)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, raw)
+    if rank != 0:
+        return None
+    return _records(methods, everyone, cfg, world, numel)
+
+
+def _median_of_max(per_rank: List[List[float]]) -> float:
+    """Per repeat the slowest rank (it decides when the step can go on), then the median."""
+    return statistics.median(max(vals) for vals in zip(*per_rank))
+
+
+def _records(methods, everyone, cfg, world, numel) -> List[Dict[str, Any]]:
+    dense = everyone[0][0]
+    dense_ms = _median_of_max([r[0]["times_ms"] for r in everyone])
+    dense_bytes = statistics.median(st["bytes"] for st in dense["stats"])
+    records = []
+    for m, spec in enumerate(methods):
+        results = [r[m] for r in everyone]
+        rec: Dict[str, Any] = {"compressor": spec["label"], "method": spec["kind"], "error_feedback": spec["ef"],
+                               "options": spec.get("options", {}), "world_size": world, "numel": numel,
+                               "model": cfg.get("model"), "algorithm": cfg.get("algorithm") or "auto",
+                               "repeats": cfg["repeats"], "warmup": cfg["warmup"],
+                               "dense_bytes_per_rank": dense_bytes, "dense_ms": dense_ms}
+        if "error" in results[0]:
+            rec.update({f: None for f in FIELDS if f not in rec}, error=results[0]["error"])
+            records.append(rec)
+            continue
+        coll = _median_of_max([r["times_ms"] for r in results])
+        calls = range(len(results[0]["stats"]))
+        nbytes = statistics.median(max(r["stats"][i]["bytes"] for r in results) for i in calls)
+
+        def timing(field: str) -> Optional[float]:
+            if any(field not in st for r in results for st in r["stats"]):
+                return None
+            return _median_of_max([[st[field] for st in r["stats"]] for r in results])
+
+        rec.update({"bytes_per_rank": nbytes, "comm_ms": timing("comm_ms"),
+                    "ratio": dense_bytes / nbytes if nbytes else None,
+                    "rel_error": max(r["rel_error"] for r in results),
+                    "compress_ms": timing("compress_ms"), "decompress_ms": timing("decompress_ms"),
+                    "collective_ms": coll, "speedup": dense_ms / coll if coll else None,
+                    "collective_ms_repeats": [max(v) for v in zip(*[r["times_ms"] for r in results])]})
+        records.append(rec)
+    return records
+
+
+def dense_probe(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[..., None]) -> List[float]:
+    """Milliseconds of plain dense ``all_reduce`` calls (after one warm-up): a link check."""
+    t = torch.ones(int(cfg["numel"]))
+    dist.all_reduce(t)
+    out = []
+    for i in range(int(cfg["repeats"])):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        out.append((time.perf_counter() - t0) * 1e3)
+        progress(done=i + 1, total=int(cfg["repeats"]), label="dense")
+    return out

@@ -1,0 +1,87 @@
+"""PNG plots of benchmark results (matplotlib, headless)."""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError:
+        raise ValueError("--plot needs matplotlib: pip install 'gradcomp[bench]'") from None
+    matplotlib.use("Agg")  # files only, no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def collective_plot(records: List[Dict[str, Any]], path: str, title: str = "") -> None:
+    """Left: where each method's time goes (compress, communicate, decompress) beside dense;
+    right: bytes per rank and speed-up over dense ``all_reduce``."""
+    plt = _pyplot()
+    rows = [r for r in records if r.get("collective_ms") is not None]
+    names = [r["compressor"] for r in rows]
+    y = list(range(len(rows)))
+    comp = [r["compress_ms"] or 0.0 for r in rows]
+    decomp = [r["decompress_ms"] or 0.0 for r in rows]
+    comm = [max(r["collective_ms"] - c - d, 0.0) for r, c, d in zip(rows, comp, decomp)]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.38 * len(rows) + 2.2), sharey=True)
+    ax1.barh(y, comp, color="#d95f02", label="compress")
+    ax1.barh(y, comm, left=comp, color="#7570b3", label="communicate + rest")
+    ax1.barh(y, decomp, left=[c + m for c, m in zip(comp, comm)], color="#1b9e77", label="decompress")
+    if rows:
+        ax1.axvline(rows[0]["dense_ms"], color="k", ls="--", lw=1, label="dense all_reduce")
+    ax1.set_yticks(y, names)
+    ax1.invert_yaxis()
+    ax1.set_xlabel("ms per call (median, slowest rank)")
+    ax1.legend(loc="lower right", fontsize=8)
+    speed = [r["speedup"] or 0.0 for r in rows]
+    ax2.barh(y, speed, color=["#1b9e77" if s >= 1 else "#e7298a" for s in speed])
+    ax2.axvline(1.0, color="k", lw=1)
+    for yi, r in zip(y, rows):
+        label = f" {r['speedup']:.2f}x  ({r['ratio']:.1f}x less data)"
+        ax2.text(r["speedup"] or 0.0, yi, label, va="center", fontsize=7)
+    ax2.set_xscale("log")
+    ax2.set_xlabel("speed-up over dense all_reduce (log)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _smooth(values: List[float], window: int) -> List[float]:
+    """Trailing moving average (the per-step loss of a small batch is noisy)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def training_plot(runs: List[Dict[str, Any]], path: str, title: str = "") -> None:
+    """Training loss per step (left, smoothed over an epoch) and test accuracy per epoch (right):
+    PyTorch's hooks dashed, gradcomp's with error feedback solid, without it dotted."""
+    plt = _pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
+    colors = plt.get_cmap("tab20").colors
+    for i, run in enumerate(runs):
+        style = "--" if run.get("source") == "torch" else ("-" if run.get("error_feedback") else ":")
+        window = max(1, run["steps"] // max(run["epochs"], 1))
+        kw = {"color": colors[i % len(colors)], "ls": style, "lw": 1.3, "label": run["method"],
+              "zorder": 3 if run.get("source") == "torch" else 2}  # the references stay visible
+        ax1.plot(_smooth(run["loss_curve"], window), **kw)
+        ax2.plot(range(1, len(run["accuracy_curve"]) + 1), [100 * a for a in run["accuracy_curve"]], marker=".", **kw)
+    ax1.set_yscale("log")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("training loss (mean over ranks, moving average over an epoch)")
+    ax2.set_xlabel("epoch")
+    ax2.set_ylabel("test accuracy (%)")
+    best = max((max(r["accuracy_curve"]) for r in runs if r["accuracy_curve"]), default=1.0)
+    ax2.set_ylim(max(0.0, 100 * best - 15), 100 * best + 1.5)  # the interesting band, not epoch 1
+    ax2.legend(fontsize=7, ncol=2, loc="lower right")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

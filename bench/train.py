@@ -1,0 +1,247 @@
+"""The training benchmark: ``python -m gradcomp.bench train``.
+
+A small MLP learns scikit-learn's handwritten digits (1,797 8x8 images shipped with the
+package, nothing downloaded) on several gloo ranks under ``DistributedDataParallel``, once
+per method: gradcomp's DDP hook with each chosen compressor, with and without error feedback,
+and PyTorch's own ``allreduce_hook``, ``fp16_compress_hook`` and ``powerSGD_hook``. Every run
+starts from the same weights and sees the same batches. Reported: final test accuracy (and
+its difference to PyTorch's allreduce), time per step (slowest rank, median), bytes sent per
+rank per step (gradcomp's telemetry; for PyTorch's hooks, what they hand to ``all_reduce``,
+counted the same way), and loss curves.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import cli, hooks, launch
+from .collective import parse_entry
+from . import env as envmod
+
+DEFAULT_COMPRESSORS = "topk,efsignsgd,onebit,qsgd,powersgd"
+TORCH_METHODS = ("torch-allreduce", "torch-fp16", "torch-powersgd")
+REFERENCE = "torch-allreduce"
+POWERSGD_RANK = 4
+# PyTorch's PowerSGD hook cannot compress before its 3rd step (start_powerSGD_iter >= 2 with
+# error feedback); ours starts at the same step so that the two are compared like for like.
+POWERSGD_START = 2
+BUCKET_MB = 25
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m gradcomp.bench train",
+        description="Train an MLP on scikit-learn's digits on several ranks with each compressor (with and "
+                    "without error feedback) and with PyTorch's own DDP hooks; compare accuracy, step time, bytes.")
+    p.add_argument("--compressors", default=DEFAULT_COMPRESSORS, metavar="A,B,C",
+                   help=f"gradcomp compressors, each NAME or NAME:opt=value (default {DEFAULT_COMPRESSORS})")
+    p.add_argument("--error-feedback", default="both", choices=("both", "on", "off"),
+                   help="run each compressor with error feedback, without, or both (default)")
+    p.add_argument("--no-torch", action="store_true", help=f"skip PyTorch's hooks ({', '.join(TORCH_METHODS)})")
+    p.add_argument("--epochs", type=int, default=20, metavar="N", help="epochs per run (default 20)")
+    p.add_argument("--batch-size", type=int, default=32, metavar="N", help="batch size per rank (default 32)")
+    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05, momentum 0.9)")
+    p.add_argument("--hidden", type=int, default=512, metavar="N", help="hidden width of the 3-layer MLP (default 512)")
+    cli.common_options(p)
+    return p
+
+
+def methods(args) -> List[Dict[str, Any]]:
+    """Run specs in the order they are reported: PyTorch's first, then gradcomp's."""
+    from gradcomp.compress import get_compressor
+
+    out: List[Dict[str, Any]] = []
+    if not args.no_torch:
+        out += [{"label": k if k != "torch-powersgd" else f"{k}:rank={POWERSGD_RANK}", "kind": k, "source": "torch",
+                 "options": {"rank": POWERSGD_RANK} if k == "torch-powersgd" else {},
+                 "ef": k == "torch-powersgd"} for k in TORCH_METHODS]
+    efs = {"both": [False, True], "on": [True], "off": [False]}[args.error_feedback]
+    for entry in [e for e in args.compressors.split(",") if e.strip()]:
+        name, opts = parse_entry(entry)
+        if name == "powersgd":
+            opts.setdefault("rank", POWERSGD_RANK)
+        get_compressor(name, **opts)  # validate now, in the parent, with one clear error
+        policy = {"start_iter": POWERSGD_START} if name == "powersgd" else {}
+        for ef in efs:
+            label = name + "".join(f":{k}={v}" for k, v in opts.items()) + ("+ef" if ef else "")
+            out.append({"label": label, "kind": "gradcomp", "source": "gradcomp", "name": name,
+                        "options": {**opts, **policy}, "ef": ef})
+    if not out:
+        raise ValueError("nothing to run: give --compressors or drop --no-torch")
+    return out
+
+
+# ---- per rank ----------------------------------------------------------------------------------
+def _data(seed: int):
+    try:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+    except ImportError:
+        raise ValueError("the training benchmark needs scikit-learn: pip install 'gradcomp[bench]'") from None
+    x, y = load_digits(return_X_y=True)
+    xtr, xte, ytr, yte = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
+    mean, std = xtr.mean(0), xtr.std(0) + 1e-3  # a few border pixels are always 0
+    conv = lambda a: torch.tensor(a, dtype=torch.float32)  # noqa: E731
+    return (conv((xtr - mean) / std), torch.tensor(ytr), conv((xte - mean) / std), torch.tensor(yte))
+
+
+def _model(hidden: int, seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)  # every run and every rank starts from the same weights
+    return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
+                               torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
+
+
+def _train_one(spec, rank, world, cfg, data, tick) -> Dict[str, Any]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradcomp.collectives import reset_telemetry, telemetry
+
+    xtr, ytr, xte, yte = data
+    model = _model(cfg["hidden"], cfg["seed"])
+    # one bucket (bucket_cap_mb also sets the first bucket): PyTorch's PowerSGD hook issues collectives
+    # from future callbacks, which with several buckets in flight reach gloo in different orders
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+    if spec["source"] == "torch":
+        state, hook, _ = hooks.torch_hook(spec["kind"], {**spec["options"], "seed": cfg["seed"]})
+    else:
+        state, hook = hooks.gradcomp_hook(spec, model)
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
+    batch = cfg["batch_size"]
+    steps_per_epoch = len(ytr) // (world * batch)
+    losses, times, accuracy = [], [], []
+    counter = hooks.CountingAllReduce(world)
+    reset_telemetry()
+    # PyTorch's hooks keep no telemetry: count what they hand to all_reduce (ours report their own)
+    with counter if spec["source"] == "torch" else contextlib.nullcontext():
+        for epoch in range(cfg["epochs"]):
+            order = torch.randperm(len(ytr), generator=torch.Generator().manual_seed(cfg["seed"] * 7919 + epoch))
+            mine = order[rank::world]
+            for s in range(steps_per_epoch):
+                idx = mine[s * batch:(s + 1) * batch]
+                t0 = time.perf_counter()
+                opt.zero_grad()
+                loss = torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx])
+                loss.backward()
+                opt.step()
+                times.append((time.perf_counter() - t0) * 1e3)
+                losses.append(float(loss.detach()))
+            with torch.no_grad():
+                accuracy.append(float((model(xte).argmax(1) == yte).float().mean()))
+            tick()
+    steps = len(times)
+    sent = telemetry()["total"]["bytes_sent"] if spec["source"] == "gradcomp" else counter.nbytes
+    # a weight checksum: the ranks' models must stay identical (every rank ends with the same mean)
+    checksum = float(sum(p.double().sum() for p in model.parameters()))
+    return {"losses": losses, "times_ms": times, "accuracy": accuracy, "bytes_per_step": sent / max(steps, 1),
+            "checksum": checksum}
+
+
+def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[..., None]) -> Any:
+    data = _data(cfg["seed"])
+    specs = cfg["methods"]
+    total, done = len(specs) * cfg["epochs"], [0]
+    results = []
+    for spec in specs:
+        def tick(label=spec["label"]):
+            done[0] += 1
+            progress(done=done[0], total=total, label=label)
+        results.append(_train_one(spec, rank, world, cfg, data, tick))
+        dist.barrier()
+    everyone: List[Any] = [None] * world
+    dist.all_gather_object(everyone, results)
+    if rank != 0:
+        return None
+    return _records(specs, everyone, cfg, world)
+
+
+def _records(specs, everyone, cfg, world) -> List[Dict[str, Any]]:
+    dense_bytes = 4 * sum(p.numel() for p in _model(cfg["hidden"], 0).parameters()) * 2 * (world - 1) // world
+    records = []
+    for m, spec in enumerate(specs):
+        runs = [r[m] for r in everyone]
+        steps = len(runs[0]["times_ms"])
+        skip = min(5, steps - 1)  # the first steps build DDP's buckets and the hooks' state
+        step_ms = statistics.median(max(r["times_ms"][i] for r in runs) for i in range(skip, steps))
+        loss_curve = [sum(r["losses"][i] for r in runs) / world for i in range(steps)]
+        sums = [r["checksum"] for r in runs]
+        records.append({
+            "method": spec["label"], "source": spec["source"], "error_feedback": spec["ef"],
+            "world_size": world, "epochs": cfg["epochs"], "steps": steps,
+            "test_accuracy": runs[0]["accuracy"][-1], "accuracy_curve": runs[0]["accuracy"],
+            "step_ms": step_ms, "bytes_per_step": max(r["bytes_per_step"] for r in runs),
+            "dense_bytes_per_step": dense_bytes, "final_loss": sum(loss_curve[-10:]) / len(loss_curve[-10:]),
+            "loss_curve": loss_curve, "ranks_agree": max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0])),
+        })
+    ref = next((r for r in records if r["method"] == REFERENCE), None)
+    for r in records:
+        r["accuracy_vs_dense_pp"] = None if ref is None else 100 * (r["test_accuracy"] - ref["test_accuracy"])
+        r["ratio"] = r["dense_bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else None
+    return records
+
+
+# ---- entry point -------------------------------------------------------------------------------
+def table(records: List[Dict[str, Any]]) -> str:
+    head = ("method", "test acc", "vs dense", "step ms", "bytes/step", "ratio", "final loss", "")
+    rows = []
+    for r in records:
+        rows.append((r["method"], f"{100 * r['test_accuracy']:.2f}%",
+                     cli.fmt(r["accuracy_vs_dense_pp"], "+.2f") + " pp",
+                     f"{r['step_ms']:.2f}", cli.fmt_bytes(r["bytes_per_step"]), cli.fmt(r["ratio"], ".1f") + "x",
+                     f"{r['final_loss']:.4f}", "" if r["ranks_agree"] else "RANKS DIFFER"))
+    w0 = max(len(x[0]) for x in [head, *rows])
+    widths = [w0, 9, 10, 8, 11, 7, 11, 0]
+    def line(cells) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join(line(r) for r in [head, *rows])
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(argv)
+    cli.check_sizes(args)
+    for name in ("epochs", "batch_size", "hidden"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, not {args.lr}")
+    specs = methods(args)
+    link = cli.resolve_link(args)
+    _data(args.seed)  # fail early, in the parent, if scikit-learn is missing
+    cfg = {"methods": specs, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
+           "hidden": args.hidden, "seed": args.seed}
+    env = envmod.environment(args.world_size, cli.link_text(link), args.threads)
+    nparams = sum(p.numel() for p in _model(args.hidden, 0).parameters())
+    print(envmod.header(env, [
+        "data     scikit-learn digits: 1,437 train / 360 test images, 8x8, 10 classes",
+        f"model    MLP 64-{args.hidden}-{args.hidden}-10 ({nparams:,} parameters), SGD lr {args.lr} momentum 0.9, "
+        f"batch {args.batch_size} per rank, {args.epochs} epochs, seed {args.seed}",
+        f"methods  {len(specs)} runs; PowerSGD (ours and PyTorch's) rank {POWERSGD_RANK}, compressing from step "
+        f"{POWERSGD_START}",
+    ]), flush=True)
+    bar = cli.Progress(not args.no_progress)
+    try:
+        results = launch.run_ranks("train", cfg, args.world_size, link=link, threads=args.threads,
+                                   timeout_s=args.timeout, on_progress=bar)
+    finally:
+        bar.close()
+    records = results[0]
+    for r in records:
+        r["env"] = env
+    print()
+    print(table(records))
+    if args.json:
+        cli.write_json(args.json, records)
+        print(f"\nwrote {args.json}")
+    if args.plot:
+        from . import plot
+
+        plot.training_plot(records, args.plot, title=f"digits MLP, {env['world_size']} ranks, {env['link']}")
+        print(f"wrote {args.plot}")
+    return 0
