@@ -12,7 +12,7 @@ setup(
     python_requires=">=3.9",
     packages=["gradcomp"] + [f"gradcomp.{p}" for p in _PACKAGES],
     package_dir={"gradcomp": "gradcomp", **{f"gradcomp.{p}": p for p in _PACKAGES}},
-    package_data={"gradcomp.kernels": ["cuda/*.cu"]},
+    package_data={"gradcomp.kernels": ["cuda/*.cu", "cuda/*.cuh"]},
     install_requires=["torch>=2.1", "numpy"],
     extras_require={
         "cuda": ["cupy-cuda12x"],

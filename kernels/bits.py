@@ -11,6 +11,8 @@ import sys
 import numpy as np
 import torch
 
+from . import _dispatch
+
 _ALLOWED_BITS = (1, 2, 4, 8)
 # CPU packing of 2- and 4-bit codes by one integer multiply per word: the codes of a
 # little-endian uint32 (uint16) word, one per byte, are gathered into its top byte.
@@ -101,6 +103,9 @@ def _unpack_numpy(packed: np.ndarray, numel: int, bits: int) -> np.ndarray:
 
 
 def _pack_torch(flat: torch.Tensor, bits: int) -> torch.Tensor:
+    packed = _dispatch.cuda_pack_codes(flat, bits)
+    if packed is not None:
+        return packed
     per_byte = 8 // bits
     n = flat.numel()
     pad = (-n) % per_byte
@@ -112,6 +117,9 @@ def _pack_torch(flat: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _unpack_torch(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    codes = _dispatch.cuda_unpack_codes(packed, numel, bits)
+    if codes is not None:
+        return codes
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
     mask = (1 << bits) - 1
     codes = (packed.to(torch.int32).unsqueeze(1) >> shifts) & mask

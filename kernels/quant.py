@@ -26,6 +26,8 @@ from typing import Callable, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
+from . import _dispatch
+
 NATURAL_TOP = 125  # natural codes: magnitudes 2**(m - 125 + E) for m in 1..125
 NATURAL_INF = 126  # magnitude field of +-inf
 NATURAL_NAN = 127  # magnitude field of NaN
@@ -93,6 +95,10 @@ def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """``max |x|`` of each block, in ``x``'s dtype; a block holding NaN gives NaN."""
     if x.numel() == 0:
         return x.new_empty(0)
+    if x.is_cuda:
+        out = _dispatch.cuda_block_absmax(x, block_size)
+        if out is not None:
+            return out
     # amax and amin read x without the |x| temporary; maximum() propagates NaN
     return _per_block(lambda b: torch.maximum(b.amax(dim=1), b.amin(dim=1).neg()), block_size, x)
 
@@ -107,6 +113,10 @@ def bucket_norms(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
     """
     if x.numel() == 0:
         return x.new_empty(0)
+    if x.is_cuda:
+        out = _dispatch.cuda_bucket_norms(x, bucket_size)
+        if out is not None:
+            return out
     norms = _per_block(lambda b: torch.linalg.vector_norm(b, dim=1), bucket_size, x)
     suspect = (norms == 0) | torch.isinf(norms)
     if bool(suspect.any()):  # all-zero buckets are common; a second look is cheap
@@ -177,6 +187,10 @@ def quantize_levels(x: torch.Tensor, mult: torch.Tensor, block_size: int, levels
     """
     if not 1 <= levels <= 127:
         raise ValueError(f"levels must be in [1, 127] to fit int8, got {levels}")
+    if x.is_cuda:
+        out = _dispatch.cuda_quantize_levels(x, mult, block_size, levels, u)
+        if out is not None:
+            return out
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     scratch = None
     for a, b, blk, cbs in _chunks(x.numel(), block_size, x.device):
@@ -199,6 +213,10 @@ def quantize_levels(x: torch.Tensor, mult: torch.Tensor, block_size: int, levels
 def dequantize_levels(q: torch.Tensor, scale: torch.Tensor, block_size: int,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale[block]`` as a new tensor of ``dtype``: one rounding per element."""
+    if q.is_cuda:
+        res = _dispatch.cuda_dequantize_levels(q, scale, block_size, dtype)
+        if res is not None:
+            return res
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
     out.copy_(q)  # no temporaries here, so chunks would not save anything
     _broadcast_op(out, lambda d, _, s: d.mul_(s), out, scale.to(dtype), block_size)
@@ -256,6 +274,10 @@ def natural_codes(y: torch.Tensor, u: torch.Tensor, *, overwrite_u: bool = False
     """
     if y.dtype != torch.float32 or u.dtype != torch.float32 or u.shape != y.shape:
         raise ValueError("natural_codes expects float32 y and u of the same shape")
+    if y.is_cuda:
+        codes = _dispatch.cuda_natural_codes(y, u, out)
+        if codes is not None:
+            return codes
     r = u if overwrite_u else u.clone()
     r.mul_(float(1 << 23))
     r = r.view(torch.int32).copy_(r)  # floor(u * 2**23), converted in place
@@ -312,4 +334,5 @@ def natural_decode(codes: torch.Tensor, exp: int, dtype: torch.dtype = torch.flo
     table = natural_table(exp, dtype, limit_dtype).to(codes.device)
     if codes.device.type == "cpu":
         return torch.from_numpy(np.take(table.numpy(), codes.numpy()))
-    return table[codes.long()]
+    out = _dispatch.cuda_natural_decode(codes, table, dtype)
+    return out if out is not None else table[codes.long()]

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from . import _dispatch
+
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
 
@@ -39,6 +41,10 @@ def scatter_add_checked(out_flat: torch.Tensor, indices: torch.Tensor, values: t
     if values.dim() != 1 or values.numel() != indices.numel():
         raise ValueError(f"values must be 1-D with one value per index: {indices.numel()} indices, "
                          f"values of shape {tuple(values.shape)}")
+    if out_flat.is_cuda:
+        out = _dispatch.cuda_scatter_add_checked(out_flat, indices, values)
+        if out is not None:
+            return out
     check_indices(indices, out_flat.numel())
     return out_flat.index_add_(0, indices.to(out_flat.device), values.to(out_flat.dtype))
 
