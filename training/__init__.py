@@ -1,0 +1,14 @@
+"""Training entry points: DDP communication hooks and a compressed optimizer wrapper.
+
+``state, hook = ddp_comm_hook(name, **options)`` for ``ddp_model.register_comm_hook``, and
+``CompressedOptimizer(optimizer, compressor=name, **options)`` for data-parallel training
+without DDP. Both share one warm-up / layer policy (:mod:`gradcomp.training.policy`) and keep
+compressor and error-feedback state per parameter name.
+"""
+from .engine import Compression
+from .hooks import HookState, cast_wrapper, compressed_hook, ddp_comm_hook
+from .optimizer import CompressedOptimizer
+from .policy import Policy, Rule, make_codec
+
+__all__ = ["ddp_comm_hook", "CompressedOptimizer", "HookState", "cast_wrapper", "compressed_hook",
+           "Compression", "Policy", "Rule", "make_codec"]

@@ -1,0 +1,159 @@
+"""CompressedOptimizer on 2 real gloo ranks (no DDP): every compressor, resume, optimizer API.
+
+One spawn runs every check; the tests assert on its results:
+
+- parameters are broadcast from rank 0 at construction (and by ``add_param_group``);
+- with ``none`` the wrapper gives exactly the parameters of plain DDP, also with gradient
+  accumulation under ``no_sync``;
+- every compressor keeps the replicas bit-identical and the loss finite, compressing from the
+  first step, with state under parameter names;
+- buckets are sent during backward (before ``step``);
+- checkpoint -> resume (``state_dict`` with error-feedback state) is bit-identical;
+- LR schedulers, ``zero_grad``, ``param_groups`` and ``add_param_group`` act as on the inner
+  optimizer.
+"""
+from __future__ import annotations
+
+import contextlib
+import io
+
+import pytest
+import torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from _training_helpers import batch, flat_params, mlp, teacher_data
+from dist import run_ranks
+from gradcomp.compress import available_compressors
+
+STEPS = 6
+OPTIONS = {"powersgd": {"rank": 1}}
+RESUMED = {"powersgd": {"rank": 2}, "topk": {"ratio": 0.05}, "signum": {}, "qsgd": {}}
+
+
+def _opt_run(me, compressor, steps, *, start=0, checkpoint=None, save_at=None, seed=0, accumulate=1,
+             bucket_mb=25.0, **options):
+    from gradcomp.training import CompressedOptimizer
+
+    x, y = teacher_data(512, 20, 4)
+    model = mlp(20, 64, 4, seed=seed)
+    opt = CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), compressor,
+                              model=model, min_numel=0, bucket_mb=bucket_mb, **options)
+    if checkpoint is not None:
+        ck = torch.load(io.BytesIO(checkpoint), weights_only=True)
+        model.load_state_dict(ck["model"])
+        opt.load_state_dict(ck["opt"])
+    losses, saved, launched = [], None, []
+    for step in range(start, start + steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            xb, yb = batch(x, y, 16, me, step * accumulate + micro)
+            with opt.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
+                loss = torch.nn.functional.cross_entropy(model(xb), yb)
+                loss.backward()
+        launched.append(all(f is not None for f in opt._futures))
+        opt.step()
+        losses.append(float(loss.detach()))
+        if save_at == step + 1:
+            buf = io.BytesIO()
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+            saved = buf.getvalue()
+    return model, opt, losses, saved, launched
+
+
+def _plain_ddp(me, steps, accumulate=1):
+    x, y = teacher_data(512, 20, 4)
+    model = mlp(20, 64, 4)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        opt.zero_grad()
+        for micro in range(accumulate):
+            xb, yb = batch(x, y, 16, me, step * accumulate + micro)
+            with ddp.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():  # forward included
+                torch.nn.functional.cross_entropy(ddp(xb), yb).backward()
+        opt.step()
+    return flat_params(model)
+
+
+def _api(me):
+    """Broadcast, add_param_group, LR scheduler, zero_grad and param_groups on the wrapper."""
+    from gradcomp.training import CompressedOptimizer
+
+    x, y = teacher_data(512, 20, 4)
+    model = mlp(20, 64, 4, seed=me)  # different on each rank: the wrapper broadcasts rank 0's
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt = CompressedOptimizer(inner, "topk", ratio=0.05, min_numel=0)
+    out = {"broadcast": flat_params(model), "same_groups": opt.param_groups is inner.param_groups}
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    head = torch.nn.Linear(4, 3)
+    torch.manual_seed(100 + me)
+    torch.nn.init.normal_(head.weight)
+    lrs = []
+    for step in range(STEPS):
+        if step == 2:
+            opt.add_param_group({"params": head.parameters(), "lr": 0.05})
+        opt.zero_grad()
+        xb, yb = batch(x, y, 16, me, step)
+        out_ = model(xb)
+        if step >= 2:
+            out_ = head(out_)
+        torch.nn.functional.cross_entropy(out_, yb % out_.shape[1]).backward()
+        opt.step()
+        sched.step()
+        lrs.append([g["lr"] for g in inner.param_groups])
+    opt.zero_grad(set_to_none=True)
+    out.update(params=torch.cat([flat_params(model), flat_params(head)]), lrs=lrs,
+               grads_cleared=all(p.grad is None for p in model.parameters()), groups=len(inner.param_groups))
+    return out
+
+
+def _optimizer_rank(rank, world):
+    out = {"plain": _plain_ddp(rank, STEPS), "plain_acc": _plain_ddp(rank, 3, accumulate=2)}
+    out["none wrapper"] = flat_params(_opt_run(rank, "none", STEPS)[0])
+    out["none_acc"] = flat_params(_opt_run(rank, "none", 3, accumulate=2)[0])
+    for name in available_compressors():
+        model, opt, losses, _, launched = _opt_run(rank, name, STEPS, bucket_mb=0.002, **OPTIONS.get(name, {}))
+        sd = opt.state_dict()["gradcomp"]
+        out[name] = {"params": flat_params(model), "losses": losses, "launched": launched,
+                     "iteration": sd["iteration"], "buckets": len(opt._buckets)}
+    for name, options in RESUMED.items():
+        straight, _, _, saved, _ = _opt_run(rank, name, 6, save_at=3, **options)
+        resumed, *_ = _opt_run(rank, name, 3, start=3, checkpoint=saved, seed=7, **options)
+        out["resume:" + name] = (flat_params(straight), flat_params(resumed))
+    out["api"] = _api(rank)
+    return out
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_optimizer_rank, 2, tmp_path_factory.mktemp("optimizer"), timeout_s=120)
+
+
+def test_none_wrapper_equals_plain_ddp(results):
+    for r in results:
+        assert torch.equal(r["none wrapper"], r["plain"])
+        assert torch.equal(r["none_acc"], r["plain_acc"])  # gradient accumulation under no_sync
+
+
+@pytest.mark.parametrize("name", available_compressors())
+def test_every_compressor_in_the_wrapper(results, name):
+    r0, r1 = results[0][name], results[1][name]
+    assert torch.equal(r0["params"], r1["params"]), "replicas differ"
+    assert all(torch.isfinite(torch.tensor(r["losses"])).all() for r in (r0, r1))
+    assert r0["iteration"] == STEPS
+    assert r0["buckets"] > 1 and all(r0["launched"]), "buckets must leave during backward"
+
+
+@pytest.mark.parametrize("name", sorted(RESUMED))
+def test_wrapper_resume_is_bit_identical(results, name):
+    for r in results:
+        straight, resumed = r["resume:" + name]
+        assert torch.equal(straight, resumed)
+
+
+def test_optimizer_api(results):
+    a0, a1 = results[0]["api"], results[1]["api"]
+    assert torch.equal(a0["broadcast"], a1["broadcast"])
+    assert torch.equal(a0["params"], a1["params"])  # the added group was broadcast too
+    assert a0["same_groups"] and a0["grads_cleared"] and a0["groups"] == 2
+    assert a0["lrs"][1] == [0.05] and a0["lrs"][2] == [0.05, 0.05] and a0["lrs"][3] == [0.025, 0.025]

@@ -1,0 +1,163 @@
+"""The exchange of one bucket: every gradient averaged over the group, each compressed on its own.
+
+Each gradient comes with its route: dense (None), a *summable* codec (its payload may be
+averaged element-wise as it is: native ones such as fp16, bf16, random-k, and multi-round
+PowerSGD, whose factors are averaged), or any other codec. Everything summable travels in
+lockstep: in each round, what every gradient needs averaged is concatenated per dtype into one
+flat tensor and allreduced once. A bucket of dense gradients and PowerSGD matrices thus costs
+one allreduce for the dense part and all P factors together and one for all Q factors, and no
+header. The other codecs (payloads whose size or meaning differ between ranks) go through
+``gradcomp.collectives.allreduce``, one parameter at a time, after the lockstep part.
+
+A DDP bucket that is all dense, or all sent through one 16-bit cast, is averaged as a whole
+instead, in place, as DDP's own allreduce and PyTorch's fp16/bf16 hooks do (the same bits).
+
+Compression, error feedback and warm starts are per gradient, keyed by its parameter name,
+so the result does not depend on how the bucket is laid out. Every rank makes the same
+collectives in the same order: the rounds of a codec depend only on the tensor shapes.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives import allreduce
+from gradcomp.collectives._telemetry import Record, commit
+from gradcomp.compress import Compressor, Payload
+from gradcomp.compress.fp16 import CastCompressor
+
+from .policy import base_of
+
+Item = Tuple[str, torch.Tensor, Any]  # (key, gradient, codec or None for dense)
+
+
+def exchange(items: Sequence[Item], group, world: int, *, buffer: Optional[torch.Tensor] = None,
+             label: str = "?") -> List[torch.Tensor]:
+    """The mean over ``group`` of every gradient in ``items``, in order (new tensors, or views
+    of ``buffer``).
+
+    ``buffer``: a flat tensor whose consecutive views the gradients are (a DDP bucket); when
+    every gradient is dense, or every one goes through the same 16-bit cast, the bucket is
+    averaged as a whole (see :func:`_whole`).
+    """
+    codecs = {id(codec): codec for _, _, codec in items}
+    if buffer is not None and items and len(codecs) == 1 and sum(g.numel() for _, g, _ in items) == buffer.numel():
+        codec = next(iter(codecs.values()))
+        if codec is None or isinstance(codec, CastCompressor):
+            return _whole(items, buffer, codec, group, world)
+    out: List[Optional[torch.Tensor]] = [None] * len(items)
+    gens: Dict[int, Generator] = {}
+    for i, (key, grad, codec) in enumerate(items):
+        if codec is None:
+            gens[i] = _dense(grad)
+        elif base_of(codec).multi_round:
+            gens[i] = codec.rounds(grad, key)
+        elif base_of(codec).native:
+            gens[i] = _native(codec, grad, key)
+    if gens:
+        rec = Record("allreduce", "bucket", label, "bucket", world,
+                     dense_bytes=sum(_nbytes(items[i][1]) for i in gens))
+        for i, value in _lockstep(gens, group, world, rec).items():
+            out[i] = value
+        commit(rec)
+    for i, (key, grad, codec) in enumerate(items):
+        if out[i] is None:
+            out[i] = allreduce(grad, compressor=codec, key=key, group=group)
+    return out  # type: ignore[return-value]
+
+
+def _whole(items: Sequence[Item], buffer: torch.Tensor, cast: Optional[CastCompressor], group, world: int
+           ) -> List[torch.Tensor]:
+    """The whole bucket in one allreduce, in place: dense (as DDP's own allreduce does), or
+    cast to 16 bits (as PyTorch's fp16/bf16 hooks do). A cast is element-wise and keeps no
+    state, so casting the bucket equals casting each gradient, with a pass less each way."""
+    rec = Record("allreduce", "bucket", "none" if cast is None else cast.name, "bucket", world,
+                 dense_bytes=_nbytes(buffer))
+    flat = buffer if cast is None else buffer.to(cast.wire_dtype)
+    rec.payload_bytes = _nbytes(flat)
+    _mean_(flat, group, world, rec)
+    if flat is not buffer:
+        buffer.copy_(flat)
+    commit(rec)
+    offsets = [0]
+    for _, g, _ in items:
+        offsets.append(offsets[-1] + g.numel())
+    return [buffer[a:b].view(g.shape) for (_, g, _), a, b in zip(items, offsets, offsets[1:])]
+
+
+def _lockstep(gens: Dict[int, Generator], group, world: int, rec: Record) -> Dict[int, torch.Tensor]:
+    """Drive round generators together: one allreduce per dtype and round for all of them."""
+    results: Dict[int, torch.Tensor] = {}
+    pending: Dict[int, torch.Tensor] = {}
+    for i, gen in gens.items():
+        _advance(i, gen, None, pending, results)
+    while pending:
+        sent, pending = pending, {}
+        kinds: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
+        for i in sorted(sent):
+            kinds.setdefault((sent[i].dtype, sent[i].device), []).append(i)
+        for idx in kinds.values():
+            flat = torch.cat([sent[i].reshape(-1) for i in idx])
+            rec.payload_bytes += _nbytes(flat)
+            _mean_(flat, group, world, rec)
+            for i, avg in zip(idx, flat.split([sent[i].numel() for i in idx])):
+                _advance(i, gens[i], avg.view(sent[i].shape), pending, results)
+    return results
+
+
+def _advance(i: int, gen: Generator, value: Optional[torch.Tensor], pending: Dict[int, torch.Tensor],
+             results: Dict[int, torch.Tensor]) -> None:
+    try:
+        pending[i] = next(gen) if value is None else gen.send(value)
+    except StopIteration as stop:
+        results[i] = stop.value
+
+
+def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
+    """Average ``flat`` over the group in place, scaled before the sum (a sum can overflow
+    where the mean does not) exactly as PyTorch does it: ``div_`` for 16-bit tensors, like its
+    fp16/bf16 hooks, and a multiplication by ``1/w`` otherwise, like DDP's own reducer. So the
+    ``none`` and 16-bit cast hooks give the same bits as those, for any world size."""
+    if world == 1 or flat.numel() == 0:
+        return flat
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        flat.div_(world)
+    else:
+        flat.mul_(1.0 / world)
+    start = time.perf_counter()
+    dist.all_reduce(flat, group=group)
+    rec.comm_s += time.perf_counter() - start
+    moved = _nbytes(flat) * 2 * (world - 1) // world  # what a ring allreduce moves per rank
+    rec.bytes_sent += moved
+    rec.bytes_recv += moved
+    return flat
+
+
+def _dense(grad: torch.Tensor) -> Generator:
+    avg = yield grad.detach()
+    return avg
+
+
+def _native(codec: Any, grad: torch.Tensor, key: str) -> Generator:
+    """A native codec as one round: its first payload tensor is averaged as it is."""
+    base = base_of(codec)
+    feedback = None if isinstance(codec, Compressor) else codec
+    if feedback is None:
+        acc, (payload, sent) = grad.detach(), (base.compress(grad, key), None)
+    else:
+        acc = feedback.accumulate(grad.detach(), key)
+        payload, sent = base.compress_decoded(acc, key)
+    avg = yield payload.tensors[0]
+    p = payload
+    avg = base.decompress(Payload(p.compressor, p.shape, p.dtype, [avg, *p.tensors[1:]], p.meta))
+    if feedback is not None:
+        feedback.update(key, acc, sent.reshape(acc.shape))
+        avg = feedback.combine(key, avg.reshape(acc.shape))
+    return avg.reshape(grad.shape).to(grad.dtype)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

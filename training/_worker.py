@@ -1,0 +1,140 @@
+"""One FIFO worker thread per process group, communicating over a twin of that group.
+
+A bucket's exchange is several collectives (dense part, compressed rounds). Buckets are
+submitted in the same order on every rank (DDP calls hooks in bucket order; the optimizer
+wrapper launches its buckets in order), and one thread runs them one after the other, so the
+collectives are issued in the same order everywhere while backward goes on: communication
+overlaps computation without ever interleaving two buckets.
+
+The last bucket of a backward pass may run on the caller's thread instead (``inline``), once
+the worker is idle: nothing is left to overlap it with, and two thread hand-offs are saved.
+
+The worker talks over a *twin* of the default group (``new_group`` over the same ranks, made
+once on the caller's thread), so collectives the program itself issues on the default group
+(DDP's buffer broadcast, the unused-parameter map, a logged loss) never meet ours. Other
+groups are used as they are: issue nothing else on them while a backward pass is running.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+_lock = threading.Lock()
+_workers: Dict[int, Tuple[Any, "Worker"]] = {}  # id(group) -> (group, worker); keeps the group alive
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def world_of(group) -> int:
+    """World size of ``group`` (None: the default group); 1 without a process group."""
+    if not initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised; "
+                             "call init_process_group first or pass process_group=None")
+        return 1
+    return dist.get_world_size(group)
+
+
+class Worker:
+    """Runs submitted jobs one at a time, in order; each job gets the group to use."""
+
+    def __init__(self, group) -> None:
+        if group is None or group is dist.group.WORLD:
+            self.group = dist.new_group(timeout=_timeout(dist.group.WORLD))
+        else:
+            self.group = group
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._last: Optional[torch.futures.Future] = None  # the latest job queued
+        self.thread = threading.Thread(target=self._loop, name="gradcomp-training", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Callable[[Any], Any], device: torch.device,
+               then: Optional[Callable[[torch.futures.Future], Any]] = None, *,
+               inline: bool = False) -> torch.futures.Future:
+        """A future of ``job(group)`` (chained with ``.then(then)``), run after every job
+        submitted before it. ``inline``: run it on the calling thread, once the worker is idle
+        (for the last bucket of a backward pass there is nothing left to overlap with, and
+        two thread hand-offs are saved)."""
+        cuda = device.type == "cuda"
+        fut = torch.futures.Future(devices=[device]) if cuda else torch.futures.Future()
+        out = fut if then is None else fut.then(then)
+        if inline:
+            if self._last is not None:
+                try:
+                    self._last.wait()
+                except Exception:  # raised where that future is waited on
+                    pass
+            try:
+                fut.set_result(job(self.group))
+            except Exception as exc:
+                fut.set_exception(exc)
+            return out
+        self._last = fut
+        ready = None
+        if cuda:  # the gradients were written on the caller's stream
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(device))
+        # Enqueue last: once the worker runs, the caller competes with it for the GIL, so
+        # the caller should have nothing left to do but return.
+        self._queue.put((job, fut, device, ready))
+        return out
+
+    def _loop(self) -> None:
+        streams: Dict[int, Any] = {}
+        while True:
+            job, fut, device, ready = self._queue.get()
+            try:
+                if ready is None:
+                    value = job(self.group)
+                else:
+                    stream = streams.setdefault(device.index, torch.cuda.Stream(device))
+                    with torch.cuda.device(device), torch.cuda.stream(stream):
+                        stream.wait_event(ready)
+                        value = job(self.group)
+                        fut.set_result(value)  # records the stream's work for the future's users
+                        continue
+            except Exception as exc:  # reported through the future, raised where it is waited on
+                fut.set_exception(exc)
+            else:
+                fut.set_result(value)
+
+
+def worker_for(group) -> Worker:
+    """The worker of ``group`` (None: the default group), created on first use.
+
+    Call it on every rank at the same point of the program the first time: creating the
+    twin of the default group is a collective.
+    """
+    g = dist.group.WORLD if group is None else group
+    with _lock:
+        entry = _workers.get(id(g))
+    if entry is not None and entry[0] is g:
+        return entry[1]
+    worker = Worker(g)
+    with _lock:
+        _workers[id(g)] = (g, worker)
+    return worker
+
+
+def completed(job: Callable[[Any], Any], then: Optional[Callable[[torch.futures.Future], Any]] = None
+              ) -> torch.futures.Future:
+    """Run ``job(None)`` now (one process: no communication); its finished future, chained."""
+    fut: torch.futures.Future = torch.futures.Future()
+    try:
+        fut.set_result(job(None))
+    except Exception as exc:
+        fut.set_exception(exc)
+    return fut if then is None else fut.then(then)
+
+
+def _timeout(group) -> Optional[Any]:
+    try:
+        return group._get_backend(torch.device("cpu")).options._timeout
+    except Exception:  # private API: absent on some backends and versions
+        return None

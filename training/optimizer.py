@@ -1,0 +1,241 @@
+"""``CompressedOptimizer``: data-parallel training with compressed gradients, no DDP needed.
+
+It wraps any ``torch.optim.Optimizer``. At construction it broadcasts the parameters from
+rank 0, so every replica starts equal. Parameters are grouped into buckets (in reverse order,
+the order backward usually produces their gradients); a gradient-accumulated hook counts the
+gradients of each bucket and, as soon as a bucket is complete, starts its exchange on the
+ordered worker, so communication overlaps the rest of backward. ``step()`` waits for every
+bucket, writes the averaged gradients into ``.grad`` and calls the inner ``step()``: every
+replica applies the same bits.
+
+Buckets are launched strictly in order, and any not complete by ``step()`` (a parameter
+without a gradient: averaged as zeros) are launched there, so the collectives run in the
+same order on every rank whatever the timing. For gradient accumulation run the extra
+backward passes under ``with opt.no_sync():``. With a loss scaler, call ``opt.synchronize()``
+before ``scaler.step(opt)`` so that the overflow check sees the averaged gradients.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections import OrderedDict
+from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives import plan_buckets
+
+from .engine import Compression, names_of
+from .policy import Policy
+
+
+class CompressedOptimizer(torch.optim.Optimizer):
+    """Averages gradients over ranks, compressed, then steps the wrapped optimizer.
+
+    ``compressor``: a registered name (options as keywords), a ``Compressor`` or an
+    error-feedback wrapper; policy keywords as for :func:`ddp_comm_hook` (``start_iter``,
+    ``min_compression_rate``, ``min_numel``, ``compress_1d``, ``layers``, ``error_feedback``,
+    ``ef_options``). ``model`` names the parameters (else ``param{i}`` by position);
+    ``bucket_mb`` caps a bucket; ``process_group`` defaults to every rank. ``param_groups``,
+    ``state``, ``zero_grad``, ``add_param_group`` and LR schedulers act on the inner optimizer.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, compressor: Any = "none", *,
+                 model: Optional[torch.nn.Module] = None, process_group=None, bucket_mb: float = 25.0,
+                 broadcast: bool = True, **options: Any) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise ValueError(f"CompressedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
+        if isinstance(optimizer, CompressedOptimizer):
+            raise ValueError("the optimizer is already a CompressedOptimizer; wrap the inner optimizer once")
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+            raise ValueError(f"bucket_mb={bucket_mb!r} is not allowed; it must be a number > 0")
+        self.optimizer = optimizer
+        # what torch.optim.Optimizer.__init__ sets up for hooks, without copying the param groups
+        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+                     "_optimizer_load_state_dict_post_hooks"):
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+        self.compression = Compression(Policy(compressor, **options), process_group)
+        self.bucket_mb = float(bucket_mb)
+        self._model = model
+        self._params: List[torch.Tensor] = []
+        self._names: List[str] = []
+        self._index: Dict[int, int] = {}
+        self._handles: List[Any] = []
+        self._no_sync = False
+        self._synced = False
+        self._register([p for g in optimizer.param_groups for p in g["params"]], broadcast)
+        self.compression.start()
+
+    # ---- the wrapped optimizer ------------------------------------------------------------
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def __repr__(self) -> str:
+        return f"CompressedOptimizer({self.optimizer!r}, {self.compression.policy.describe()})"
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise ValueError("a CompressedOptimizer cannot be pickled; save state_dict() instead")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._drain()
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        self._drain()
+        self.optimizer.add_param_group(param_group)
+        self._register(list(self.optimizer.param_groups[-1]["params"]), broadcast=True)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """The inner optimizer's state dict plus ``"gradcomp"``: error feedback and codec state."""
+        self._drain()
+        sd = self.optimizer.state_dict()
+        sd["gradcomp"] = self.compression.state_dict()
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self._drain()
+        sd = dict(state_dict)
+        ours = sd.pop("gradcomp", None)
+        self.optimizer.load_state_dict(sd)
+        if ours is not None:
+            self.compression.load_state_dict(ours)
+
+    # ---- communication --------------------------------------------------------------------
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients; the next one outside exchanges them."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def synchronize(self) -> None:
+        """Finish the exchange of this iteration: every ``.grad`` becomes the average over ranks.
+
+        ``step()`` calls it unless it was already called since the last backward pass.
+        """
+        while self._next < len(self._buckets):  # buckets whose gradients are not all there
+            self._launch(self._next)
+            self._next += 1
+        for bucket, fut in zip(self._buckets, self._futures):
+            for i, avg in zip(bucket, fut.wait()):
+                p = self._params[i]
+                if p.grad is None:
+                    p.grad = avg.clone() if avg._base is not None else avg
+                elif avg.data_ptr() != p.grad.data_ptr():
+                    p.grad.copy_(avg)
+        self._reset()
+        self.compression.iteration += 1
+        self._synced = True
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Run ``closure`` (once) if given, average the gradients, step the inner optimizer."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if not self._synced:
+            self.synchronize()
+        self._synced = False
+        self.optimizer.step()
+        return loss
+
+    # ---- internals ------------------------------------------------------------------------
+    def _register(self, params: List[torch.Tensor], broadcast: bool) -> None:
+        new = [p for p in params if p.requires_grad and id(p) not in self._index]
+        if broadcast:
+            self._broadcast(new)
+        for p in new:
+            self._index[id(p)] = len(self._params)
+            self._params.append(p)
+            self._handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
+        if self._model is not None:
+            self._names = names_of(self._params, self._model)
+        else:
+            self._names = [f"param{i}" for i in range(len(self._params))]
+        order = list(range(len(self._params)))[::-1]  # backward produces the last parameters first
+        planned = plan_buckets([(self._names[i], self._params[i]) for i in order], self.bucket_mb)
+        self._buckets = [[order[j] for j in b] for b in planned]
+        self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
+        self._reset()
+
+    def _broadcast(self, params: List[torch.Tensor]) -> None:
+        group = self.compression.group
+        if self.compression.world == 1 or not params:
+            return
+        src = 0 if group is None else dist.get_global_rank(group, 0)
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=src, group=group)
+
+    def _reset(self) -> None:
+        self._missing = [len(b) for b in self._buckets]
+        self._ready: set = set()
+        self._futures: List[Optional[torch.futures.Future]] = [None] * len(self._buckets)
+        self._next = 0
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if self._no_sync:
+            return
+        self._synced = False
+        i = self._index[id(param)]
+        b = self._bucket_of[i]
+        if self._futures[b] is not None:
+            raise ValueError(f"the gradient of {self._names[i]!r} was accumulated again after its bucket was sent; "
+                             f"call step() between backward passes, or run the extra passes under "
+                             f"`with optimizer.no_sync():`")
+        if i in self._ready:  # accumulated twice before its bucket left: it is still sent once
+            return
+        self._ready.add(i)
+        self._missing[b] -= 1
+        while self._next < len(self._buckets) and self._missing[self._next] <= 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, b: int) -> None:
+        members = self._buckets[b]
+        grads = [self._params[i].grad if self._params[i].grad is not None else torch.zeros_like(self._params[i])
+                 for i in members]
+        # the last bucket has nothing left to overlap with: it runs on this thread
+        self._futures[b] = self.compression.submit([self._names[i] for i in members], grads,
+                                                   inline=b == len(self._buckets) - 1)
+
+    def __del__(self) -> None:
+        for handle in getattr(self, "_handles", ()):
+            handle.remove()
+
+    def _drain(self) -> None:
+        """Wait for exchanges in flight (their results are dropped) and start a new iteration."""
+        if any(f is not None for f in self._futures):
+            for f in self._futures:
+                if f is not None:
+                    f.wait()
+            self._reset()
+            self.compression.iteration += 1
+
+
+def _weak_hook(opt: CompressedOptimizer) -> Callable[[torch.Tensor], None]:
+    """The gradient hook, holding the wrapper weakly: a wrapper that is dropped (say, replaced
+    by a new one over the same parameters) must stop exchanging gradients, and be freed."""
+    ref = weakref.ref(opt)
+
+    def hook(param: torch.Tensor) -> None:
+        target = ref()
+        if target is not None:
+            target._grad_ready(param)
+
+    return hook
