@@ -13,6 +13,13 @@ wrappers (``ErrorFeedback``, ``EF21``, ``DGCMomentum``: anything with ``compress
 ``acc = accumulate(tensor)``; the algorithm compresses ``acc`` cast to the input's dtype
 (whole, in chunks or in rounds), as ``ErrorFeedback.compress`` does; ``update(key, acc,
 sent)`` with what this rank's payload decoded to; ``combine`` finishes.
+
+When the wrapper can keep its residual in place (``fuses(tensor)``: ``ErrorFeedback`` around
+a compressor with an in-place path, gradient in the residual's dtype) and the algorithm
+compresses without a dtype cast (``allgather``, ``scatter-reduce``), the same arithmetic takes
+fewer passes: ``accumulate_in_place`` adds the tensor to the residual, the algorithm compresses
+the residual with ``compress_residual``, which leaves the compression error there, and no
+decoded copy of this rank's payload is made.
 """
 from __future__ import annotations
 
@@ -107,7 +114,10 @@ def reduce(tensor: Any, spec: Spec, comm: Comm, *, key: str, feedback: Any, part
         if tensor.numel():
             with rec.timing("compress"):
                 acc = tensor.detach()
-                if feedback is not None:
+                if feedback is not None and getattr(algo, "takes_residual", False) and _fuses(feedback, tensor):
+                    algo.want_sent, algo.in_place = False, True
+                    acc = feedback.accumulate_in_place(acc, key)
+                elif feedback is not None:
                     acc = feedback.accumulate(acc, key)
                 check, sizes = algo.local(acc, tensor.dtype)
     except Exception as exc:
@@ -122,9 +132,15 @@ def reduce(tensor: Any, spec: Spec, comm: Comm, *, key: str, feedback: Any, part
     rec.payload_bytes += algo.payload_bytes
     with rec.timing("decompress"):
         if feedback is not None:
-            feedback.update(key, acc, sent.reshape(acc.shape).to(tensor.dtype))
+            if not getattr(algo, "in_place", False):  # in place, the residual already holds the error
+                feedback.update(key, acc, sent.reshape(acc.shape).to(tensor.dtype))
             avg = feedback.combine(key, avg.reshape(acc.shape))
-        return fresh(avg.reshape(tensor.shape).to(tensor.dtype), tensor)
+        return fresh(avg.reshape(tensor.shape).to(tensor.dtype), tensor, acc)
+
+
+def _fuses(feedback: Any, tensor: torch.Tensor) -> bool:
+    fuses = getattr(feedback, "fuses", None)
+    return callable(fuses) and callable(getattr(feedback, "accumulate_in_place", None)) and bool(fuses(tensor))
 
 
 def check_input(tensor: Any) -> None:

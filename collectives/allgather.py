@@ -2,22 +2,38 @@
 
 Works for any compressor. Sizes travel in the header, so variable payloads (top-k by
 threshold) need no extra round trip; they go point to point at their exact size, fixed-size
-ones in one all_gather. Every rank decodes the same bytes and sums them in rank order in
-fp32 (fp64 for fp64), so every rank holds the same bits. Bytes per rank grow as ``(w-1)``
-times the payload: the choice for two ranks, or when decoding is cheap.
+ones in one all_gather. Every rank decodes the same payloads into one buffer, summed in rank
+order in fp32 (fp64 for fp64) and then divided by the world size, so every rank holds the same
+bits. Bytes per rank grow as ``(w-1)`` times the payload: the choice for two ranks, or when
+decoding is cheap.
+
+Cost: one pass per payload over the output (``decompress_into``: a sparse payload touches only
+its own positions) and one division; no decoded temporaries. Under error feedback whose
+residual can be kept in place, compression also leaves the new residual behind, so this rank's
+payload is never decoded twice.
 """
 from __future__ import annotations
 
-from ._algorithm import Algorithm, as_dtype, mean_in_order, wdtype
+from gradcomp.kernels.memory import empty
+
+from ._algorithm import Algorithm, as_dtype, wdtype
 from ._header import sizes as header_sizes
 from ._wire import decode, encode, gather_bytes
 
 
 class AllGather(Algorithm):
     name = "allgather"
+    takes_residual = True
+    in_place = False
 
     def local(self, acc, dtype):
-        payload = self.comp.compress(as_dtype(acc, dtype), self.key)
+        if self.in_place:  # acc is the residual: compressed whole, the error stays in it
+            payload = self.comp.compress_residual(acc, self.key)
+        elif self.want_sent:
+            payload, self.sent = self.comp.compress_decoded(as_dtype(acc, dtype), self.key)
+        else:
+            payload = self.comp.compress(as_dtype(acc, dtype), self.key)
+        self.payload = payload
         self.payload_bytes = payload.nbytes
         self.buf = encode(payload, acc.device)
         self.device = acc.device
@@ -28,13 +44,14 @@ class AllGather(Algorithm):
         sizes = header_sizes(table)[:, 0].tolist()
         bufs = gather_bytes(self.comm, self.buf, sizes, exact=not self.comp.fixed_size)
         with self.rec.timing("decompress"):
-            avg = mean_in_order(self._decoded(bufs), self.comm.size, self.dtype)
-        return avg, self.sent
-
-    def _decoded(self, bufs):
-        """Decode one payload at a time (peak memory: two dense tensors, not ``w``)."""
-        for r, buf in enumerate(bufs):
-            out = self.comp.decompress(decode(buf, self.device))
-            if r == self.comm.rank and self.want_sent:
-                self.sent = out
-            yield out
+            out = empty(self.payload.numel, self.dtype, self.device)
+            for r, buf in enumerate(bufs):
+                if r != self.comm.rank:
+                    self.comp.decompress_into(decode(buf, self.device), out, accumulate=r > 0)
+                elif self.sent is not None:  # the same bits as decoding this rank's payload again
+                    sent = self.sent.reshape(-1)
+                    out.copy_(sent) if r == 0 else out.add_(sent.to(out.dtype))
+                else:  # the bytes sent are this payload's: no need to parse them back
+                    self.comp.decompress_into(self.payload, out, accumulate=r > 0)
+            out.div_(self.comm.size)
+        return out, self.sent

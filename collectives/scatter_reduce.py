@@ -11,6 +11,10 @@ Each rank sends ``(w-1)/w`` of a payload in each phase: ``2 (w-1)/w`` payloads i
 by two payloads however many ranks there are (a ring allreduce has the same factor), where
 ``allgather`` sends ``w-1``. The price is a second compression of the average. Every rank
 decodes the same phase-2 bytes, so every rank holds the same bits.
+
+Payloads are decoded straight into their place (``decompress_into``), and error feedback that
+keeps its residual in place (both phases) compresses the residual's pieces themselves, which
+then hold the new residual: no decoded copies of this rank's own payloads.
 """
 from __future__ import annotations
 
@@ -21,8 +25,9 @@ from typing import Any
 import torch
 
 from gradcomp.compress import ErrorFeedback
+from gradcomp.kernels.memory import empty
 
-from ._algorithm import Algorithm, as_dtype, chunk_key, mean_in_order, wdtype
+from ._algorithm import Algorithm, as_dtype, chunk_key, wdtype
 from ._header import sizes as header_sizes
 from ._wire import decode, encode, gather_bytes
 
@@ -46,18 +51,26 @@ def server_feedback(compressor: Any) -> ErrorFeedback:
 
 class ScatterReduce(Algorithm):
     name = "scatter-reduce"
+    takes_residual = True
+    in_place = False
 
     def local(self, acc, dtype):
-        flat = as_dtype(acc, dtype).reshape(-1)
+        # in place, acc is the residual: each chunk (a contiguous view) keeps its own error
+        flat = acc.view(-1) if self.in_place else as_dtype(acc, dtype).reshape(-1)
         self.device, self.dtype, self.wire_dtype = acc.device, wdtype(acc), dtype
         bufs, sent = [], []
+        self.mine = None  # this rank's payload of its own chunk, kept to skip parsing it back
         for j, chunk in enumerate(flat.tensor_split(self.comm.size)):
-            if self.want_sent:
+            if self.in_place:
+                payload = self.comp.compress_residual(chunk, chunk_key(self.key, j))
+            elif self.want_sent:
                 payload, decoded = self.comp.compress_decoded(chunk, chunk_key(self.key, j))
                 sent.append(decoded.reshape(-1))
             else:
                 payload = self.comp.compress(chunk, chunk_key(self.key, j))
             self.payload_bytes += payload.nbytes
+            if j == self.comm.rank:
+                self.mine = payload
             bufs.append(encode(payload, acc.device))
         self.sent = torch.cat(sent) if self.want_sent else None
         self.out_sizes = [b.numel() for b in bufs]
@@ -71,10 +84,16 @@ class ScatterReduce(Algorithm):
         error, buf = None, got.new_empty(0)
         try:  # a failure here is mine alone: report it before the all-gather, not by hanging
             with self.rec.timing("decompress"):
-                decoded = (self.comp.decompress(decode(b, self.device)) for b in got.split(in_sizes))
-                mine = mean_in_order(decoded, w, self.dtype)
+                mine = None
+                for r, b in enumerate(got.split(in_sizes)):  # summed in rank order, then divided
+                    p = self.mine if r == comm.rank else decode(b, self.device)
+                    if mine is None:
+                        mine = empty(p.numel, self.dtype, self.device)
+                    self.comp.decompress_into(p, mine, accumulate=r > 0)
+                mine.div_(w)
             with self.rec.timing("compress"):
-                buf = encode(self._recompress(mine), self.device)
+                self.mine = self._recompress(mine)
+                buf = encode(self.mine, self.device)
         except Exception as exc:
             error = exc
         status = comm.exchange([buf.numel(), int(error is not None)])
@@ -86,7 +105,11 @@ class ScatterReduce(Algorithm):
                              f"(the error is raised there)")
         bufs = gather_bytes(comm, buf, status[:, 0].tolist(), exact=not self.comp.fixed_size)
         with self.rec.timing("decompress"):
-            avg = torch.cat([self.comp.decompress(decode(b, self.device)).reshape(-1) for b in bufs])
+            payloads = [self.mine if r == comm.rank else decode(b, self.device) for r, b in enumerate(bufs)]
+            # in the wire dtype, as decompress gives it: the caller casts to the input's dtype
+            avg = empty(sum(p.numel for p in payloads), self.wire_dtype, self.device)
+            for p, piece in zip(payloads, avg.split([p.numel for p in payloads])):
+                self.comp.decompress_into(p, piece, accumulate=False)
         return avg, self.sent
 
     def _recompress(self, mine: torch.Tensor):
@@ -95,6 +118,8 @@ class ScatterReduce(Algorithm):
         key = chunk_key(self.key, self.comm.rank) + "/server"
         if self.server is None:
             return self.comp.compress(as_dtype(mine, self.wire_dtype), key)
+        if mine.dtype == self.wire_dtype and self.server.fuses(mine):
+            return self.comp.compress_residual(self.server.accumulate_in_place(mine, key), key)
         acc = self.server.accumulate(mine, key)
         payload, sent = self.comp.compress_decoded(as_dtype(acc, self.wire_dtype), key)
         self.server.update(key, acc, sent)

@@ -6,6 +6,12 @@ A compressor subclass declares ``options`` (name -> :class:`Option`) and impleme
 handles empty tensors, restores shape/dtype on the way back and keeps the step counter per
 key that seeds stochastic compressors. It never writes into its input.
 
+Two faster forms serve error feedback and the collectives, each with a generic default that
+a compressor may override with a single pass: ``decompress_into(payload, out)`` adds the
+decoding into an existing buffer (``_decompress_into``), and ``compress_residual(acc)``
+compresses ``acc`` and leaves ``acc - decoding`` in it (``_compress_residual``, declared by
+``_in_place``).
+
 Class attributes tell the collectives how a payload may travel (they choose the algorithm from
 these, never from the name):
 
@@ -79,6 +85,10 @@ class Compressor:
     # True when ``_compress(flat, key, step, want_decoded)`` takes the 4th argument and then
     # returns ``(tensors, meta, decoded_flat)``, saving error feedback a decode pass.
     _fused: ClassVar[bool] = False
+    # True when ``_compress_residual(flat, key, step) -> (tensors, meta)`` exists: it compresses
+    # ``flat`` and subtracts the decoding from it in place, so error feedback keeps its residual
+    # in one buffer and never materialises the decoded tensor.
+    _in_place: ClassVar[bool] = False
 
     def __init__(self, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.options))
@@ -114,12 +124,38 @@ class Compressor:
             return payload, self.decompress(payload)
         return payload, decoded.to(payload.dtype).reshape(payload.shape)
 
-    def _run(self, tensor, key, step, want_decoded):
-        self._check_input(tensor)
+    def compress_residual(self, acc: torch.Tensor, key: Optional[str] = None, *,
+                          step: Optional[int] = None) -> Payload:
+        """Compress ``acc`` and leave the compression error in it: afterwards ``acc`` holds
+        ``acc - decompress(payload)``, bit for bit up to the sign of a NaN. Changes ``acc``, which
+        must be contiguous; error feedback's residual update without a decoded temporary."""
+        self._check_input(acc)
+        if not acc.is_contiguous():
+            raise ValueError(f"{self.name}: compress_residual needs a contiguous tensor to update in place")
+        if not self._in_place:
+            payload, decoded = self.compress_decoded(acc, key, step=step)
+            # the payload must not see the subtraction below (a compressor may send views of acc)
+            payload.tensors = [t.clone() if _shares(t, acc) else t for t in payload.tensors]
+            acc.sub_(decoded.reshape(acc.shape).to(acc.dtype))
+            return payload
+        skey, step = self._step(key, step)
+        flat = acc.detach().view(-1)
+        if not flat.numel():
+            return self._run(acc, key, step, want_decoded=False)[0]
+        tensors, meta = self._compress_residual(flat, skey, step)
+        return Payload(self.name, tuple(acc.shape), acc.dtype, list(tensors), dict(meta))
+
+    def _step(self, key: Optional[str], step: Optional[int]) -> Tuple[str, int]:
+        """The key as a string and this call's step (the key's counter, advanced, by default)."""
         skey = "" if key is None else str(key)
         if step is None:
             step = self._steps.get(skey, 0)
             self._steps[skey] = step + 1
+        return skey, int(step)
+
+    def _run(self, tensor, key, step, want_decoded):
+        self._check_input(tensor)
+        skey, step = self._step(key, step)
         flat = tensor.detach().reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()
@@ -136,6 +172,39 @@ class Compressor:
             raise ValueError(f"payload was made by {payload.compressor!r}, not by {self.name!r}")
         flat = self._decompress(payload)
         return flat.to(payload.dtype).reshape(payload.shape)
+
+    def decompress_into(self, payload: Payload, out: torch.Tensor, *, alpha: float = 1.0,
+                        accumulate: bool = True) -> torch.Tensor:
+        """Add ``alpha * decompress(payload)`` to ``out`` in place (write it, with
+        ``accumulate=False``) and return ``out``: a collective sums payloads into one buffer
+        instead of decoding each into a temporary. ``out``: contiguous, floating, the payload's
+        number of elements, any shape. With ``alpha == 1`` the result has the bits of
+        ``out + decompress(payload).to(out.dtype)`` (of that cast, without ``accumulate``), except
+        that a sparse payload leaves ``out`` alone off its indices, where adding +0.0 would turn
+        a -0.0 into +0.0; any other ``alpha`` is applied with the decoder's own rounding."""
+        if not isinstance(payload, Payload):
+            raise ValueError(f"{self.name}: decompress_into expects a Payload, got {type(payload).__name__}")
+        if payload.compressor != self.name:
+            raise ValueError(f"payload was made by {payload.compressor!r}, not by {self.name!r}")
+        if (not isinstance(out, torch.Tensor) or not out.is_floating_point() or not out.is_contiguous()
+                or out.numel() != payload.numel):
+            raise ValueError(f"{self.name}: decompress_into needs a contiguous floating tensor of {payload.numel} "
+                             f"elements to write into")
+        flat = out.view(-1)
+        if flat.numel():
+            self._decompress_into(payload, flat, float(alpha), bool(accumulate))
+        return out
+
+    def _decompress_into(self, payload: Payload, out: torch.Tensor, alpha: float, accumulate: bool) -> None:
+        """``decompress_into`` on a flat ``out``; subclasses override with a pass that needs no
+        temporary."""
+        decoded = self.decompress(payload).reshape(-1).to(out.dtype)
+        if accumulate:
+            out.add_(decoded, alpha=alpha)
+        elif alpha == 1.0:
+            out.copy_(decoded)
+        else:
+            torch.mul(decoded, alpha, out=out)
 
     def bits_per_element(self, numel: int = 1 << 20) -> float:
         """Theoretical wire bits per element for a tensor of ``numel`` elements."""
@@ -175,6 +244,9 @@ class Compressor:
     def _compress(self, flat: torch.Tensor, key: str, step: int) -> Tuple[List[torch.Tensor], Dict[str, Any]]:
         raise NotImplementedError
 
+    def _compress_residual(self, flat: torch.Tensor, key: str, step: int) -> Tuple[List[torch.Tensor], Dict[str, Any]]:
+        raise NotImplementedError
+
     def _decompress(self, payload: Payload) -> torch.Tensor:
         raise NotImplementedError
 
@@ -196,6 +268,10 @@ class Compressor:
         if tensor.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{self.name}: tensor dtype {tensor.dtype} not supported; use one of "
                              f"{', '.join(dtype_name(d) for d in FLOAT_DTYPES)}")
+
+
+def _shares(t: torch.Tensor, other: torch.Tensor) -> bool:
+    return bool(t.numel()) and t.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
 
 
 def expect(cond: bool, cname: str, what: str) -> None:

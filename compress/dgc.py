@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from gradcomp.kernels.select import topk_indices
+from gradcomp.kernels.select import topk_abs_indices
 
 from .base import Compressor, Option, seed_option
 from .error_feedback import _Feedback
@@ -39,13 +39,13 @@ class DGC(TopK):
     }
     stochastic = True  # draws its sample, though the set it sends does not depend on it
 
-    def _select(self, x_abs, k, key, step):
-        n = x_abs.numel()
+    def _select(self, flat, k, key, step):
+        n = flat.numel()
         s = min(n, max(_MIN_SAMPLE, math.ceil(self.sample_ratio * n)))
         # float32 draws have 24 bits: above 2**24 elements the sample sits on a coarse grid,
         # which is harmless for a quantile estimate.
-        pos = (self._uniform(s, key, step, x_abs.device).double() * n).long().clamp_(max=max(n - 1, 0))
-        return topk_indices(x_abs, k, sample=x_abs[pos])
+        pos = (self._uniform(s, key, step, flat.device).double() * n).long().clamp_(max=max(n - 1, 0))
+        return topk_abs_indices(flat, k, sample=flat[pos].abs())
 
 
 class DGCMomentum(_Feedback):

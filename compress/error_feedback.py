@@ -69,7 +69,10 @@ class _Feedback:
             if buf is not None and buf.numel() != tensor.numel():
                 raise ValueError(f"{self.kind}: key {key!r} held a tensor of shape {tuple(buf.shape)}, "
                                  f"now {tuple(tensor.shape)}; use a distinct key per tensor")
-            buf = torch.zeros(tensor.shape, dtype=wd, device=tensor.device) if buf is None else buf.reshape(tensor.shape).to(tensor.device)
+            if buf is None:  # numpy-backed: its first touch costs a quarter of a torch.zeros
+                buf = empty(tensor.numel(), wd, tensor.device).zero_().view(tensor.shape)
+            else:
+                buf = buf.reshape(tensor.shape).to(tensor.device)
             self._state[key] = buf
         elif buf.dtype != wd:
             buf = buf.to(wd)
@@ -120,8 +123,30 @@ class ErrorFeedback(_Feedback):
         res = self._slot("" if key is None else str(key), acc)
         torch.sub(acc, sent.to(res.dtype), out=res)
 
+    def fuses(self, tensor: torch.Tensor) -> bool:
+        """Whether the residual of a step on ``tensor`` can be kept in place: the compressor has
+        an in-place path (``compress_residual``) and ``tensor`` already has the residual's dtype,
+        so no cast separates what is compressed from what is remembered."""
+        return bool(self.compressor._in_place) and tensor.dtype == work_dtype(tensor.dtype)
+
+    def accumulate_in_place(self, tensor: torch.Tensor, key: Optional[str]) -> torch.Tensor:
+        """Add ``tensor`` to the residual of ``key`` and return the residual itself: compress it
+        with ``compressor.compress_residual`` (whole or in pieces), which leaves the new
+        residual there. Only when :meth:`fuses` says so."""
+        self.compressor._check_input(tensor)
+        if not self.fuses(tensor):
+            raise ValueError(f"ef: {self.compressor.name} on a {tensor.dtype} tensor cannot update its residual in "
+                             f"place; use accumulate and update")
+        skey = "" if key is None else str(key)
+        res = self._slot(skey, tensor)
+        if not res.is_contiguous():  # e.g. loaded from a state_dict; the compressor needs it flat
+            res = self._state[skey] = res.contiguous()
+        return res.add_(tensor)
+
     def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
         """Compress ``tensor + residual``; the residual becomes the new compression error."""
+        if isinstance(tensor, torch.Tensor) and self.fuses(tensor):
+            return self.compressor.compress_residual(self.accumulate_in_place(tensor, key), key, step=step)
         acc = self.accumulate(tensor, key)
         payload, decoded = self._send(acc, tensor.dtype, key, step)
         self.update(key, acc, decoded)

@@ -30,7 +30,7 @@ from gradcomp.kernels.sparse import densify
 
 from .base import Compressor, Option, expect, meta_int, numel_of, seed_option, work_dtype
 from .registry import register
-from .topk import ratio_option
+from .topk import ratio_option, scatter_into
 
 _MAX_K = 2**31 - 1  # keeps the stratum arithmetic below in int64
 
@@ -96,6 +96,12 @@ class RandomK(Compressor):
         idx = positions(n, m["k"], m["seed"], m["key"], m["step"], values.device)
         return _decode(idx, values, n, m["rescale"])
 
+    def _decompress_into(self, payload, out, alpha, accumulate):
+        m, n = payload.meta, payload.numel
+        values = payload.tensors[0]
+        idx = positions(n, m["k"], m["seed"], m["key"], m["step"], values.device)
+        scatter_into(out, idx, _scaled(values, n, idx.numel(), m["rescale"]), payload.dtype, alpha, accumulate)
+
     def _wire_bytes(self, numel):
         return 4.0 * self._k(numel)
 
@@ -119,6 +125,9 @@ class RandomK(Compressor):
 
 
 def _decode(idx: torch.Tensor, values: torch.Tensor, numel: int, rescale: bool) -> torch.Tensor:
+    return densify(idx, _scaled(values, numel, idx.numel(), rescale), numel, work_dtype(values.dtype))
+
+
+def _scaled(values: torch.Tensor, numel: int, k: int, rescale: bool) -> torch.Tensor:
     wd = work_dtype(values.dtype)
-    scaled = values.to(wd) * (numel / idx.numel()) if rescale and numel else values.to(wd)
-    return densify(idx, scaled, numel, wd)
+    return values.to(wd) * (numel / k) if rescale and numel else values.to(wd)

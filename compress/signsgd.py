@@ -35,6 +35,7 @@ class SignCompressor(Compressor):
     n_values: ClassVar[int] = 1
     stats: ClassVar[str] = "sum"
     _fused = True
+    _in_place = True
 
     def _values(self, x: torch.Tensor, sums: torch.Tensor, bits: torch.Tensor) -> List[float]:
         raise NotImplementedError
@@ -51,15 +52,33 @@ class SignCompressor(Compressor):
         decoded = self._decode(bits, wire, flat.numel(), flat.dtype) if want_decoded else None
         return [bits, wire.to(flat.device)], {}, decoded
 
+    def _compress_residual(self, flat, key, step):
+        tensors, meta, _ = self._compress(flat, key, step)
+        bits, values = tensors
+        pos, neg = self._pair(values, flat.dtype)
+        # flat - decoded, as flat + (-decoded): negation is exact, so these are the same bits
+        sign_unpack(bits, flat.numel(), -pos, -neg, out=flat, accumulate=True)
+        return tensors, meta
+
+    @classmethod
+    def _pair(cls, values: torch.Tensor, dtype: torch.dtype) -> Tuple[float, float]:
+        """The decode values ``(bit set, bit clear)`` rounded to ``dtype``, as Python floats."""
+        vals = values.to(dtype).tolist()
+        return (vals[0], -vals[0]) if cls.n_values == 1 else (vals[0], vals[1])
+
     @classmethod
     def _decode(cls, bits: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        vals = values.tolist()
-        pos, neg = (vals[0], -vals[0]) if cls.n_values == 1 else vals
+        pos, neg = cls._pair(values, dtype)
         return sign_unpack(bits, numel, pos, neg, dtype=dtype)
 
     def _decompress(self, payload):
         bits, values = payload.tensors
         return self._decode(bits, values, payload.numel, payload.dtype)
+
+    def _decompress_into(self, payload, out, alpha, accumulate):
+        bits, values = payload.tensors
+        pos, neg = self._pair(values, payload.dtype)  # rounded as decompress rounds them
+        sign_unpack(bits, payload.numel, pos * alpha, neg * alpha, out=out, accumulate=accumulate)
 
     def _wire_bytes(self, numel):
         return packed_nbytes(numel, 1) + 4.0 * self.n_values

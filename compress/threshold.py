@@ -14,7 +14,7 @@ from gradcomp.kernels.sparse import index_dtype
 
 from .base import Compressor, Option
 from .registry import register
-from .topk import check_sparse, decode_sparse, sparse_payload
+from .topk import check_sparse, decode_sparse, decode_sparse_into, sparse_payload, sparse_residual
 
 
 @register("threshold")
@@ -28,13 +28,20 @@ class Threshold(Compressor):
     }
     fixed_size = False
     _fused = True
+    _in_place = True
 
     def _compress(self, flat, key, step, want_decoded=False):
         tensors, decoded = sparse_payload(flat, threshold_indices(flat, self.tau), want_decoded)
         return tensors, {}, decoded
 
+    def _compress_residual(self, flat, key, step):
+        return sparse_residual(flat, threshold_indices(flat, self.tau)), {}
+
     def _decompress(self, payload):
         return decode_sparse(payload)
+
+    def _decompress_into(self, payload, out, alpha, accumulate):
+        decode_sparse_into(payload, out, alpha, accumulate)
 
     def _wire_bytes(self, numel):
         """The worst case, every element kept: the real size depends on the data."""

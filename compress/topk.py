@@ -14,8 +14,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from gradcomp.kernels.select import topk_indices
-from gradcomp.kernels.sparse import check_indices, densify, index_dtype
+from gradcomp.kernels.memory import empty
+from gradcomp.kernels.select import topk_abs_indices
+from gradcomp.kernels.sparse import check_indices, densify, index_dtype, scatter_add_checked
 
 from .base import Compressor, Option, expect, numel_of, work_dtype
 from .payload import Payload
@@ -30,12 +31,20 @@ def ratio_option(default: float) -> Option:
 def sparse_payload(flat: torch.Tensor, idx: torch.Tensor,
                    want_decoded: bool) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
     """``[values, indices]`` for the int64 positions ``idx``, and the dense decoding if asked."""
-    values = flat[idx]
+    values = flat.index_select(0, idx)  # index_select/index_copy_: several times faster than []
     decoded = None
     if want_decoded:
-        decoded = torch.zeros_like(flat)
-        decoded[idx] = values  # idx holds no repeats, so a plain put is the decoding
+        decoded = empty(flat.numel(), flat.dtype, flat.device).zero_()
+        decoded.index_copy_(0, idx, values)  # idx holds no repeats, so a plain put is the decoding
     return [values, idx.to(index_dtype(flat.numel()))], decoded
+
+
+def sparse_residual(flat: torch.Tensor, idx: torch.Tensor) -> List[torch.Tensor]:
+    """``[values, indices]`` for the positions ``idx``; ``flat`` becomes ``flat - decoded``
+    in place. Only the sent positions change: to ``x - x``, which is 0 (NaN for NaN or Inf)."""
+    values = flat.index_select(0, idx)
+    flat.index_copy_(0, idx, values - values)
+    return [values, idx.to(index_dtype(flat.numel()))]
 
 
 def check_sparse(payload: Payload, cname: str) -> None:
@@ -64,26 +73,52 @@ def decode_sparse(payload: Payload) -> torch.Tensor:
     return densify(indices, values, numel_of(payload), values.dtype)
 
 
+def decode_sparse_into(payload: Payload, out: torch.Tensor, alpha: float, accumulate: bool) -> None:
+    """``Compressor.decompress_into`` for ``[values, indices]`` payloads."""
+    values, indices = payload.tensors
+    scatter_into(out, indices, values, payload.dtype, alpha, accumulate)
+
+
+def scatter_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, dtype: torch.dtype,
+                 alpha: float, accumulate: bool) -> None:
+    """Add (or write) the sparse decoding ``values`` at distinct ``indices``, rounded to the
+    payload ``dtype`` as ``decompress`` rounds it, into flat ``out``: a scatter of k values, not
+    a dense pass (plus zeroing ``out`` without ``accumulate``)."""
+    # "+ 0.0" turns -0.0 into +0.0, as adding into the zeros of a decompressed tensor does
+    values = values.to(dtype).to(out.dtype) + 0.0
+    if not accumulate:
+        out.zero_()
+    scatter_add_checked(out, indices, values if alpha == 1.0 else values * alpha)
+
+
 @register("topk")
 class TopK(Compressor):
     """Exact top-k by magnitude: ``k = max(1, round(ratio * numel))`` values and indices."""
 
     options = {"ratio": ratio_option(0.01)}
     _fused = True
+    _in_place = True
 
     def _k(self, numel: int) -> int:
         return 0 if numel == 0 else max(1, round(self.ratio * numel))
 
-    def _select(self, x_abs: torch.Tensor, k: int, key: str, step: int) -> torch.Tensor:
-        return topk_indices(x_abs, k)
+    def _select(self, flat: torch.Tensor, k: int, key: str, step: int) -> torch.Tensor:
+        """Positions of the ``k`` largest magnitudes of ``flat`` (signed values)."""
+        return topk_abs_indices(flat, k)
 
     def _compress(self, flat, key, step, want_decoded=False) -> Tuple[List[torch.Tensor], Dict[str, Any], Any]:
-        idx = self._select(flat.abs(), self._k(flat.numel()), key, step)
+        idx = self._select(flat, self._k(flat.numel()), key, step)
         tensors, decoded = sparse_payload(flat, idx, want_decoded)
         return tensors, {}, decoded
 
+    def _compress_residual(self, flat, key, step):
+        return sparse_residual(flat, self._select(flat, self._k(flat.numel()), key, step)), {}
+
     def _decompress(self, payload):
         return decode_sparse(payload)
+
+    def _decompress_into(self, payload, out, alpha, accumulate):
+        decode_sparse_into(payload, out, alpha, accumulate)
 
     def _wire_bytes(self, numel):
         return self._k(numel) * (4 + index_dtype(numel).itemsize)

@@ -14,17 +14,30 @@ Both return int64 indices in ascending order. NaN counts as larger than every nu
 
 The result is the exact top-k set, with ties at the k-th value broken towards lower indices,
 whatever sample was used: the sample only decides how fast it is found.
+
+``topk_abs_indices`` is the same selection on signed values, by magnitude, without ever
+materialising ``|x|``: on CPU step 2 runs over cache-sized chunks and compares the float bits
+with the sign bit cleared (for non-negative floats the integer order is the float order, and
+NaN bits sort above Inf), so the gradient is read once and nothing its size is written.
+``threshold_indices`` uses the same pass.
 """
 from __future__ import annotations
 
 import math
 from typing import Optional
 
+import numpy as np
 import torch
+
+from . import _dispatch
 
 _SAMPLE = 1 << 17  # strided sample size used when the caller gives none
 _DIRECT = 1 << 18  # below this size the fix-up runs on the whole tensor at once
 _RETRIES = 2  # threshold lowerings before the whole-tensor fix-up
+_CHUNK = 1 << 18  # elements per chunk of the candidate pass: its scratch stays in a 1-2 MiB L2
+# float dtype -> (same-width int dtype for torch, for numpy, mask that clears the sign bit)
+_BITS = {torch.float16: (torch.int16, np.int16, 0x7FFF), torch.bfloat16: (torch.int16, np.int16, 0x7FFF),
+         torch.float32: (torch.int32, np.int32, 0x7FFFFFFF), torch.float64: (torch.int64, np.int64, 0x7FFFFFFFFFFFFFFF)}
 
 
 def topk_indices(x_abs: torch.Tensor, k: int, sample: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -43,39 +56,92 @@ def topk_indices(x_abs: torch.Tensor, k: int, sample: Optional[torch.Tensor] = N
         return torch.empty(0, dtype=torch.int64, device=x_abs.device)
     if k == n:
         return torch.arange(n, device=x_abs.device)
+    if x_abs.is_cuda:
+        idx = _dispatch.cuda_topk_indices(x_abs, k)
+        if idx is not None:
+            return idx
+    return _topk(x_abs, k, sample, signed=False)
+
+
+def topk_abs_indices(x: torch.Tensor, k: int, sample: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``topk_indices(x.abs(), k, sample)`` for a 1-D tensor of signed values, the same indices,
+    without a tensor of magnitudes on CPU. ``sample``, if given, holds magnitudes."""
+    if x.dim() != 1:
+        raise ValueError(f"topk_abs_indices expects a 1-D tensor, got shape {tuple(x.shape)}")
+    n = x.numel()
+    if not 0 <= k <= n:
+        raise ValueError(f"topk_abs_indices: k={k} must be in [0, {n}] for a tensor of {n} elements")
+    if x.device.type != "cpu" or x.dtype not in _BITS or k == 0 or k == n:
+        return topk_indices(x.abs(), k, sample)
+    return _topk(x, k, sample, signed=True)
+
+
+def _topk(x: torch.Tensor, k: int, sample: Optional[torch.Tensor], signed: bool) -> torch.Tensor:
+    """The sampled-threshold selection; ``signed``: rank ``x`` by magnitude."""
+    n = x.numel()
     if n <= _DIRECT or 4 * k >= n:
-        return _exact(x_abs, None, k)
+        return _exact(x.abs() if signed else x, None, k)
     if sample is None:
         stride = n // _SAMPLE
-        sample = x_abs[stride // 2::stride]
+        sample = x[stride // 2::stride]
+        sample = sample.abs() if signed else sample
     s = sample.numel()
     # Rank (from the top) of the sample element used as threshold: the expected rank of the
     # k-th largest plus a few standard deviations, so one pass nearly always suffices.
     mean = s * k / n
     rank = math.ceil(1.05 * mean + 4.0 * math.sqrt(mean) + 1.0)
-    sample = sample.to(_work(x_abs.dtype))
+    sample = sample.to(_work(x.dtype))
     for _ in range(_RETRIES + 1):
         if rank >= s:
             break
         t = torch.kthvalue(sample, s - rank + 1).values
         if torch.isnan(t):
             break  # the sample is mostly NaN: no threshold to estimate
-        cand = torch.lt(x_abs, t.to(x_abs.dtype))
-        torch.logical_not(cand, out=cand)  # |x| >= t, and NaN
-        idx = cand.nonzero().squeeze(1)
+        idx = _at_least(x, t.to(x.dtype), signed)
         if idx.numel() >= k:
-            return _exact(x_abs[idx], idx, k)
+            vals = x.index_select(0, idx)  # a fifth of the time of x[idx] on CPU
+            return _exact(vals.abs() if signed else vals, idx, k)
         rank *= 4
-    return _exact(x_abs, None, k)
+    return _exact(x.abs() if signed else x, None, k)
 
 
 def threshold_indices(x: torch.Tensor, tau: float) -> torch.Tensor:
     """Indices (int64, ascending) of the elements of 1-D ``x`` with ``|x| >= tau``, and of NaN."""
     if x.dim() != 1:
         raise ValueError(f"threshold_indices expects a 1-D tensor, got shape {tuple(x.shape)}")
-    keep = torch.lt(x.abs(), _round_up(float(tau), x.dtype, x.device))
-    torch.logical_not(keep, out=keep)  # written as not(<) so that NaN is kept
-    return keep.nonzero().squeeze(1)
+    if x.is_cuda:
+        idx = _dispatch.cuda_threshold_indices(x, _round_up(float(tau), x.dtype, "cpu"))
+        if idx is not None:
+            return idx
+    return _at_least(x, _round_up(float(tau), x.dtype, x.device), signed=True)
+
+
+def _at_least(x: torch.Tensor, t: torch.Tensor, signed: bool) -> torch.Tensor:
+    """Ascending int64 positions where ``x >= t`` (``|x| >= t`` when ``signed``), NaN included;
+    ``t``: a 0-d tensor of ``x``'s dtype."""
+    if x.device.type != "cpu" or x.dtype not in _BITS or not signed:
+        keep = torch.lt(x.abs() if signed else x, t)
+        torch.logical_not(keep, out=keep)  # written as not(<) so that NaN is kept
+        return keep.nonzero().squeeze(1)
+    itorch, inp, mask = _BITS[x.dtype]
+    # |x| >= t as integers: x's bits without the sign against t's (0 when t <= 0: all of x)
+    key = inp(t.reshape(1).view(itorch).item() if float(t) > 0 else 0)
+    bits = x.detach().view(itorch).numpy()
+    n = x.numel()
+    size = min(n, _CHUNK)
+    scratch, hit = np.empty(size, dtype=inp), np.empty(size, dtype=np.bool_)
+    pieces = []
+    for start in range(0, n, _CHUNK):
+        stop = min(start + _CHUNK, n)
+        m = stop - start
+        np.bitwise_and(bits[start:stop], inp(mask), out=scratch[:m])
+        np.greater_equal(scratch[:m], key, out=hit[:m])
+        found = np.flatnonzero(hit[:m])
+        if found.size:
+            pieces.append(found + start)
+    if not pieces:
+        return torch.empty(0, dtype=torch.int64)
+    return torch.from_numpy(np.concatenate(pieces) if len(pieces) > 1 else pieces[0])
 
 
 def _exact(vals: torch.Tensor, idx: Optional[torch.Tensor], k: int) -> torch.Tensor:

@@ -24,11 +24,12 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
+from . import _dispatch
 from .bits import pack_bits, packed_nbytes, unpack_bits
 from .memory import empty
 
 STATS = ("none", "sum", "abs", "split")
-_CHUNK = 1 << 16  # elements per chunk: a chunk and its scratch copies stay in a 1 MiB L2
+_CHUNK = 1 << 18  # elements per chunk: its scratch stays in a 1-2 MiB L2; smaller chunks pay more per-call overhead
 _NUMPY_FLOATS = (torch.float32, torch.float64)  # numpy reads these in place
 _INT_OF_SIZE = {2: (torch.int16, np.int16), 4: (torch.int32, np.int32), 8: (torch.int64, np.int64)}
 
@@ -44,7 +45,8 @@ def sign_pack(x: torch.Tensor, stats: str = "none") -> Tuple[torch.Tensor, torch
     if x.dim() != 1 or not x.is_contiguous() or not x.is_floating_point():
         raise ValueError(f"sign_pack expects a 1-D contiguous float tensor, got {x.dtype} {tuple(x.shape)}")
     if x.device.type != "cpu":
-        return sign_pack_torch(x, stats)
+        out = _dispatch.cuda_sign_pack(x, stats)
+        return out if out is not None else sign_pack_torch(x, stats)
     return _pack_cpu(x, stats)
 
 
@@ -68,6 +70,9 @@ def sign_unpack(bits: torch.Tensor, numel: int, pos_value: float, neg_value: flo
         raise ValueError(f"sign_unpack: out must be a 1-D contiguous float tensor of {numel} elements, "
                          f"got {out.dtype} {tuple(out.shape)}")
     if bits.device.type != "cpu" or out.device.type != "cpu":
+        res = _dispatch.cuda_sign_unpack(bits, numel, pos_value, neg_value, out, accumulate)
+        if res is not None:
+            return res
         return sign_unpack_torch(bits, numel, pos_value, neg_value, out=out, accumulate=accumulate)
     return _unpack_cpu(bits, numel, float(pos_value), float(neg_value), out, accumulate)
 
@@ -76,6 +81,9 @@ def count_set(bits: torch.Tensor) -> int:
     """Number of set bits in a uint8 tensor (pad bits of :func:`sign_pack` are zero)."""
     if bits.device.type == "cpu":
         return int(np.bitwise_count(bits.numpy()).sum(dtype=np.int64))
+    n = _dispatch.cuda_count_set(bits)
+    if n is not None:
+        return n
     return int(unpack_bits(bits, bits.numel() * 8).sum())
 
 
@@ -156,6 +164,8 @@ def _unpack_cpu(bits: torch.Tensor, numel: int, pos_value: float, neg_value: flo
     k = min(numel, _CHUNK)
     scratch = torch.empty(k, dtype=out.dtype) if accumulate else None
     scratch_int = scratch.view(itorch).numpy() if accumulate else None
+    # numpy adds fp32/fp64 with less overhead per call; fp16/bf16 chunks are added by torch
+    floats = (out.numpy(), scratch.numpy()) if accumulate and out.dtype in _NUMPY_FLOATS else None
     for start in range(0, numel, _CHUNK):
         stop = min(start + _CHUNK, numel)
         size = stop - start
@@ -163,7 +173,9 @@ def _unpack_cpu(bits: torch.Tensor, numel: int, pos_value: float, neg_value: flo
         dst = scratch_int[:size] if accumulate else target[start:stop]
         np.multiply(codes, diff, out=dst)
         np.add(dst, neg, out=dst)  # integer add wraps: neg + diff == pos exactly
-        if accumulate:
-            piece = out[start:stop]
-            piece.add_(scratch[:size])
+        if floats is not None:
+            piece = floats[0][start:stop]
+            np.add(piece, floats[1][:size], out=piece)
+        elif accumulate:
+            out[start:stop].add_(scratch[:size])
     return out

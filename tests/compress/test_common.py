@@ -139,3 +139,72 @@ def test_error_feedback_payload_is_the_plain_wire_format(name, dtype):
     q = Payload.from_bytes(p.to_bytes())
     assert torch.equal(get_compressor(name).decompress(q), ef.decompress(p))
     assert p.nbytes == get_compressor(name).compress(g, key="w").nbytes or not get_compressor(name).fixed_size
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    return t.detach().reshape(-1).view(ints[t.element_size()])
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, signed zeros included; any NaN equals any NaN (their sign bits carry nothing)."""
+    nan = torch.isnan(a)
+    return a.shape == b.shape and torch.equal(nan, torch.isnan(b)) and torch.equal(_bits(a)[~nan.reshape(-1)],
+                                                                                  _bits(b)[~nan.reshape(-1)])
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=str)
+def test_decompress_into_adds_exactly_what_decompress_gives(name, dtype):
+    """decompress_into(p, out) == out + decompress(p) bit for bit (alpha 1), written or added."""
+    c = get_compressor(name)
+    wd = torch.float64 if dtype == torch.float64 else torch.float32
+    for shape in [(33, 17), (7,), ()]:
+        t = torch.randn(shape, dtype=torch.float64).to(dtype)
+        if t.numel() > 3:
+            t.view(-1)[1] = 0.0
+        p = c.compress(t, key=f"d{shape}")
+        dec = c.decompress(p).to(wd)
+        base = torch.randn(shape, dtype=wd)
+        added = c.decompress_into(p, base.clone(), accumulate=True)
+        assert torch.equal(_bits(added), _bits(base + dec)), f"{name} {dtype} {shape}: accumulate differs"
+        written = c.decompress_into(p, torch.full(shape, 7.0, dtype=wd), accumulate=False)
+        assert torch.equal(_bits(written), _bits(dec)), f"{name} {dtype} {shape}: write differs"
+        scaled = c.decompress_into(p, base.clone(), alpha=0.25)  # a power of two: exact here too
+        assert torch.equal(scaled, base + 0.25 * dec), f"{name}: alpha not applied"
+    with pytest.raises(ValueError, match="elements"):
+        c.decompress_into(c.compress(torch.randn(10), key="d"), torch.zeros(11))
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_error_feedback_in_place_equals_the_two_step_protocol(name, dtype):
+    """ErrorFeedback.compress (in place where the compressor allows) sends the same payload and
+    keeps the same residual bits as accumulate / compress_decoded / update, NaN and Inf included."""
+    ef = ErrorFeedback(get_compressor(name))
+    ref_c = get_compressor(name)
+    wd = torch.float64 if dtype == torch.float64 else torch.float32
+    res = torch.zeros(48, 40, dtype=wd)
+    for step in range(4):
+        g = torch.randn(48, 40, dtype=torch.float64).to(dtype)
+        if step == 3:
+            g[0, 0], g[5, 7] = float("nan"), float("-inf")
+        p = ef.compress(g, key="w")
+        acc = g.to(wd) + res
+        q, sent = ref_c.compress_decoded(acc.to(dtype), key="w")
+        res = acc - sent.to(wd)
+        assert p.to_bytes() == q.to_bytes(), f"{name} step {step}: payload differs"
+        assert _same(ef.residual("w"), res), f"{name} step {step}: residual differs"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compress_residual_leaves_the_error_in_place(name):
+    c, ref = get_compressor(name), get_compressor(name)
+    for shape in [(33, 17), (5,), (), (0,)]:
+        acc = torch.randn(shape)
+        left = acc.clone()
+        p = c.compress_residual(left, key=f"r{shape}")
+        assert p.to_bytes() == ref.compress(acc, key=f"r{shape}").to_bytes()
+        assert torch.equal(_bits(left), _bits(acc - c.decompress(p))), f"{name} {shape}"
+    with pytest.raises(ValueError, match="contiguous"):
+        c.compress_residual(torch.randn(6, 4).t(), key="r")

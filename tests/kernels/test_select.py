@@ -101,3 +101,21 @@ def test_threshold_is_exact_at_the_boundary(dtype):
     assert torch.equal(got, want)
     assert {6, 7} <= set(got.tolist())
     assert torch.equal(threshold_indices(x, 0.0), torch.arange(4000))
+
+
+@pytest.mark.parametrize("n", [SMALL, LARGE])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_topk_abs_equals_topk_of_magnitudes(n, dtype):
+    """topk_abs_indices(x) == topk_indices(|x|): signed zeros, Inf of both signs and NaN of
+    both signs included; with and without a sample."""
+    x = torch.randn(n, dtype=torch.float64).to(dtype)
+    x[[1, 2]] = torch.tensor([0.0, -0.0], dtype=dtype)
+    x[[10, 20]] = torch.tensor([float("inf"), float("-inf")], dtype=dtype)
+    x[30] = float("nan")
+    x[40] = -x[30]  # a NaN with the sign bit set
+    for k in (1, 3, 7, n // 100, n // 3):
+        want = topk_indices(x.abs(), k)
+        assert torch.equal(select.topk_abs_indices(x, k), want), (n, dtype, k)
+        assert torch.equal(select.topk_abs_indices(x, k, sample=x[::50].abs()), want), (n, dtype, k)
+    y = torch.randint(-20, 20, (n,)).to(dtype)  # heavy ties of equal magnitude and both signs
+    assert torch.equal(select.topk_abs_indices(y, n // 100), reference_topk(y.abs(), n // 100))
