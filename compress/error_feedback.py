@@ -153,7 +153,18 @@ class ErrorFeedback(_Feedback):
         return payload
 
     def rounds(self, tensor: torch.Tensor, key: Optional[str] = None) -> Generator:
-        """Multi-round form (PowerSGD): the residual is ``acc`` minus the agreed result."""
+        """Multi-round form (PowerSGD): the residual is ``acc`` minus the agreed result.
+
+        When the gradient already has the residual's dtype, ``acc`` is the residual buffer
+        itself and the update happens in place (no allocation, one pass fewer)."""
+        self.compressor._check_input(tensor)
+        skey = "" if key is None else str(key)
+        res = self._slot(skey, tensor)
+        if tensor.dtype == res.dtype and res.is_contiguous():
+            acc = res.add_(tensor)
+            result = yield from self.compressor.rounds(acc, key)
+            acc.sub_(result.reshape(acc.shape))
+            return result
         acc = self.accumulate(tensor, key)
         result = yield from self.compressor.rounds(acc, key)
         result = result.to(tensor.dtype)
