@@ -6,7 +6,7 @@ import json
 import math
 import signal
 import sys
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from gradcomp import collectives as _collectives
 
@@ -164,9 +164,22 @@ def run_collective(argv: Sequence[str]) -> int:
         f"timing: median over {args.repeats} calls after {args.warmup} warm-up, slowest rank per call; "
         f"algorithm {args.algorithm}; error feedback {args.error_feedback}; seed {args.seed}",
     ]), flush=True)
+    records = run_and_report("collective", cfg, args, link, env, collective_table)
+    if args.plot:
+        from . import plot
+
+        plot.collective_plot(records, args.plot, title=f"{grad}\n{env['world_size']} ranks, {env['link']}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def run_and_report(kind: str, cfg: Dict[str, Any], args: argparse.Namespace, link: Any, env: Dict[str, Any],
+                   table: Callable[[List[Dict[str, Any]]], str]) -> List[Dict[str, Any]]:
+    """Run benchmark ``kind`` on the ranks (with a progress bar), print rank 0's records as a
+    table and write them as JSON if asked; returns the records."""
     bar = Progress(not args.no_progress)
     try:
-        results = launch.run_ranks("collective", cfg, args.world_size, link=link, threads=args.threads,
+        results = launch.run_ranks(kind, cfg, args.world_size, link=link, threads=args.threads,
                                    timeout_s=args.timeout, on_progress=bar)
     finally:
         bar.close()
@@ -174,16 +187,11 @@ def run_collective(argv: Sequence[str]) -> int:
     for r in records:
         r["env"] = env
     print()
-    print(collective_table(records))
+    print(table(records))
     if args.json:
         write_json(args.json, records)
         print(f"\nwrote {args.json}")
-    if args.plot:
-        from . import plot
-
-        plot.collective_plot(records, args.plot, title=f"{grad}\n{env['world_size']} ranks, {env['link']}")
-        print(f"wrote {args.plot}")
-    return 0
+    return records
 
 
 def collective_table(records: List[Dict[str, Any]]) -> str:
@@ -217,10 +225,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     previous = netem.exit_on_signals()
     try:
-        if argv[:1] == ["train"]:
+        if "train" in argv:  # the subcommand, wherever it stands among the options
             from . import train
 
-            return train.main(argv[1:])
+            argv.remove("train")
+            return train.main(argv)
         return run_collective(argv)
     except netem.NetemUnavailable as exc:
         print(f"gradcomp.bench: --netem cannot run here: {exc}", file=sys.stderr)

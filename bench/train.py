@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
-from . import cli, hooks, launch
+from . import cli, hooks
 from .collective import parse_entry
 from . import env as envmod
 
@@ -225,20 +225,7 @@ def main(argv: Sequence[str]) -> int:
         f"methods  {len(specs)} runs; PowerSGD (ours and PyTorch's) rank {POWERSGD_RANK}, compressing from step "
         f"{POWERSGD_START}",
     ]), flush=True)
-    bar = cli.Progress(not args.no_progress)
-    try:
-        results = launch.run_ranks("train", cfg, args.world_size, link=link, threads=args.threads,
-                                   timeout_s=args.timeout, on_progress=bar)
-    finally:
-        bar.close()
-    records = results[0]
-    for r in records:
-        r["env"] = env
-    print()
-    print(table(records))
-    if args.json:
-        cli.write_json(args.json, records)
-        print(f"\nwrote {args.json}")
+    records = cli.run_and_report("train", cfg, args, link, env, table)
     if args.plot:
         from . import plot
 

@@ -142,3 +142,13 @@ def test_train_smoke(tmp_path):
     assert by["powersgd:rank=4+ef"]["bytes_per_step"] < by["torch-allreduce"]["bytes_per_step"] / 2
     if HAVE_MPL:
         assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_train_subcommand_may_follow_options(monkeypatch):
+    """`python -m gradcomp.bench --no-progress train ...` runs the training benchmark."""
+    from gradcomp.bench import train
+
+    seen = []
+    monkeypatch.setattr(train, "main", lambda argv: seen.append(list(argv)) or 0)
+    assert cli.main(["--no-progress", "train", "--epochs", "1"]) == 0
+    assert seen == [["--no-progress", "--epochs", "1"]]
