@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
 import signal
@@ -110,7 +111,9 @@ def collective_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gradcomp.bench",
         description="Average a gradient over local gloo ranks with every compressor and compare it with "
-                    "dense all_reduce. `python -m gradcomp.bench train --help` for the training benchmark.")
+                    "dense all_reduce. With neither --json nor --plot it writes gradcomp-bench.json and "
+                    "gradcomp-bench.png in the current directory. `python -m gradcomp.bench train --help` "
+                    "for the training benchmark.")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--numel", type=int, metavar="N",
                       help=f"elements of the fp32 gradient, one tensor (default {DEFAULT_NUMEL:,})")
@@ -132,8 +135,14 @@ def collective_parser() -> argparse.ArgumentParser:
     return p
 
 
+DEFAULT_JSON, DEFAULT_PLOT = "gradcomp-bench.json", "gradcomp-bench.png"
+
+
 def run_collective(argv: Sequence[str]) -> int:
     args = collective_parser().parse_args(argv)
+    if args.json is None and args.plot is None:  # no output named: write both beside the caller
+        args.json = DEFAULT_JSON
+        args.plot = DEFAULT_PLOT if importlib.util.find_spec("matplotlib") else None
     check_sizes(args)
     if args.repeats < 1 or args.warmup < 1:
         raise ValueError(f"--repeats and --warmup must be >= 1 (got {args.repeats} and {args.warmup}); the first "
