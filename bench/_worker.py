@@ -45,6 +45,9 @@ def main(argv) -> int:
         result = _task(spec["task"])(rank, world, spec["cfg"], progress)
         dist.barrier()
     finally:
+        from gradcomp.training import shutdown
+
+        shutdown()  # worker threads and twin groups go before the groups they mirror
         dist.destroy_process_group()
     tmp = os.path.join(spec["out"], f".rank{rank}.json")
     with open(tmp, "w", encoding="utf-8") as f:

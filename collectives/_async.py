@@ -21,6 +21,7 @@ order would then depend on timing.
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from typing import Any, Callable, Dict, Tuple
@@ -71,15 +72,42 @@ class _Worker:
         self._queue.put((job, fut))
         return fut
 
+    def stop(self, timeout: float) -> None:
+        """Finish the queued calls, then end the thread (waiting at most ``timeout`` s)."""
+        self._queue.put(None)
+        self.thread.join(timeout)
+
     def _loop(self) -> None:
         while True:
-            job, fut = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            job, fut = item
             try:
                 value = job(self.eff)
             except Exception as exc:
                 fut.set_exception(exc)
             else:
                 fut.set_result(value)
+
+
+def shutdown(timeout: float = 30.0) -> None:
+    """Stop every worker thread (after its queued calls) and drop the twin groups.
+
+    Call it before ``torch.distributed.destroy_process_group()``; it also runs at exit, so no
+    thread or group outlives the interpreter's teardown (a gloo group destroyed during that
+    teardown can abort the process)."""
+    with _lock:
+        workers = list(_workers.values())
+        _workers.clear()
+    for w in workers:
+        if w.thread is not threading.current_thread():
+            w.stop(timeout)
+    with _lock:
+        _twins.clear()
+
+
+atexit.register(shutdown)
 
 
 def _direct(group):

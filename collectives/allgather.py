@@ -42,7 +42,11 @@ class AllGather(Algorithm):
 
     def run(self, table):
         sizes = header_sizes(table)[:, 0].tolist()
-        bufs = gather_bytes(self.comm, self.buf, sizes, exact=not self.comp.fixed_size)
+        return self.combine(gather_bytes(self.comm, self.buf, sizes, exact=not self.comp.fixed_size))
+
+    def combine(self, bufs):
+        """Decode every rank's payload bytes (``bufs``, in rank order) and average them:
+        ``(average, sent)``. Shared with ``allreduce_fused``, which gathers many at once."""
         with self.rec.timing("decompress"):
             out = empty(self.payload.numel, self.dtype, self.device)
             for r, buf in enumerate(bufs):

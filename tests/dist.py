@@ -29,6 +29,9 @@ def _entry(rank: int, world_size: int, store_path: str, out_dir: str, fn: Callab
         try:
             result = ("ok", fn(rank, world_size, *args))
         finally:
+            from gradcomp.training import shutdown
+
+            shutdown()
             dist.destroy_process_group()
     except BaseException as exc:  # report everything to the parent
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")

@@ -5,10 +5,11 @@
 without DDP. Both share one warm-up / layer policy (:mod:`gradcomp.training.policy`) and keep
 compressor and error-feedback state per parameter name.
 """
+from ._worker import shutdown
 from .engine import Compression
 from .hooks import HookState, cast_wrapper, compressed_hook, ddp_comm_hook
 from .optimizer import CompressedOptimizer
 from .policy import Policy, Rule, make_codec
 
 __all__ = ["ddp_comm_hook", "CompressedOptimizer", "HookState", "cast_wrapper", "compressed_hook",
-           "Compression", "Policy", "Rule", "make_codec"]
+           "Compression", "Policy", "Rule", "make_codec", "shutdown"]

@@ -6,8 +6,10 @@ PowerSGD, whose factors are averaged), or any other codec. Everything summable t
 lockstep: in each round, what every gradient needs averaged is concatenated per dtype into one
 flat tensor and allreduced once. A bucket of dense gradients and PowerSGD matrices thus costs
 one allreduce for the dense part and all P factors together and one for all Q factors, and no
-header. The other codecs (payloads whose size or meaning differ between ranks) go through
-``gradcomp.collectives.allreduce``, one parameter at a time, after the lockstep part.
+header. The other codecs (payloads whose size or meaning differ between ranks) follow: those
+the collectives send by ``allgather`` (two ranks) all in one ``allreduce_fused``, one header
+and one payload exchange for the bucket, each payload still its own parameter's; the rest
+(``scatter-reduce`` on more ranks) through ``allreduce``, one parameter at a time.
 
 A DDP bucket that is all dense, or all sent through one 16-bit cast, is averaged as a whole
 instead, in place, as DDP's own allreduce and PyTorch's fp16/bf16 hooks do (the same bits).
@@ -24,8 +26,8 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import allreduce
-from gradcomp.collectives._telemetry import Record, commit
+from gradcomp.collectives import allreduce, allreduce_fused, choose_algorithm
+from gradcomp.collectives._telemetry import Record, commit, measure_error_default
 from gradcomp.compress import Compressor, Payload
 from gradcomp.compress.fp16 import CastCompressor
 
@@ -63,8 +65,16 @@ def exchange(items: Sequence[Item], group, world: int, *, buffer: Optional[torch
         for i, value in _lockstep(gens, group, world, rec).items():
             out[i] = value
         commit(rec)
-    for i, (key, grad, codec) in enumerate(items):
+    rest = [i for i in range(len(items)) if out[i] is None]
+    # the allgather ones share one header and one payload exchange; the rest (scatter-reduce,
+    # or any when errors are measured, which allreduce does per tensor) go one at a time
+    fused = [i for i in rest if not measure_error_default() and choose_algorithm(items[i][2], world) == "allgather"]
+    if fused:
+        for i, value in zip(fused, allreduce_fused([items[i] for i in fused], group=group)):
+            out[i] = value
+    for i in rest:
         if out[i] is None:
+            key, grad, codec = items[i]
             out[i] = allreduce(grad, compressor=codec, key=key, group=group)
     return out  # type: ignore[return-value]
 

@@ -16,6 +16,7 @@ groups are used as they are: issue nothing else on them while a backward pass is
 """
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -85,10 +86,18 @@ class Worker:
         self._queue.put((job, fut, device, ready))
         return out
 
+    def stop(self, timeout: float) -> None:
+        """Finish the queued jobs, then end the thread (waiting at most ``timeout`` s)."""
+        self._queue.put(None)
+        self.thread.join(timeout)
+
     def _loop(self) -> None:
         streams: Dict[int, Any] = {}
         while True:
-            job, fut, device, ready = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            job, fut, device, ready = item
             try:
                 if ready is None:
                     value = job(self.group)
@@ -120,6 +129,24 @@ def worker_for(group) -> Worker:
     with _lock:
         _workers[id(g)] = (g, worker)
     return worker
+
+
+def shutdown(timeout: float = 30.0) -> None:
+    """Stop the training workers (after their queued jobs), drop their twin groups, then do the
+    same for the collectives' workers. Call it before ``destroy_process_group()``; it also
+    runs at exit, so no thread or group outlives the interpreter's teardown."""
+    from gradcomp.collectives import shutdown as collectives_shutdown
+
+    with _lock:
+        workers = [w for _, w in _workers.values()]
+        _workers.clear()
+    for w in workers:
+        if w.thread is not threading.current_thread():
+            w.stop(timeout)
+    collectives_shutdown(timeout)
+
+
+atexit.register(shutdown)
 
 
 def completed(job: Callable[[Any], Any], then: Optional[Callable[[torch.futures.Future], Any]] = None
