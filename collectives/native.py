@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 
 import torch
 
 from gradcomp.compress import Payload
+from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, fresh
 
@@ -57,7 +59,10 @@ class Native(Algorithm):
                 summed.div_(w)
         p = self.payload
         with self.rec.timing("decompress"):
-            avg = self.comp.decompress(Payload(p.compressor, p.shape, p.dtype, [summed, *p.tensors[1:]], p.meta))
+            # decoded into a numpy-backed buffer: no page-fault cost for a large tensor on CPU
+            avg = empty(math.prod(p.shape), p.dtype, summed.device).view(p.shape)
+            self.comp.decompress_into(Payload(p.compressor, p.shape, p.dtype, [summed, *p.tensors[1:]], p.meta),
+                                      avg, accumulate=False)
         return avg, self.sent
 
 

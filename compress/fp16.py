@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from gradcomp.kernels.memory import empty
+
 from .base import Compressor, tensor_spec
 from .registry import register
 
@@ -18,10 +20,20 @@ class CastCompressor(Compressor):
     native = True
 
     def _compress(self, flat, key, step):
-        return [flat.to(self.wire_dtype, copy=True)], {}
+        # a numpy-backed buffer: no page-fault cost for a large gradient on CPU
+        return [empty(flat.numel(), self.wire_dtype, flat.device).copy_(flat)], {}
 
     def _decompress(self, payload):
         return payload.tensors[0]
+
+    def _decompress_into(self, payload, out, alpha, accumulate):
+        wire = payload.tensors[0]
+        if accumulate:
+            out.add_(wire, alpha=alpha)
+        elif alpha == 1.0:
+            out.copy_(wire)
+        else:
+            torch.mul(wire.to(out.dtype), alpha, out=out)
 
     def _wire_bytes(self, numel):
         return 2.0 * numel
