@@ -103,7 +103,7 @@ def _lockstep(gens: Dict[int, Generator], group, world: int, rec: Record) -> Dic
     results: Dict[int, torch.Tensor] = {}
     pending: Dict[int, torch.Tensor] = {}
     for i, gen in gens.items():
-        _advance(i, gen, None, pending, results)
+        _advance(i, gen, None, pending, results, rec)
     while pending:
         sent, pending = pending, {}
         kinds: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
@@ -114,16 +114,23 @@ def _lockstep(gens: Dict[int, Generator], group, world: int, rec: Record) -> Dic
             rec.payload_bytes += _nbytes(flat)
             _mean_(flat, group, world, rec)
             for i, avg in zip(idx, flat.split([sent[i].numel() for i in idx])):
-                _advance(i, gens[i], avg.view(sent[i].shape), pending, results)
+                _advance(i, gens[i], avg.view(sent[i].shape), pending, results, rec)
     return results
 
 
 def _advance(i: int, gen: Generator, value: Optional[torch.Tensor], pending: Dict[int, torch.Tensor],
-             results: Dict[int, torch.Tensor]) -> None:
+             results: Dict[int, torch.Tensor], rec: Record) -> None:
+    """One step of a round generator; its time counts as compression, except the last step
+    (the decoding, e.g. PowerSGD's ``P Q^T`` and the residual update), which counts as
+    decompression."""
+    start = time.perf_counter()
     try:
         pending[i] = next(gen) if value is None else gen.send(value)
     except StopIteration as stop:
         results[i] = stop.value
+        rec.decompress_s += time.perf_counter() - start
+    else:
+        rec.compress_s += time.perf_counter() - start
 
 
 def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
