@@ -5,11 +5,13 @@ no CuPy, no GPU, a dtype the kernels do not cover, kernels switched off) and the
 runs its torch reference. The function named ``<op>`` without the prefix is the kernel path
 itself: it allocates with torch on the tensor's device and launches through
 ``_cupy.launcher`` (the tests run it on CPU tensors through an emulation of CUDA).
-Importing this module never fails.
+Importing this module never fails. ``GRADCOMP_CUDA_KERNELS=0`` in the environment switches the
+kernels off for the whole process (every primitive then runs its torch code on CUDA tensors too).
 """
 from __future__ import annotations
 
 import contextlib
+import os
 from typing import Iterator, Optional, Tuple
 
 import numpy as np
@@ -20,7 +22,7 @@ from . import _cupy
 BLOCK = 256  # threads per block of the streaming kernels
 _PER_SM = 8  # resident blocks per SM for a grid-stride launch: 2048 threads, full occupancy
 _MASK64 = (1 << 64) - 1
-_enabled = True
+_enabled = os.environ.get("GRADCOMP_CUDA_KERNELS", "1") != "0"
 
 
 @contextlib.contextmanager
