@@ -159,10 +159,15 @@ class Compressor:
         flat = tensor.detach().reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        out = self._compress(flat, skey, int(step), want_decoded) if self._fused else self._compress(flat, skey, int(step))
+        out = self._encode(flat, tuple(tensor.shape), skey, int(step), want_decoded)
         tensors, meta = out[0], out[1]
         decoded = out[2] if len(out) > 2 else None
         return Payload(self.name, tuple(tensor.shape), tensor.dtype, list(tensors), dict(meta)), decoded
+
+    def _encode(self, flat: torch.Tensor, shape: Tuple[int, ...], key: str, step: int, want_decoded: bool):
+        """``_compress`` of the flat input; a compressor that needs the original ``shape`` (a
+        matrix view) overrides this instead."""
+        return self._compress(flat, key, step, want_decoded) if self._fused else self._compress(flat, key, step)
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         """The tensor a payload stands for: original shape, dtype and device."""

@@ -48,11 +48,9 @@ class PowerSGD(Compressor):
     multi_round = True
     fixed_size = False  # the factor sizes depend on the matrix shape, not only on numel
     stochastic = True  # the first Q is drawn from the seeded stream of each key
-    _fused = True  # error feedback gets P Q^T from compress, not from a second product
 
     def _post_init(self) -> None:
         self._q: Dict[str, torch.Tensor] = {}
-        self._shape: Tuple[int, ...] = ()
 
     # ---- the algorithm --------------------------------------------------------------------
     def plan(self, shape: Tuple[int, ...]) -> Optional[Tuple[int, int, int]]:
@@ -118,12 +116,8 @@ class PowerSGD(Compressor):
         return z.to(dtype)
 
     # ---- one-process compress / decompress ---------------------------------------------------
-    def _run(self, tensor, key, step, want_decoded):
-        self._shape = tuple(tensor.shape)  # _compress sees the flat tensor; the matrix view needs this
-        return super()._run(tensor, key, step, want_decoded)
-
-    def _compress(self, flat, key, step, want_decoded=False):
-        plan = self.plan(self._shape)
+    def _encode(self, flat, shape, key, step, want_decoded):
+        plan = self.plan(shape)  # the matrix view needs the original shape
         if plan is None:
             return [flat.clone()], {"dense": True}, None
         p, q = _local(self._factors(flat.reshape(plan[0], plan[1]), key, plan[2]))

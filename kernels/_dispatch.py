@@ -469,16 +469,23 @@ def cuda_block_absmax(x: torch.Tensor, block_size: int) -> Optional[torch.Tensor
 def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """``max |x|`` per block in ``x``'s dtype (NaN if the block holds one): one read of x,
     then a deterministic max over each block's segments."""
+    part = _per_segment(x, block_size, "block_absmax", torch.int32)
+    # bit patterns of non-negative floats (and NaN above inf) order like int32
+    return part.amax(dim=1).view(torch.float32).to(x.dtype)
+
+
+def _per_segment(x: torch.Tensor, block_size: int, kernel: str, dtype: torch.dtype) -> torch.Tensor:
+    """Run a one-warp-per-segment reduction of quant.cu over ``x`` in blocks of ``block_size``:
+    the partial results, shaped (blocks, segments per block)."""
     x = x.reshape(-1).contiguous()
     n = x.numel()
     nb, spb = _segments(n, block_size)
-    part = torch.empty(nb * spb, dtype=torch.int32, device=x.device)
+    part = torch.empty(nb * spb, dtype=dtype, device=x.device)
     if n:
         with _cupy.launcher(x.device) as k:
-            k("quant", f"block_absmax_{_FLOAT_SUFFIX[x.dtype]}", _grid(k, nb * spb * 32), BLOCK, x, np.int64(n),
+            k("quant", f"{kernel}_{_FLOAT_SUFFIX[x.dtype]}", _grid(k, nb * spb * 32), BLOCK, x, np.int64(n),
               np.int64(block_size), np.int64(spb), np.int64(nb * spb), part)
-    # bit patterns of non-negative floats (and NaN above inf) order like int32
-    return part.view(nb, spb).amax(dim=1).view(torch.float32).to(x.dtype)
+    return part.view(nb, spb)
 
 
 def cuda_bucket_norms(x: torch.Tensor, bucket_size: int) -> Optional[torch.Tensor]:
@@ -491,15 +498,7 @@ def cuda_bucket_norms(x: torch.Tensor, bucket_size: int) -> Optional[torch.Tenso
 def bucket_norms(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
     """L2 norm per bucket in ``x``'s dtype; squares summed in float64, so no rescue pass is
     needed for very large or small values (the norm is inf only beyond the dtype)."""
-    x = x.reshape(-1).contiguous()
-    n = x.numel()
-    nb, spb = _segments(n, bucket_size)
-    part = torch.empty(nb * spb, dtype=torch.float64, device=x.device)
-    if n:
-        with _cupy.launcher(x.device) as k:
-            k("quant", f"block_sumsq_{_FLOAT_SUFFIX[x.dtype]}", _grid(k, nb * spb * 32), BLOCK, x, np.int64(n),
-              np.int64(bucket_size), np.int64(spb), np.int64(nb * spb), part)
-    return part.view(nb, spb).sum(dim=1).sqrt_().to(x.dtype)
+    return _per_segment(x, bucket_size, "block_sumsq", torch.float64).sum(dim=1).sqrt_().to(x.dtype)
 
 
 def cuda_quantize_levels(x: torch.Tensor, mult: torch.Tensor, block_size: int, levels: int,
