@@ -15,7 +15,9 @@ setup(
     package_data={"gradcomp.kernels": ["cuda/*.cu", "cuda/*.cuh"]},
     install_requires=["torch>=2.1", "numpy"],
     extras_require={
+        # CuPy built for the CUDA major version of torch (torch.version.cuda): 12 or 13
         "cuda": ["cupy-cuda12x"],
+        "cuda13": ["cupy-cuda13x"],
         "test": ["pytest", "hypothesis", "pytest-benchmark"],
         "bench": ["matplotlib", "scikit-learn", "tqdm"],
     },

@@ -93,13 +93,16 @@ compile_all() {
 import time
 from gradcomp.kernels import _cupy
 if not _cupy.available():
-    raise SystemExit("CuPy cannot see a CUDA device: nothing to compile")
+    raise SystemExit("CuPy cannot see a CUDA device or NVRTC: nothing to compile")
+cc = _cupy.compute_capability(0)
+print("NVRTC", _cupy._nvrtc().getVersion(), "| options", " ".join(_cupy.COMPILE_OPTIONS), "| cache", _cupy.cache_dir())
 failed = []
 for fam in _cupy.families():
     t = time.perf_counter()
     try:
-        _cupy._module(fam).compile()
-        print(f"{fam}.cu: compiled by NVRTC in {time.perf_counter() - t:.1f}s")
+        path = _cupy.binary(fam, cc)
+        _cupy.module(fam, cc)
+        print(f"{fam}.cu: {path.name} ({path.stat().st_size} bytes), compiled or read in {time.perf_counter() - t:.1f}s")
     except Exception as exc:
         failed.append(fam)
         print(f"{fam}.cu: FAILED\n{exc}")

@@ -2,25 +2,35 @@
 torch's current CUDA stream.
 
 Tensors cross to CuPy with ``cupy.from_dlpack`` (a view: no copy). Each ``kernels/cuda/<family>.cu``
-is compiled by NVRTC the first time one of its kernels runs (CuPy caches the binary on disk
-and per device). Kernels are queued on ``torch.cuda.current_stream()`` and nothing here
-synchronises the device, so compression overlaps whatever else that stream is doing.
-Importing this module never fails; without CuPy or a GPU :func:`available` is false.
+is compiled by NVRTC the first time one of its kernels runs, for the device's architecture,
+cached on disk (:func:`cache_dir`) and loaded with ``cupy.RawModule(path=...)``. We call NVRTC
+ourselves rather than hand the source to ``RawModule(code=...)``, because CuPy appends
+``-ftz=true`` after the caller's options (NVRTC honours the last one): subnormals would be
+flushed to zero, so a negative subnormal gradient would pack as a positive sign and a subnormal
+residual would vanish, where torch keeps both. Kernels are queued on
+``torch.cuda.current_stream()`` and nothing here synchronises the device, so compression
+overlaps whatever else that stream is doing. Importing this module never fails; without CuPy,
+NVRTC or a GPU :func:`available` is false.
 """
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
+import os
 import re
+import tempfile
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 import numpy as np
 import torch
 
 CUDA_DIR = Path(__file__).with_name("cuda")
-# IEEE rounding of every operation (no fused multiply-add), so kernels reproduce the torch
-# reference's elementwise results exactly.
-COMPILE_OPTIONS = ("--std=c++17", "--fmad=false")
+# IEEE arithmetic in every operation: no fused multiply-add, subnormals kept (not flushed),
+# exact division and square root, so kernels reproduce the torch reference's elementwise
+# results exactly.
+COMPILE_OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
 _INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([^"]+)"[ \t]*$', re.M)
 # dtypes that DLPack consumers may not know: the kernels only need the bytes.
 _DLPACK_AS = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
@@ -67,14 +77,105 @@ def _cupy() -> Any:
 
 @functools.lru_cache(maxsize=None)
 def available() -> bool:
-    """True when CuPy imports and sees at least one CUDA device."""
+    """True when CuPy imports, sees at least one CUDA device and reaches NVRTC."""
     cp = _cupy()
     if cp is None or not torch.cuda.is_available():
         return False
     try:
-        return cp.cuda.runtime.getDeviceCount() > 0
+        return cp.cuda.runtime.getDeviceCount() > 0 and _nvrtc().getVersion() is not None
     except Exception:
         return False
+
+
+class KernelCompileError(RuntimeError):
+    """NVRTC refused a kernel family; the message carries its log."""
+
+
+def _nvrtc() -> Any:
+    # CuPy's binding of the NVRTC library it loads itself (no GPU needed to compile)
+    from cupy_backends.cuda.libs import nvrtc
+
+    return nvrtc
+
+
+def gpu_architecture(capability: int, supported: Optional[Sequence[int]]) -> str:
+    """NVRTC's ``--gpu-architecture`` for a device of compute capability ``capability``
+    (e.g. 90): the device's own machine code when NVRTC knows it, otherwise PTX of the newest
+    architecture below it, which the driver compiles when loading."""
+    if not supported or capability in supported:
+        return f"sm_{capability}"
+    older = [a for a in supported if a <= capability]
+    if not older:
+        raise KernelCompileError(f"NVRTC supports no architecture at or below sm_{capability} "
+                                 f"(it knows {', '.join(map(str, sorted(supported)))})")
+    return f"compute_{max(older)}"
+
+
+def compile_family(family: str, arch: str, nvrtc: Any = None) -> bytes:
+    """Compile ``kernels/cuda/<family>.cu`` with :data:`COMPILE_OPTIONS` for ``arch``
+    (``sm_XX``: a cubin; ``compute_XX``: PTX text). ``nvrtc`` is a binding with CuPy's
+    interface (createProgram, compileProgram, getCUBIN, getPTX, getProgramLog,
+    destroyProgram); CuPy's own by default."""
+    nv = _nvrtc() if nvrtc is None else nvrtc
+    prog = nv.createProgram(source(family), f"{family}.cu", (), ())
+    try:
+        try:
+            nv.compileProgram(prog, COMPILE_OPTIONS + (f"--gpu-architecture={arch}",))
+        except Exception as exc:
+            raise KernelCompileError(f"NVRTC failed on {family}.cu for {arch} (GRADCOMP_CUDA_KERNELS=0 runs the "
+                                     f"torch path instead):\n{nv.getProgramLog(prog)}") from exc
+        if arch.startswith("sm_"):
+            return bytes(nv.getCUBIN(prog))
+        ptx = nv.getPTX(prog)
+        return ptx.encode() if isinstance(ptx, str) else bytes(ptx)
+    finally:
+        nv.destroyProgram(prog)
+
+
+def cache_dir() -> Path:
+    """Where compiled kernels are kept: ``$GRADCOMP_KERNEL_CACHE``, else
+    ``$XDG_CACHE_HOME/gradcomp/kernels`` (``~/.cache`` when unset)."""
+    env = os.environ.get("GRADCOMP_KERNEL_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gradcomp" / "kernels"
+
+
+def binary(family: str, capability: int, nvrtc: Any = None) -> Path:
+    """The compiled ``family`` for a device of compute capability ``capability``: read from the
+    cache when the source, options, architecture and NVRTC version match, else compiled and
+    written there (atomically: concurrent ranks never see half a file)."""
+    nv = _nvrtc() if nvrtc is None else nvrtc
+    supported = getattr(nv, "getSupportedArchs", None)
+    arch = gpu_architecture(capability, tuple(supported()) if supported else None)
+    key = json.dumps([source(family), COMPILE_OPTIONS, arch, list(nv.getVersion())])
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    name = f"{family}-{arch}-{digest}.{'cubin' if arch.startswith('sm_') else 'ptx'}"
+    data = None
+    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"gradcomp-kernels-{os.getuid()}"):
+        path = folder / name
+        if path.is_file():
+            return path
+        if data is None:
+            data = compile_family(family, arch, nv)
+        try:
+            _write_atomically(path, data)
+            return path
+        except OSError:  # cache folder not writable: the next one
+            continue
+    raise KernelCompileError(f"no writable folder for compiled kernels (tried {cache_dir()} and the temp folder)")
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 def as_cupy(t: torch.Tensor) -> Any:
@@ -90,19 +191,27 @@ def as_torch(a: Any) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(family: str, name: str) -> Any:
-    module = _module(family)
-    return module.get_function(name)
+def _kernel(family: str, name: str, capability: int) -> Any:
+    return module(family, capability).get_function(name)
 
 
 @functools.lru_cache(maxsize=None)
-def _module(family: str) -> Any:
-    return _cupy().RawModule(code=source(family), options=COMPILE_OPTIONS)
+def module(family: str, capability: int) -> Any:
+    """The ``cupy.RawModule`` of ``family`` for devices of compute capability ``capability``
+    (compiled on first use, see :func:`binary`)."""
+    return _cupy().RawModule(path=str(binary(family, capability)))
 
 
 @functools.lru_cache(maxsize=None)
 def sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+@functools.lru_cache(maxsize=None)
+def compute_capability(index: int) -> int:
+    """The device's compute capability as NVRTC spells it (9.0 -> 90)."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return 10 * major + minor
 
 
 @functools.lru_cache(maxsize=64)
@@ -125,6 +234,7 @@ class Launcher:
             device = torch.device("cuda", torch.cuda.current_device())
         self.device = device
         self.sms = sm_count(device.index)
+        self.capability = compute_capability(device.index)
         self._views: Dict[int, Any] = {}
         self._keep: list = []
         self._ctx: list = []
@@ -147,7 +257,7 @@ class Launcher:
         self._keep.clear()
 
     def __call__(self, family: str, kernel: str, grid: int, block: int, *args: Any) -> None:
-        _kernel(family, kernel)((int(grid),), (int(block),), tuple(self._arg(a) for a in args))
+        _kernel(family, kernel, self.capability)((int(grid),), (int(block),), tuple(self._arg(a) for a in args))
 
     def _arg(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):

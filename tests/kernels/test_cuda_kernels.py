@@ -18,7 +18,7 @@ from gradcomp.kernels import _cupy, _dispatch, bits, quant, rng, select, sign, s
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not _cupy.available(), reason="CuPy cannot see a CUDA device: the kernels cannot run"),
+    pytest.mark.skipif(not _cupy.available(), reason="CuPy cannot see a CUDA device or NVRTC: the kernels cannot run"),
 ]
 DEVICE = torch.device("cuda")
 BIG = 2**24 + 3
@@ -49,6 +49,7 @@ def signal(n, dtype, special=True, seed=0):
     x = torch.randn(n, generator=gen(seed), device=DEVICE)
     if special and n > 8:
         x[1], x[3] = 0.0, -0.0
+        x[2], x[4] = -1e-40, -3e-6  # negative subnormals of fp32/bf16 and of fp16: sign bit clear
         x[n // 2] = float("nan") if n % 2 else float("-inf")
     return x.to(dtype)
 
@@ -78,8 +79,10 @@ def test_sign_pack(dtype, n):
 @pytest.mark.parametrize("n", SIZES)
 def test_sign_unpack(dtype, n):
     packed = torch.randint(0, 256, ((n + 7) // 8,), generator=gen(1), dtype=torch.uint8, device=DEVICE)
-    for pos, neg, acc in ((0.1, -0.3, False), (1.0, -1.0, True), (3e38, float("nan"), True)):
+    for pos, neg, acc in ((0.1, -0.3, False), (1.0, -1.0, True), (3e38, float("nan"), True), (1e-40, -2e-40, True)):
         base = signal(n, dtype, special=False, seed=2)
+        if pos < 1e-30:  # subnormal sums: kept, not flushed to zero
+            base = (base * 1e-39).to(dtype)
         got = _dispatch.sign_unpack(packed, n, pos, neg, base.clone(), acc)
         ref = sign.sign_unpack_torch(packed, n, pos, neg, out=base.clone(), accumulate=acc)
         assert same(got, ref), (pos, neg, acc)
@@ -103,8 +106,9 @@ def test_sign_unpack_sum(dtype, n):
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
 @pytest.mark.parametrize("n", SIZES)
 def test_sign_error_feedback(mode, dtype, n):
-    res = signal(n, torch.float32, special=False, seed=4)
-    for special in (False, True):
+    for res, special in ((signal(n, torch.float32, special=False, seed=4), False),
+                         (signal(n, torch.float32, special=False, seed=4), True),
+                         (torch.zeros(n, device=DEVICE), True)):  # a first step: subnormals of x are sent as they are
         x = signal(n, dtype, special=special, seed=5)
         res_k, res_t = res.clone(), res.clone()
         bits_k, vals_k = _dispatch.sign_ef(x, res_k, mode)

@@ -107,6 +107,7 @@ def _signal(n, dtype, special=True):
     x = torch.randn(n, dtype=torch.float64)
     if special and n > 8:
         x[1], x[3], x[5] = 0.0, -0.0, 1e30  # signed zeros; fp16 overflows to inf
+        x[2], x[4] = -1e-40, -3e-6  # negative subnormals of fp32/bf16 and of fp16: sign bit clear
         x[n // 2] = float("nan") if n % 2 else float("-inf")
     return x.to(dtype)
 
@@ -126,8 +127,10 @@ def test_sign_pack_kernel(emu, dtype, n):
 @pytest.mark.parametrize("n", [0, 1, 9, 1000, 70_001])
 def test_sign_unpack_kernel(emu, dtype, n):
     bits = torch.randint(0, 256, ((n + 7) // 8,), dtype=torch.uint8)
-    for pos, neg, acc in ((0.1, -0.3, False), (1.0, -1.0, True), (3e38, float("nan"), True)):
+    for pos, neg, acc in ((0.1, -0.3, False), (1.0, -1.0, True), (3e38, float("nan"), True), (1e-40, -2e-40, True)):
         base = torch.randn(n).to(dtype)
+        if pos < 1e-30:  # subnormal sums: kept, not flushed to zero
+            base = (base * 1e-39).to(dtype)
         got = _dispatch.sign_unpack(bits, n, pos, neg, base.clone(), acc)
         ref = sign.sign_unpack_torch(bits, n, pos, neg, out=base.clone(), accumulate=acc)
         assert same(got, ref), (pos, neg, acc)
