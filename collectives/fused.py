@@ -1,16 +1,25 @@
-"""``allreduce_fused``: many tensors, each compressed on its own, exchanged in one allgather.
+"""``allreduce_fused``: many tensors, each compressed on its own, exchanged together.
 
 Each tensor is compressed with its own compressor and key, exactly as ``allreduce(...,
-algorithm="allgather")`` would (error feedback, residuals and compressor state per key, so
-payloads are the same bits), but the whole set costs one header exchange and one payload
-exchange instead of two per tensor: small tensors are latency-bound, not bandwidth-bound.
-Every rank decodes every rank's payload of each tensor and sums in rank order (``AllGather``'s
-own decoding), so results are the same bits as the per-tensor calls, on every rank.
+algorithm=A)`` would (error feedback, residuals, server-side residuals and compressor state
+per key, so payloads are the same bits), but the whole set shares each exchange instead of
+making its own: small tensors are latency-bound, not bandwidth-bound. Two algorithms:
 
-Wire format of one rank: ``n`` int64 lengths (one per tensor, 0 for an empty one), then the
-payloads' wire bytes back to back. The header is one row for the set as a whole: the layout
-(shapes and dtypes) and the keys and compressors are compared by hash, so a mismatch raises
-``ValueError`` on every rank, as for a single allreduce.
+- ``allgather`` (two ranks by default): one header and one payload all-gather; every rank
+  decodes every rank's payload of each tensor and sums in rank order (``AllGather``'s own
+  decoding). Bytes per rank grow as ``w - 1`` payloads.
+- ``scatter-reduce`` (three ranks or more by default): one header, one all-to-all carrying
+  every tensor's chunk payloads, one status exchange and one all-gather of the reduced chunks
+  (``ScatterReduce``'s own phases, run for each tensor between the exchanges). Bytes per rank
+  stay below two payloads for any number of ranks.
+
+Results are the same bits as the per-tensor calls, on every rank.
+
+Wire format of one rank's bytes for one destination (or for everyone): ``n`` int64 lengths
+(one per tensor, 0 for an empty one), then the payloads' wire bytes back to back. The header
+is one row for the set as a whole: the layout (shapes and dtypes) and the keys and
+compressors are compared by hash, so a mismatch raises ``ValueError`` on every rank, as for a
+single allreduce.
 """
 from __future__ import annotations
 
@@ -28,41 +37,50 @@ from ._header import IDX, build, h64, verify
 from ._header import sizes as header_sizes
 from ._wire import gather_bytes
 from .allgather import AllGather
+from .scatter_reduce import ScatterReduce, exchange_status, server_feedback
 
 __all__ = ["allreduce_fused"]
 
 Item = Tuple[str, torch.Tensor, Any]  # (key, tensor, compressor)
 
 
-def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False):
+FUSED_ALGORITHMS = ("allgather", "scatter-reduce")
+
+
+def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *, algorithm: Optional[str] = None):
     """The mean over ``group`` of every tensor in ``items`` (``(key, tensor, compressor)``
-    triples, the same order on every rank), with one header and one payload exchange.
+    triples, the same order on every rank), each exchange shared by the whole set.
 
     Each tensor is compressed with its own compressor (a name, a compressor or an
     error-feedback wrapper) under its own key, as ``allreduce(tensor, compressor, key,
-    algorithm="allgather")`` does, and the results are the same bits. Returns a list of new
-    tensors in order (or a ``torch.futures.Future`` of it with ``async_op=True``); inputs are
-    never written to. Bytes per rank grow as ``(w-1)`` times the payloads: meant for two
-    ranks or small tensors. Multi-round compressors (PowerSGD) are refused; errors are not
-    measured (``measure_error`` is ignored here).
+    algorithm=algorithm)`` does, and the results are the same bits. ``algorithm``:
+    ``"allgather"``, ``"scatter-reduce"`` or None (allgather on two ranks, scatter-reduce on
+    more, as ``allreduce`` chooses for compressors whose payloads cannot be summed). Returns a
+    list of new tensors in order (or a ``torch.futures.Future`` of it with ``async_op=True``);
+    inputs are never written to. Multi-round compressors (PowerSGD) are refused; errors are
+    not measured (``measure_error`` is ignored here).
     """
+    if algorithm is not None and algorithm not in FUSED_ALGORITHMS:
+        raise ValueError(f"allreduce_fused: unknown algorithm {algorithm!r}; allowed: None (allgather on two ranks, "
+                         f"scatter-reduce on more), {', '.join(repr(a) for a in FUSED_ALGORITHMS)}")
     items = list(items)
     specs = []
     for key, _, compressor in items:
-        spec = make_spec(compressor, "allgather", False, False)
+        spec = make_spec(compressor, algorithm or "allgather", False, False)
         if spec.base.multi_round:
             raise ValueError(f"allreduce_fused cannot send {spec.base.name} for key {key!r}: it needs several "
                              f"rounds; use allreduce for multi-round compressors")
         specs.append(spec)
-    return _async.submit(lambda eff: _fused_job(items, specs, eff(group)), (group,), async_op)
+    return _async.submit(lambda eff: _fused_job(items, specs, eff(group), algorithm), (group,), async_op)
 
 
-def _fused_job(items: List[Item], specs: list, group) -> List[torch.Tensor]:
+def _fused_job(items: List[Item], specs: list, group, algorithm: Optional[str]) -> List[torch.Tensor]:
     labels = {label(s) for s in specs}
-    rec = telemetry.Record("allreduce", "allgather", labels.pop() if len(labels) == 1 else "mixed", "fused", 1)
+    rec = telemetry.Record("allreduce", "?", labels.pop() if len(labels) == 1 else "mixed", "fused", 1)
     comm = Comm(group, rec, "allreduce")
     rec.world_size = comm.size
-    algos: List[Optional[AllGather]] = [None] * len(items)
+    name = rec.algorithm = algorithm or ("allgather" if comm.size <= 2 else "scatter-reduce")
+    algos: List[Optional[Any]] = [None] * len(items)
     accs: List[Optional[torch.Tensor]] = [None] * len(items)
     error = None
     try:  # local work first: a failure here must reach the other ranks through the header
@@ -71,7 +89,12 @@ def _fused_job(items: List[Item], specs: list, group) -> List[torch.Tensor]:
             rec.dense_bytes += tensor.numel() * tensor.element_size()
             if not tensor.numel():
                 continue
-            algo = algos[i] = AllGather(spec.base, key, comm, want_sent=spec.feedback is not None)
+            if name == "allgather":
+                algo = AllGather(spec.base, key, comm, want_sent=spec.feedback is not None)
+            else:  # the second compression gets error feedback when the first has it
+                server = server_feedback(spec.owner) if spec.feedback is not None else None
+                algo = ScatterReduce(spec.base, key, comm, want_sent=spec.feedback is not None, server=server)
+            algos[i] = algo
             with rec.timing("compress"):
                 acc, feedback = tensor.detach(), spec.feedback
                 if feedback is not None and _fuses(feedback, tensor):
@@ -83,22 +106,23 @@ def _fused_job(items: List[Item], specs: list, group) -> List[torch.Tensor]:
                 accs[i] = acc
     except Exception as exc:
         error = exc
-    lengths = [0 if a is None else a.buf.numel() for a in algos]
-    prefix = torch.tensor(lengths, dtype=torch.int64).view(torch.uint8)
     device = next((a.device for a in algos if a is not None), torch.device("cpu"))
-    buf = torch.cat([prefix.to(device), *(a.buf for a in algos if a is not None)]) if error is None else prefix
-    table = comm.exchange(_header(comm.size, items, specs, error, buf.numel()))
-    _verify(table, items, specs, error)
-    sizes = header_sizes(table)[:, 0].tolist()
     exact = not all(s.base.fixed_size for s in specs)
-    bufs = gather_bytes(comm, buf, sizes, exact=exact)
-    per_rank = [_split(b, len(items), r) for r, b in enumerate(bufs)]
+    if name == "allgather":
+        buf = _pack([None if a is None else a.buf for a in algos], device, error)
+        table = comm.exchange(_header(comm.size, name, items, specs, error, [buf.numel()]))
+        _verify(table, items, specs, error)
+        bufs = gather_bytes(comm, buf, header_sizes(table)[:, 0].tolist(), exact=exact)
+        per_rank = [_split(b, len(items), r) for r, b in enumerate(bufs)]
+        results = [None if a is None else a.combine([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
+    else:
+        results = _scatter_reduce(comm, items, specs, algos, device, error, exact)
     out = []
-    for i, ((key, tensor, _), spec, algo, acc) in enumerate(zip(items, specs, algos, accs)):
+    for (key, tensor, _), spec, algo, acc, result in zip(items, specs, algos, accs, results):
         if algo is None:
             out.append(torch.empty_like(tensor))
             continue
-        avg, sent = algo.combine([parts[i] for parts in per_rank])  # times its own decoding
+        avg, sent = result
         rec.payload_bytes += algo.payload_bytes
         with rec.timing("decompress"):
             feedback = spec.feedback
@@ -111,16 +135,56 @@ def _fused_job(items: List[Item], specs: list, group) -> List[torch.Tensor]:
     return out
 
 
+def _scatter_reduce(comm: Comm, items: List[Item], specs: list, algos: list, device: torch.device, error,
+                    exact: bool) -> list:
+    """``ScatterReduce``'s two phases for every tensor, each exchange shared: ``(avg, sent)``
+    per tensor (None for an empty one)."""
+    w, n = comm.size, len(items)
+    # what goes to rank j: every tensor's chunk-j payload, behind n lengths
+    per_dest = [[None] * n for _ in range(w)]
+    for i, a in enumerate(algos):
+        if a is not None:
+            for j, piece in enumerate(a.sendbuf.split(a.out_sizes)):
+                per_dest[j][i] = piece
+    sends = [_pack(parts, device, error) for parts in per_dest]
+    table = comm.exchange(_header(w, "scatter-reduce", items, specs, error, [b.numel() for b in sends]))
+    _verify(table, items, specs, error)
+    in_sizes = header_sizes(table)[:, comm.rank].tolist()
+    got = comm.all_to_all(torch.cat(sends), [b.numel() for b in sends], in_sizes)
+    failure, reduced = None, [None] * n
+    try:  # a failure here is mine alone: report it before the all-gather, not by hanging
+        from_rank = [_split(b, n, r) for r, b in enumerate(got.split(in_sizes))]
+        for i, a in enumerate(algos):
+            if a is not None:
+                reduced[i] = a.reduce_chunk([parts[i] for parts in from_rank])
+        buf = _pack(reduced, device, None)
+    except Exception as exc:
+        failure, buf = exc, got.new_empty(0)
+    sizes = exchange_status(comm, buf.numel(), failure)
+    per_rank = [_split(b, n, r) for r, b in enumerate(gather_bytes(comm, buf, sizes, exact=exact))]
+    return [None if a is None else a.finish([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
+
+
+def _pack(parts: Sequence[Optional[torch.Tensor]], device: torch.device, error) -> torch.Tensor:
+    """``len(parts)`` int64 lengths (0 for None), then the parts' bytes; only the lengths
+    (all zero) when ``error`` is set."""
+    lengths = [0 if p is None or error is not None else p.numel() for p in parts]
+    prefix = torch.tensor(lengths, dtype=torch.int64).view(torch.uint8).to(device)
+    if error is not None:
+        return prefix
+    return torch.cat([prefix, *(p for p in parts if p is not None)])
+
+
 def _layout(items: List[Item]) -> str:
     return repr([(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
                  for _, t, _ in items])
 
 
-def _header(world: int, items: List[Item], specs: list, error, nbytes: int) -> List[int]:
+def _header(world: int, algorithm: str, items: List[Item], specs: list, error, sizes: List[int]) -> List[int]:
     numel = sum(t.numel() for _, t, _ in items if isinstance(t, torch.Tensor))
-    row = build(world, op="allreduce", algorithm="allgather", tensor=torch.empty(numel, device="meta"),
+    row = build(world, op="allreduce", algorithm=algorithm, tensor=torch.empty(numel, device="meta"),
                 compressor="|".join(s.desc for s in specs), key="\n".join(k for k, _, _ in items),
-                error=error is not None, sizes=[nbytes])
+                error=error is not None, sizes=sizes)
     row[IDX["shape"]] = h64(_layout(items))  # every tensor's shape and dtype, in order
     row[IDX["ndim"]] = len(items)
     return row

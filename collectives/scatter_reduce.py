@@ -78,34 +78,38 @@ class ScatterReduce(Algorithm):
         return 0, self.out_sizes
 
     def run(self, table):
-        comm, w = self.comm, self.comm.size
+        comm = self.comm
         in_sizes = header_sizes(table)[:, comm.rank].tolist()  # rank r's payload of my chunk
         got = comm.all_to_all(self.sendbuf, self.out_sizes, in_sizes)
         error, buf = None, got.new_empty(0)
         try:  # a failure here is mine alone: report it before the all-gather, not by hanging
-            with self.rec.timing("decompress"):
-                mine = None
-                for r, b in enumerate(got.split(in_sizes)):  # summed in rank order, then divided
-                    p = self.mine if r == comm.rank else decode(b, self.device)
-                    if mine is None:
-                        mine = empty(p.numel, self.dtype, self.device)
-                    self.comp.decompress_into(p, mine, accumulate=r > 0)
-                mine.div_(w)
-            with self.rec.timing("compress"):
-                self.mine = self._recompress(mine)
-                buf = encode(self.mine, self.device)
+            buf = self.reduce_chunk(list(got.split(in_sizes)))
         except Exception as exc:
             error = exc
-        status = comm.exchange([buf.numel(), int(error is not None)])
-        failed = [r for r in range(w) if status[r, 1]]
-        if failed:
-            if error is not None:
-                raise error
-            raise ValueError(f"allreduce: scatter-reduce failed on rank(s) {failed} while reducing their chunk "
-                             f"(the error is raised there)")
-        bufs = gather_bytes(comm, buf, status[:, 0].tolist(), exact=not self.comp.fixed_size)
+        sizes = exchange_status(comm, buf.numel(), error)
+        return self.finish(gather_bytes(comm, buf, sizes, exact=not self.comp.fixed_size))
+
+    def reduce_chunk(self, parts):
+        """Phase 1 on this rank: decode every rank's payload of my chunk (``parts``, byte
+        tensors in rank order), average them in rank order, compress the average again; the
+        wire bytes of that payload. Shared with ``allreduce_fused``."""
         with self.rec.timing("decompress"):
-            payloads = [self.mine if r == comm.rank else decode(b, self.device) for r, b in enumerate(bufs)]
+            mine = None
+            for r, b in enumerate(parts):  # summed in rank order, then divided
+                p = self.mine if r == self.comm.rank else decode(b, self.device)
+                if mine is None:
+                    mine = empty(p.numel, self.dtype, self.device)
+                self.comp.decompress_into(p, mine, accumulate=r > 0)
+            mine.div_(self.comm.size)
+        with self.rec.timing("compress"):
+            self.mine = self._recompress(mine)
+            return encode(self.mine, self.device)
+
+    def finish(self, bufs):
+        """Phase 2: decode every rank's reduced chunk (``bufs``, in rank order) into the
+        average; ``(average, sent)``."""
+        with self.rec.timing("decompress"):
+            payloads = [self.mine if r == self.comm.rank else decode(b, self.device) for r, b in enumerate(bufs)]
             # in the wire dtype, as decompress gives it: the caller casts to the input's dtype
             avg = empty(sum(p.numel for p in payloads), self.wire_dtype, self.device)
             for p, piece in zip(payloads, avg.split([p.numel for p in payloads])):
@@ -124,3 +128,16 @@ class ScatterReduce(Algorithm):
         payload, sent = self.comp.compress_decoded(as_dtype(acc, self.wire_dtype), key)
         self.server.update(key, acc, sent)
         return payload
+
+
+def exchange_status(comm, nbytes: int, error) -> list:
+    """Between the phases: every rank's reduced-chunk size, after checking that no rank failed
+    (the failing rank raises its own error, the others say which rank failed)."""
+    status = comm.exchange([nbytes, int(error is not None)])
+    failed = [r for r in range(comm.size) if status[r, 1]]
+    if failed:
+        if error is not None:
+            raise error
+        raise ValueError(f"allreduce: scatter-reduce failed on rank(s) {failed} while reducing their chunk "
+                         f"(the error is raised there)")
+    return status[:, 0].tolist()

@@ -6,10 +6,9 @@ PowerSGD, whose factors are averaged), or any other codec. Everything summable t
 lockstep: in each round, what every gradient needs averaged is concatenated per dtype into one
 flat tensor and allreduced once. A bucket of dense gradients and PowerSGD matrices thus costs
 one allreduce for the dense part and all P factors together and one for all Q factors, and no
-header. The other codecs (payloads whose size or meaning differ between ranks) follow: those
-the collectives send by ``allgather`` (two ranks) all in one ``allreduce_fused``, one header
-and one payload exchange for the bucket, each payload still its own parameter's; the rest
-(``scatter-reduce`` on more ranks) through ``allreduce``, one parameter at a time.
+header. The other codecs (payloads whose size or meaning differ between ranks) follow, all in
+one ``allreduce_fused`` (``allgather`` on two ranks, ``scatter-reduce`` on more):
+each exchange is made once for the bucket, each payload still its own parameter's.
 
 A DDP bucket that is all dense, or all sent through one 16-bit cast, is averaged as a whole
 instead, in place, as DDP's own allreduce and PyTorch's fp16/bf16 hooks do (the same bits).
@@ -26,7 +25,7 @@ from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import allreduce, allreduce_fused, choose_algorithm
+from gradcomp.collectives import allreduce, allreduce_fused
 from gradcomp.collectives._telemetry import Record, commit, measure_error_default
 from gradcomp.compress import Compressor, Payload
 from gradcomp.compress.fp16 import CastCompressor
@@ -66,11 +65,10 @@ def exchange(items: Sequence[Item], group, world: int, *, buffer: Optional[torch
             out[i] = value
         commit(rec)
     rest = [i for i in range(len(items)) if out[i] is None]
-    # the allgather ones share one header and one payload exchange; the rest (scatter-reduce,
-    # or any when errors are measured, which allreduce does per tensor) go one at a time
-    fused = [i for i in rest if not measure_error_default() and choose_algorithm(items[i][2], world) == "allgather"]
-    if fused:
-        for i, value in zip(fused, allreduce_fused([items[i] for i in fused], group=group)):
+    # the others share each exchange (allgather on two ranks, scatter-reduce on more), unless
+    # errors are measured, which allreduce does per tensor
+    if rest and not measure_error_default():
+        for i, value in zip(rest, allreduce_fused([items[i] for i in rest], group=group)):
             out[i] = value
     for i in rest:
         if out[i] is None:

@@ -1,13 +1,16 @@
-"""``allreduce_fused`` on 2 real gloo ranks (one spawn runs every check).
+"""``allreduce_fused`` on 2, 3 and 4 real gloo ranks (one spawn per world size runs every check).
 
 Invariants protected:
 
 - each tensor's result, over several steps, is the same bits as ``allreduce(...,
-  algorithm="allgather")`` of that tensor alone with its own key (so error feedback and
-  compressor state per key evolve the same), on every rank, for every single-round compressor,
+  algorithm=A)`` of that tensor alone with its own key (so error feedback, server-side
+  residuals and compressor state per key evolve the same), on every rank, for every
+  single-round compressor; A is what the fused call chooses by default (allgather on 2 ranks,
+  scatter-reduce on more), and scatter-reduce when asked for on 2 ranks;
   with and without error feedback, fixed-size and variable-size payloads, mixed compressors,
   dtypes and empty tensors in one call; async equals sync;
-- the whole set costs one recorded call, and fewer bytes than the per-tensor calls;
+- the whole set costs one recorded call, and fewer bytes than the per-tensor calls (headers
+  and length prefixes shared);
 - mismatched layouts (shapes, dtypes, count), compressors or keys, or a rejected input raise
   ValueError on every rank, and the group stays usable; multi-round compressors are refused before sending.
 """
@@ -41,22 +44,30 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
-def _compare(rank):
-    """{(name, ef): [(fused results, per-tensor results) per step]} plus one mixed-compressor run."""
+def _default(world):
+    return "allgather" if world <= 2 else "scatter-reduce"
+
+
+def _compare(rank, world):
+    """{(name, ef, algorithm): [(fused results, per-tensor results) per step]} plus one
+    mixed-compressor run."""
     from gradcomp.collectives import allreduce, allreduce_fused
 
     out = {}
-    cases = [((n, ef), [n] * len(SHAPES)) for n in NAMES for ef in (False, True)]
-    cases.append((("mixed", True), ["topk", "threshold", "onebit", "fp16"]))
+    algos = [None] + (["scatter-reduce"] if world == 2 else [])  # None: the fused call's own choice
+    cases = [((n, ef, a), [n] * len(SHAPES)) for n in NAMES for ef in (False, True) for a in algos]
+    cases.append((("mixed", True, None), ["topk", "threshold", "onebit", "fp16"]))
     for case, names in cases:
         fused = [_codec(n, case[1]) for n in names]
         single = [_codec(n, case[1]) for n in names]
+        algo = case[2]
         steps = []
         for step in range(STEPS):
             ts = [_data(f"{case}/{k}/{step}", rank, s, d) for k, s, d in SHAPES]
             before = [t.clone() for t in ts]
-            got = allreduce_fused([(k, t, c) for (k, _, _), t, c in zip(SHAPES, ts, fused)])
-            want = [allreduce(t, c, key=k, algorithm="allgather") for (k, _, _), t, c in zip(SHAPES, ts, single)]
+            got = allreduce_fused([(k, t, c) for (k, _, _), t, c in zip(SHAPES, ts, fused)], algorithm=algo)
+            want = [allreduce(t, c, key=k, algorithm=algo or _default(world))
+                    for (k, _, _), t, c in zip(SHAPES, ts, single)]
             assert all(torch.equal(t, b) for t, b in zip(ts, before)), "input written to"
             steps.append((got, want))
         out[case] = steps
@@ -67,17 +78,18 @@ def _compare(rank):
     return out
 
 
-def _telemetry(rank):
+def _telemetry(rank, world):
     from gradcomp.collectives import allreduce, allreduce_fused, reset_telemetry, telemetry
 
+    op = f"allreduce/{_default(world)}"
     ts = [_data(f"bytes/{k}", rank, s, torch.float32) for k, s in (("a", (300,)), ("b", (50, 4)), ("c", (9,)))]
     reset_telemetry()
     allreduce_fused([(f"k{i}", t, "onebit") for i, t in enumerate(ts)])
-    fused = telemetry()["by_op"]["allreduce/allgather"]
+    fused = telemetry()["by_op"][op]
     reset_telemetry()
     for i, t in enumerate(ts):
-        allreduce(t, "onebit", key=f"k{i}", algorithm="allgather")
-    return fused, telemetry()["by_op"]["allreduce/allgather"]
+        allreduce(t, "onebit", key=f"k{i}", algorithm=_default(world))
+    return fused, telemetry()["by_op"][op]
 
 
 def _mismatches(rank):
@@ -100,26 +112,28 @@ def _mismatches(rank):
             out[what] = "no error"
         except ValueError as exc:
             out[what] = str(exc)
-    try:
-        allreduce_fused([("p", torch.ones(4, 4), "powersgd")])
-        out["multi-round"] = "no error"
-    except ValueError as exc:
-        out["multi-round"] = str(exc)
+    for what, call in (("multi-round", lambda: allreduce_fused([("p", torch.ones(4, 4), "powersgd")])),
+                       ("algorithm", lambda: allreduce_fused([("p", torch.ones(4), "topk")], algorithm="native"))):
+        try:
+            call()
+            out[what] = "no error"
+        except ValueError as exc:
+            out[what] = str(exc)
     out["after"] = allreduce_fused([("after", torch.full((3,), float(rank)), "none")])[0]
     return out
 
 
 def _rank_main(rank, w):
     torch.manual_seed(99 + rank)  # compressors must not depend on it
-    return {"compare": _compare(rank), "telemetry": _telemetry(rank), "mismatch": _mismatches(rank)}
+    return {"compare": _compare(rank, w), "telemetry": _telemetry(rank, w), "mismatch": _mismatches(rank)}
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    return run_ranks(_rank_main, 2, tmp_path_factory.mktemp("fused"), timeout_s=240)
+@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"{w}ranks")
+def runs(request, tmp_path_factory):
+    return run_ranks(_rank_main, request.param, tmp_path_factory.mktemp("fused"), timeout_s=240)
 
 
-def test_fused_equals_per_tensor_allgather_bit_for_bit_on_every_rank(runs):
+def test_fused_equals_per_tensor_calls_bit_for_bit_on_every_rank(runs):
     for case, steps in runs[0]["compare"].items():
         if case == "async":
             continue
@@ -127,7 +141,8 @@ def test_fused_equals_per_tensor_allgather_bit_for_bit_on_every_rank(runs):
             for (key, shape, dtype), g, x in zip(SHAPES, got, want):
                 assert g.shape == torch.Size(shape) and g.dtype == dtype, (case, key)
                 assert torch.equal(_bits(g), _bits(x)), (case, step, key)
-                assert torch.equal(_bits(g), _bits(runs[1]["compare"][case][step][0][SHAPES.index((key, shape, dtype))]))
+                for other in runs[1:]:
+                    assert torch.equal(_bits(g), _bits(other["compare"][case][step][0][SHAPES.index((key, shape, dtype))]))
     for r in runs:
         a, s = r["compare"]["async"]
         assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, s))
@@ -144,8 +159,9 @@ def test_one_call_and_fewer_bytes_than_per_tensor(runs):
 
 def test_mismatch_raises_on_every_rank_and_says_so(runs):
     expect = {"layout": "different tensors", "count": "different tensors", "dtype": "different tensors",
-              "compressor": "compressor", "key": "keys", "rejected": "int64", "multi-round": "several rounds"}
+              "compressor": "compressor", "key": "keys", "rejected": "int64", "multi-round": "several rounds",
+              "algorithm": "unknown algorithm 'native'"}
     for r in runs:
         for what, word in expect.items():
             assert word in r["mismatch"][what], (what, r["mismatch"][what])
-        assert torch.equal(r["mismatch"]["after"], torch.full((3,), 0.5))
+        assert torch.equal(r["mismatch"]["after"], torch.full((3,), (len(runs) - 1) / 2))
