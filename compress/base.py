@@ -237,12 +237,15 @@ class Compressor:
         cls._check_tensors(payload)
 
     # ---- for subclasses ---------------------------------------------------------------
-    def rounds(self, tensor: torch.Tensor, key: Optional[str] = None):
+    def rounds(self, tensor: torch.Tensor, key: Optional[str] = None, *, out: Optional[torch.Tensor] = None):
         """Multi-round form (``multi_round`` compressors only), a generator protocol.
 
         It yields tensors that the caller averages over all ranks and sends back with
         ``gen.send(average)``; its return value (``StopIteration.value``) is the result, with
         the shape and dtype of ``tensor``. With one process the average is the tensor itself.
+        ``out``: a contiguous tensor of ``tensor``'s shape, dtype and device that receives the
+        result (which is then ``out``); it may be ``tensor`` itself, when the caller no longer
+        needs the input (a DDP bucket's gradient): the input is read in full first.
         """
         raise ValueError(f"{self.name} is not a multi-round compressor")
 

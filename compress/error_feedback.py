@@ -152,24 +152,26 @@ class ErrorFeedback(_Feedback):
         self.update(key, acc, decoded)
         return payload
 
-    def rounds(self, tensor: torch.Tensor, key: Optional[str] = None) -> Generator:
+    def rounds(self, tensor: torch.Tensor, key: Optional[str] = None, *,
+               out: Optional[torch.Tensor] = None) -> Generator:
         """Multi-round form (PowerSGD): the residual is ``acc`` minus the agreed result.
 
         When the gradient already has the residual's dtype, ``acc`` is the residual buffer
-        itself and the update happens in place (no allocation, one pass fewer)."""
+        itself and the update happens in place (no allocation, one pass fewer). ``out``: see
+        ``Compressor.rounds`` (may be ``tensor``: it is added into the residual first)."""
         self.compressor._check_input(tensor)
         skey = "" if key is None else str(key)
         res = self._slot(skey, tensor)
         if tensor.dtype == res.dtype and res.is_contiguous():
             acc = res.add_(tensor)
-            result = yield from self.compressor.rounds(acc, key)
+            result = yield from self.compressor.rounds(acc, key, out=out)
             acc.sub_(result.reshape(acc.shape))
             return result
         acc = self.accumulate(tensor, key)
         result = yield from self.compressor.rounds(acc, key)
         result = result.to(tensor.dtype)
         self.update(key, acc, result)
-        return result
+        return result if out is None else out.copy_(result)
 
 
 class EF21(_Feedback):

@@ -63,27 +63,34 @@ class PowerSGD(Compressor):
             return None
         return n, m, r
 
-    def rounds(self, tensor: torch.Tensor, key: Optional[str] = None) -> Generator:
+    def rounds(self, tensor: torch.Tensor, key: Optional[str] = None, *,
+               out: Optional[torch.Tensor] = None) -> Generator:
         """The multi-round form (see ``Compressor.rounds``): yields ``P``, then ``Q``, or the dense
         tensor once when it is sent uncompressed. Every yielded tensor is new, so the caller may
-        average it in place; the averages it sends back must keep shape and dtype."""
+        average it in place; the averages it sends back must keep shape and dtype. ``out``
+        (see ``Compressor.rounds``) receives the result: ``P Q^T`` is then written straight
+        into it, which may be ``tensor`` itself (read in full before)."""
         self._check_input(tensor)
+        _check_out(out, tensor)
         skey = "" if key is None else str(key)
         plan = self.plan(tuple(tensor.shape))
         if plan is None:
             avg = yield tensor.detach().clone()
             _expect_like(avg, tensor, "the dense tensor")
-            return avg.to(tensor.dtype).reshape(tensor.shape)
-        p, q = yield from self._factors(tensor.detach().reshape(plan[0], plan[1]), skey, plan[2])
-        # the product is written into a numpy-backed buffer: no page-fault cost on CPU
-        approx = torch.mm(p, q.T, out=empty(p.shape[0] * q.shape[0], p.dtype, p.device).view(p.shape[0], q.shape[0]))
-        return approx.reshape(tensor.shape).to(tensor.dtype)
+            return _deliver(avg.to(tensor.dtype).reshape(tensor.shape), out)
+        n, m, r = plan
+        p, q = yield from self._factors(tensor.detach().reshape(n, m), skey, r)
+        if out is not None and out.dtype == p.dtype:
+            return torch.mm(p, q.T, out=out.view(n, m)).view(tensor.shape)  # no new memory to fault in
+        # a numpy-backed buffer: no page-fault cost on CPU
+        approx = torch.mm(p, q.T, out=empty(n * m, p.dtype, p.device).view(n, m))
+        return _deliver(approx.reshape(tensor.shape).to(tensor.dtype), out)
 
     def _factors(self, mat: torch.Tensor, key: str, r: int) -> Generator:
         """One power iteration on ``mat`` with the averaging done by the caller; returns (P, Q)."""
         mat = mat.to(work_dtype(mat.dtype))
         q = self._start(key, mat.shape[1], r, mat.device, mat.dtype)
-        p = mat @ q
+        p = (q.T @ mat.T).T.contiguous()  # = mat @ q; this form is ~2x faster on CPU (MKL, rank <= 8)
         p_avg = yield p
         _expect_like(p_avg, p, "P")
         p = orthonormalize(p_avg, self.orthogonalize)
@@ -165,6 +172,17 @@ class PowerSGD(Compressor):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._q = {k: v.clone() for k, v in state.get("q", {}).items()}
+
+
+def _check_out(out: Optional[torch.Tensor], tensor: torch.Tensor) -> None:
+    if out is not None and not (isinstance(out, torch.Tensor) and out.shape == tensor.shape
+                                and out.dtype == tensor.dtype and out.is_contiguous() and out.device == tensor.device):
+        raise ValueError(f"powersgd: out must be a contiguous tensor of the input's shape {tuple(tensor.shape)}, "
+                         f"dtype {tensor.dtype} and device")
+
+
+def _deliver(result: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
+    return result if out is None else out.copy_(result)
 
 
 def _local(gen: Generator) -> Any:

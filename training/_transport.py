@@ -55,7 +55,8 @@ def exchange(items: Sequence[Item], group, world: int, *, buffer: Optional[torch
         if codec is None:
             gens[i] = _dense(grad)
         elif base_of(codec).multi_round:
-            gens[i] = codec.rounds(grad, key)
+            # the result goes straight into the gradient, which the caller overwrites with it anyway
+            gens[i] = codec.rounds(grad, key, out=grad if grad.is_contiguous() else None)
         elif base_of(codec).native:
             gens[i] = _native(codec, grad, key)
     if gens:

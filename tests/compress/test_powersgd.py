@@ -10,9 +10,10 @@ from gradcomp.compress import ErrorFeedback, Payload, get_compressor
 from gradcomp.kernels.linalg import METHODS, orthonormalize
 
 
-def _averaged_rounds(compressors, tensors, key):
+def _averaged_rounds(compressors, tensors, key, outs=None):
     """Drive ``rounds()`` of every simulated rank, sending back the mean of what they yield."""
-    gens = [c.rounds(t, key) for c, t in zip(compressors, tensors)]
+    outs = outs or [None] * len(tensors)
+    gens = [c.rounds(t, key, out=o) for c, t, o in zip(compressors, tensors, outs)]
     sent = [next(g) for g in gens]
     yielded = []
     while True:
@@ -91,6 +92,38 @@ def test_yielded_tensors_are_fresh_and_error_feedback_rounds():
     sent.zero_()  # must not be the accumulator itself
     with pytest.raises(StopIteration):
         dense.send(sent)
+
+
+@pytest.mark.parametrize("ef", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+@pytest.mark.parametrize("shape", [(40, 3, 3), (7,), (2, 2)])  # compressed, dense (1-D), dense (too small)
+def test_out_receives_the_same_bits_even_when_it_is_the_input(ef, dtype, shape):
+    """``out=tensor`` (how the DDP hook calls it): the result lands in the gradient's memory,
+    with the bits, residuals and warm start of the call without ``out``, over several steps."""
+    def make():
+        return [ErrorFeedback(get_compressor("powersgd", rank=2)) if ef else get_compressor("powersgd", rank=2)
+                for _ in range(2)]
+
+    plain, into = make(), make()
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        grads = [torch.randn(shape, generator=gen).to(dtype) for _ in range(2)]
+        want, _ = _averaged_rounds(plain, [g.clone() for g in grads], "w")
+        got, _ = _averaged_rounds(into, grads, "w", outs=grads)
+        for w, g, mem in zip(want, got, grads):
+            assert g.data_ptr() == mem.data_ptr() and g.dtype == dtype and g.shape == torch.Size(shape)
+            assert torch.equal(g, w), (step, dtype)
+        if ef:
+            assert all(torch.equal(a.residual("w"), b.residual("w")) for a, b in zip(plain, into))
+
+
+def test_bad_out_is_refused_before_anything_changes():
+    c = get_compressor("powersgd")
+    g = torch.randn(8, 8)
+    for out in (torch.zeros(64), torch.zeros(8, 8, dtype=torch.float64), torch.zeros(8, 16)[:, ::2]):
+        with pytest.raises(ValueError, match="out must be a contiguous tensor"):
+            next(c.rounds(g, "w", out=out))
+    assert "w" not in c.state_dict().get("q", {})
 
 
 def test_average_of_the_wrong_shape_is_a_clear_error():
