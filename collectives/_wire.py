@@ -6,7 +6,7 @@ by ``Payload.from_bytes`` (index ranges included) before anything decodes it.
 """
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -21,9 +21,19 @@ def encode(payload: Payload, device: torch.device) -> torch.Tensor:
     return buf if device.type == "cpu" else buf.to(device)
 
 
-def decode(buf: torch.Tensor, device: torch.device) -> Payload:
-    """Inverse of :func:`encode`; ``ValueError`` if the bytes are not a valid payload."""
-    payload = Payload.from_bytes(buf.cpu().numpy())
+def decode(buf: torch.Tensor, device: torch.device, numel: Optional[int] = None, rank: Optional[int] = None) -> Payload:
+    """Inverse of :func:`encode`; ``ValueError`` if the bytes are not a valid payload, or (when
+    ``numel`` is given: what this rank expects, from the agreed header) if they describe
+    another number of elements, checked before anything is allocated for them."""
+    try:
+        payload = Payload.from_bytes(buf.cpu().numpy(), **({} if numel is None else {"max_numel": max(numel, 0)}))
+    except ValueError as exc:
+        if rank is None:
+            raise
+        raise ValueError(f"the payload from rank {rank} is invalid: {exc}") from None
+    if numel is not None and payload.numel != numel:
+        raise ValueError(f"the payload from rank {rank} holds {payload.numel} elements where {numel} were agreed; "
+                         f"ranks run different gradcomp versions or the data was corrupted")
     return payload if device.type == "cpu" else payload.to(device)
 
 

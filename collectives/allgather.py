@@ -51,7 +51,7 @@ class AllGather(Algorithm):
             out = empty(self.payload.numel, self.dtype, self.device)
             for r, buf in enumerate(bufs):
                 if r != self.comm.rank:
-                    self.comp.decompress_into(decode(buf, self.device), out, accumulate=r > 0)
+                    self.comp.decompress_into(decode(buf, self.device, self.payload.numel, r), out, accumulate=r > 0)
                 elif self.sent is not None:  # the same bits as decoding this rank's payload again
                     sent = self.sent.reshape(-1)
                     out.copy_(sent) if r == 0 else out.add_(sent.to(out.dtype))

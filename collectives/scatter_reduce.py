@@ -60,7 +60,9 @@ class ScatterReduce(Algorithm):
         self.device, self.dtype, self.wire_dtype = acc.device, wdtype(acc), dtype
         bufs, sent = [], []
         self.mine = None  # this rank's payload of its own chunk, kept to skip parsing it back
-        for j, chunk in enumerate(flat.tensor_split(self.comm.size)):
+        chunks = flat.tensor_split(self.comm.size)
+        self.chunk_numels = [c.numel() for c in chunks]  # what every payload of chunk j must hold
+        for j, chunk in enumerate(chunks):
             if self.in_place:
                 payload = self.comp.compress_residual(chunk, chunk_key(self.key, j))
             elif self.want_sent:
@@ -96,7 +98,7 @@ class ScatterReduce(Algorithm):
         with self.rec.timing("decompress"):
             mine = None
             for r, b in enumerate(parts):  # summed in rank order, then divided
-                p = self.mine if r == self.comm.rank else decode(b, self.device)
+                p = self.mine if r == self.comm.rank else decode(b, self.device, self.chunk_numels[self.comm.rank], r)
                 if mine is None:
                     mine = empty(p.numel, self.dtype, self.device)
                 self.comp.decompress_into(p, mine, accumulate=r > 0)
@@ -109,7 +111,8 @@ class ScatterReduce(Algorithm):
         """Phase 2: decode every rank's reduced chunk (``bufs``, in rank order) into the
         average; ``(average, sent)``."""
         with self.rec.timing("decompress"):
-            payloads = [self.mine if r == self.comm.rank else decode(b, self.device) for r, b in enumerate(bufs)]
+            payloads = [self.mine if r == self.comm.rank else decode(b, self.device, self.chunk_numels[r], r)
+                        for r, b in enumerate(bufs)]
             # in the wire dtype, as decompress gives it: the caller casts to the input's dtype
             avg = empty(sum(p.numel for p in payloads), self.wire_dtype, self.device)
             for p, piece in zip(payloads, avg.split([p.numel for p in payloads])):

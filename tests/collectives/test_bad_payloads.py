@@ -1,0 +1,60 @@
+"""A payload that claims another size than the agreed header is refused by name, before
+anything is allocated for it (real gloo ranks; rank 0 is made to lie on the wire).
+
+Each receiving rank knows from the agreed header how many elements every payload must hold
+(the whole tensor for allgather, chunk j for scatter-reduce); a payload that claims 2**31 - 1
+elements (8 GiB of fp32 once decoded) must raise ``ValueError`` naming the sender, not try
+to allocate. Under scatter-reduce the failure is reported through the status exchange, so
+every rank raises instead of hanging.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dist import run_ranks
+
+HUGE = 2**31 - 1  # still int32 indices for top-k, so only the size is wrong
+
+
+def _liar(encode):
+    from gradcomp.compress import Payload
+
+    def lying_encode(payload, device):
+        return encode(Payload(payload.compressor, (HUGE,), payload.dtype, payload.tensors, dict(payload.meta)), device)
+    return lying_encode
+
+
+def _rank_main(rank, world, algorithm):
+    from gradcomp.collectives import allgather, allreduce, allreduce_fused, scatter_reduce
+
+    if rank == 0:  # its own result never parses these bytes back
+        allgather.encode = _liar(allgather.encode)
+        scatter_reduce.encode = _liar(scatter_reduce.encode)
+    out = {}
+    for what, call in (
+            ("single", lambda: allreduce(torch.randn(1000), "topk", key="w", algorithm=algorithm)),
+            ("fused", lambda: allreduce_fused([("a", torch.randn(500), "topk"), ("b", torch.randn(300), "topk")],
+                                              algorithm=algorithm))):
+        try:
+            call()
+            out[what] = "no error"
+        except ValueError as exc:
+            out[what] = str(exc)
+    # the group is still in step afterwards
+    out["after"] = allreduce(torch.full((4,), float(rank)), "none", key="after")
+    return out
+
+
+@pytest.mark.parametrize("world, algorithm", [(2, "allgather"), (3, "scatter-reduce")])
+def test_a_payload_of_the_wrong_size_is_refused_by_name(tmp_path, world, algorithm):
+    runs = run_ranks(_rank_main, world, tmp_path, algorithm, timeout_s=120)
+    for rank, r in enumerate(runs):
+        for what in ("single", "fused"):
+            if rank == 0 and algorithm == "allgather":
+                assert r[what] == "no error", r[what]  # the liar decodes only the others' honest bytes
+            elif rank == 0:
+                assert "scatter-reduce failed on rank(s) [1, 2]" in r[what], r[what]
+            else:
+                assert "from rank 0" in r[what] and str(HUGE) in r[what], r[what]
+        assert torch.equal(r["after"], torch.full((4,), (world - 1) / 2))
