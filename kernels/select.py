@@ -32,7 +32,8 @@ import torch
 from . import _dispatch
 
 _SAMPLE = 1 << 17  # strided sample size used when the caller gives none
-_DIRECT = 1 << 18  # below this size the fix-up runs on the whole tensor at once
+_SAMPLE_STRIDE = 16  # at least: a sample of at most 1/16 of the tensor
+_DIRECT = 1 << 15  # below this size the fix-up runs on the whole tensor at once
 _RETRIES = 2  # threshold lowerings before the whole-tensor fix-up
 _CHUNK = 1 << 18  # elements per chunk of the candidate pass: its scratch stays in a 1-2 MiB L2
 # float dtype -> (same-width int dtype for torch, for numpy, mask that clears the sign bit)
@@ -82,7 +83,7 @@ def _topk(x: torch.Tensor, k: int, sample: Optional[torch.Tensor], signed: bool)
     if n <= _DIRECT or 4 * k >= n:
         return _exact(x.abs() if signed else x, None, k)
     if sample is None:
-        stride = n // _SAMPLE
+        stride = max(_SAMPLE_STRIDE, n // _SAMPLE)
         sample = x[stride // 2::stride]
         sample = sample.abs() if signed else sample
     s = sample.numel()
@@ -159,8 +160,10 @@ def _exact(vals: torch.Tensor, idx: Optional[torch.Tensor], k: int) -> torch.Ten
         torch.logical_not(greater, out=greater)  # > kth, and NaN
         equal = torch.eq(vals, kth)
     need = k - int(greater.sum())
-    take = greater | (equal & (equal.cumsum(0) <= need))
-    pos = take.nonzero().squeeze(1)
+    ties = equal.nonzero().squeeze(1)  # few: usually the k-th value alone
+    if ties.numel() > need:  # keep the first `need` of the tied values, by position
+        equal[ties[need:]] = False
+    pos = torch.logical_or(greater, equal, out=greater).nonzero().squeeze(1)
     return pos if idx is None else idx[pos]
 
 

@@ -38,6 +38,19 @@ def test_ties_go_to_the_lowest_indices(n):
         assert torch.equal(x[topk_indices(x, k)].sort().values, torch.topk(x, k).values.sort().values)
 
 
+@pytest.mark.parametrize("n", [select._DIRECT - 1, select._DIRECT + 1, 7 * select._DIRECT + 5])
+@pytest.mark.parametrize("levels", [3, 1000, None])  # heavy ties, some ties, distinct
+def test_exact_set_around_the_path_boundary(n, levels):
+    """Sizes on both sides of the direct/sampled switch, k from one element to a quarter, signed
+    data ranked by magnitude: always the reference set (ties to the lowest indices)."""
+    g = torch.Generator().manual_seed(n + (levels or 0))
+    x = torch.randn(n, generator=g)
+    if levels:
+        x = torch.randint(-levels, levels + 1, (n,), generator=g).float()
+    for k in (1, max(1, n // 1000), n // 100, n // 4):
+        assert torch.equal(select.topk_abs_indices(x, k), reference_topk(x.abs(), k)), (n, levels, k)
+
+
 @pytest.mark.parametrize("n", [SMALL, LARGE])
 def test_nan_ranks_largest(n):
     x = torch.randn(n).abs()
