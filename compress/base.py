@@ -203,13 +203,7 @@ class Compressor:
     def _decompress_into(self, payload: Payload, out: torch.Tensor, alpha: float, accumulate: bool) -> None:
         """``decompress_into`` on a flat ``out``; subclasses override with a pass that needs no
         temporary."""
-        decoded = self.decompress(payload).reshape(-1).to(out.dtype)
-        if accumulate:
-            out.add_(decoded, alpha=alpha)
-        elif alpha == 1.0:
-            out.copy_(decoded)
-        else:
-            torch.mul(decoded, alpha, out=out)
+        add_into(out, self.decompress(payload).reshape(-1), alpha, accumulate)
 
     def bits_per_element(self, numel: int = 1 << 20) -> float:
         """Theoretical wire bits per element for a tensor of ``numel`` elements."""
@@ -276,6 +270,18 @@ class Compressor:
         if tensor.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{self.name}: tensor dtype {tensor.dtype} not supported; use one of "
                              f"{', '.join(dtype_name(d) for d in FLOAT_DTYPES)}")
+
+
+def add_into(out: torch.Tensor, decoded: torch.Tensor, alpha: float, accumulate: bool) -> None:
+    """The rule of ``decompress_into`` for ``decoded`` (the decoder's values, in the payload's
+    dtype): cast to ``out``'s dtype, then added with ``alpha`` or written (scaled)."""
+    decoded = decoded.to(out.dtype)
+    if accumulate:
+        out.add_(decoded, alpha=alpha)
+    elif alpha == 1.0:
+        out.copy_(decoded)
+    else:
+        torch.mul(decoded, alpha, out=out)
 
 
 def _shares(t: torch.Tensor, other: torch.Tensor) -> bool:

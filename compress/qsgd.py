@@ -9,13 +9,15 @@ one int8 per element, smaller ``s`` as ``l + s`` packed into 2 bits (``s = 1``) 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from gradcomp.kernels.bits import pack_codes, packed_nbytes, unpack_codes
-from gradcomp.kernels.quant import (bucket_norms, dequantize_levels, div_scalar, fp32_scales, num_blocks,
-                                   quantize_levels)
+from gradcomp.kernels.quant import (block_runs, bucket_norms, dequantize_levels, div_scalar, fp32_scales,
+                                   num_blocks, quantize_levels)
 
-from .base import Compressor, Option, expect, meta_int, positive_int, seed_option, tensor_spec, work_dtype
+from .base import Compressor, Option, add_into, expect, meta_int, positive_int, seed_option, tensor_spec, work_dtype
 from .registry import register
 
 
@@ -56,15 +58,25 @@ class QSGD(Compressor):
         return [norms, codes], {"levels": s, "bucket_size": bs}
 
     def _decompress(self, payload):
+        return self._decode(payload, 0, payload.numel)
+
+    def _decode(self, payload, a, b):
+        """Elements ``a:b`` (``a`` at a bucket start whose code starts a byte) in the work dtype."""
         norms, codes = payload.tensors
         s, bs = payload.meta["levels"], payload.meta["bucket_size"]
-        n = payload.numel
-        if code_bits(s) == 8:
-            levels = codes
+        bits = code_bits(s)
+        if bits == 8:
+            levels = codes[a:b]
         else:
-            levels = unpack_codes(codes, n, code_bits(s)).view(torch.int8).sub_(s)
+            levels = unpack_codes(codes[a * bits // 8:packed_nbytes(b, bits)], b - a, bits).view(torch.int8).sub_(s)
         wd = work_dtype(payload.dtype)
-        return dequantize_levels(levels, div_scalar(norms.to(wd), s), bs, wd)
+        return dequantize_levels(levels, div_scalar(norms[a // bs:num_blocks(b, bs)].to(wd), s), bs, wd)
+
+    def _decompress_into(self, payload, out, alpha, accumulate):
+        """In cache-sized runs of whole buckets that start on a byte, with the generic bits."""
+        align = math.lcm(payload.meta["bucket_size"], 8 // code_bits(payload.meta["levels"]))
+        for a, b in block_runs(payload.numel, align, out.device):
+            add_into(out[a:b], self._decode(payload, a, b).to(payload.dtype), alpha, accumulate)
 
     def _wire_bytes(self, numel):
         return 4.0 * num_blocks(numel, self.bucket_size) + packed_nbytes(numel, code_bits(self.levels))

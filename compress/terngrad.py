@@ -16,9 +16,10 @@ import math
 import torch
 
 from gradcomp.kernels.bits import pack_codes, packed_nbytes, unpack_codes
-from gradcomp.kernels.quant import block_absmax, dequantize_levels, fp32_scales, num_blocks, quantize_levels
+from gradcomp.kernels.quant import (block_absmax, block_runs, dequantize_levels, fp32_scales, num_blocks,
+                                   quantize_levels)
 
-from .base import Compressor, Option, expect, meta_int, seed_option, tensor_spec, work_dtype
+from .base import Compressor, Option, add_into, expect, meta_int, seed_option, tensor_spec, work_dtype
 from .registry import register
 
 
@@ -62,11 +63,21 @@ class TernGrad(Compressor):
         return [scale32, codes], {"bucket_size": self.bucket_size}
 
     def _decompress(self, payload):
+        return self._decode(payload, 0, payload.numel)
+
+    def _decode(self, payload, a, b):
+        """Elements ``a:b`` (``a`` at a bucket start that is a multiple of 4) in the work dtype."""
         scale, codes = payload.tensors
-        n = payload.numel
-        levels = unpack_codes(codes, n, 2).view(torch.int8).sub_(1)
+        bs = _block(payload.meta["bucket_size"], payload.numel)
+        levels = unpack_codes(codes[a // 4:packed_nbytes(b, 2)], b - a, 2).view(torch.int8).sub_(1)
         wd = work_dtype(payload.dtype)
-        return dequantize_levels(levels, scale.to(wd), _block(payload.meta["bucket_size"], n), wd)
+        return dequantize_levels(levels, scale[a // bs:num_blocks(b, bs)].to(wd), bs, wd)
+
+    def _decompress_into(self, payload, out, alpha, accumulate):
+        """In cache-sized runs of whole buckets that start on a byte, with the generic bits."""
+        align = math.lcm(_block(payload.meta["bucket_size"], payload.numel), 4)
+        for a, b in block_runs(payload.numel, align, out.device):
+            add_into(out[a:b], self._decode(payload, a, b).to(payload.dtype), alpha, accumulate)
 
     def _wire_bytes(self, numel):
         return 4.0 * num_blocks(numel, _block(self.bucket_size, numel)) + packed_nbytes(numel, 2)

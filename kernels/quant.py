@@ -91,6 +91,18 @@ def _chunks(numel: int, block_size: int, device: torch.device) -> Iterator[Tuple
         a = b
 
 
+def block_runs(numel: int, block_size: int, device: torch.device) -> Iterator[Tuple[int, int]]:
+    """``(start, stop)`` runs of whole blocks covering ``numel`` elements: about ``_CHUNK``
+    elements each on CPU (so a run's temporaries stay in cache), the whole tensor elsewhere or
+    when one block alone is larger."""
+    if device.type != "cpu" or numel <= _CHUNK or block_size >= _CHUNK:
+        yield 0, numel
+        return
+    step = (_CHUNK // block_size) * block_size
+    for a in range(0, numel, step):
+        yield a, min(a + step, numel)
+
+
 def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """``max |x|`` of each block, in ``x``'s dtype; a block holding NaN gives NaN."""
     if x.numel() == 0:

@@ -176,6 +176,31 @@ def test_decompress_into_adds_exactly_what_decompress_gives(name, dtype):
         c.decompress_into(c.compress(torch.randn(10), key="d"), torch.zeros(11))
 
 
+LONG_CASES = [("int8", {}), ("int8", {"block_size": 1000}), ("qsgd", {}), ("qsgd", {"levels": 7, "bucket_size": 7}),
+              ("qsgd", {"levels": 1, "bucket_size": 1000}), ("terngrad", {}), ("terngrad", {"bucket_size": 0}),
+              ("terngrad", {"bucket_size": 3}), ("natural", {}), ("onebit", {}), ("topk", {})]
+
+
+@pytest.mark.parametrize("name, options", LONG_CASES, ids=[f"{n}-{o}" for n, o in LONG_CASES])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_decompress_into_over_cache_sized_runs(name, options, dtype):
+    """Decoders that work in runs of ~2**18 elements on CPU (buckets and packed codes cut at
+    run boundaries) give the generic bits over several runs, ragged ends and odd bucket sizes."""
+    from gradcomp.compress.base import add_into
+    from gradcomp.kernels import quant
+
+    n = 3 * quant._CHUNK + 777
+    c = get_compressor(name, **options)
+    x = torch.randn(n, dtype=torch.float64).to(dtype)
+    p = c.compress(x, key="long")
+    base = torch.randn(n)
+    for accumulate, alpha in ((True, 1.0), (True, 0.5), (False, 1.0), (False, 0.25)):
+        want = base.clone()
+        add_into(want, c.decompress(p).reshape(-1), alpha, accumulate)
+        got = c.decompress_into(p, base.clone(), alpha=alpha, accumulate=accumulate)
+        assert torch.equal(_bits(got), _bits(want)), (accumulate, alpha)
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_error_feedback_in_place_equals_the_two_step_protocol(name, dtype):

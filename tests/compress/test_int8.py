@@ -94,3 +94,45 @@ def test_bad_options_and_malformed_payloads():
                           ([scale, q[:-1]], good.meta), ([scale, q], {"block_size": 0})]:
         with pytest.raises(ValueError, match="int8"):
             get_compressor("int8").check_payload(Payload("int8", (20,), torch.float32, tensors, meta))
+
+
+def _bits(t):
+    return t.reshape(-1).view({4: torch.int32, 8: torch.int64}[t.element_size()])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("block_size", [256, 1000, (1 << 18) + 5])  # runs of whole blocks; one block > a run
+def test_cache_sized_runs_give_the_bits_of_the_whole_tensor_forms(dtype, stochastic, block_size):
+    """compress_residual and decompress_into work in runs of ~2**18 elements on CPU: over
+    several runs, ragged last block, NaN and inf blocks, the same payload and bits as
+    compress + decompress on the whole tensor."""
+    from gradcomp.kernels import quant
+
+    n = 3 * quant._CHUNK + 777
+    x = torch.randn(n, dtype=torch.float64).to(dtype)
+    x[5], x[quant._CHUNK + 3] = float("nan"), float("inf")
+    c, ref = (get_compressor("int8", block_size=block_size, stochastic=stochastic) for _ in range(2))
+    left = x.clone()
+    p = c.compress_residual(left, key="w")
+    q = ref.compress(x, key="w")
+    assert p.to_bytes() == q.to_bytes()
+    want = x - ref.decompress(q)
+    assert torch.equal(left.isnan(), want.isnan())
+    assert torch.equal(_bits(left.nan_to_num()), _bits(want.nan_to_num()))
+    base = torch.randn(n, dtype=dtype)
+    for acc, alpha in ((True, 1.0), (True, 0.5), (False, 1.0), (False, 0.25)):
+        got = c.decompress_into(q, base.clone(), alpha=alpha, accumulate=acc)
+        dec = ref.decompress(q)
+        exp = base + alpha * dec if acc else alpha * dec
+        assert torch.equal(got.isnan(), exp.isnan()) and torch.equal(got.nan_to_num(), exp.nan_to_num()), (acc, alpha)
+
+
+def test_fp64_scale_overflow_changes_nothing():
+    c = get_compressor("int8")
+    acc = torch.randn(1 << 19, dtype=torch.float64)
+    acc[(1 << 18) + 9] = 1e300  # in the second run: found before the first is touched
+    before = acc.clone()
+    with pytest.raises(ValueError, match="float32 range"):
+        c.compress_residual(acc, key="w")
+    assert torch.equal(acc, before)
