@@ -56,11 +56,17 @@ def test_ptx_assembles(compiled, arch):
     ptxas = shutil.which("ptxas")
     if ptxas is None:
         pytest.skip("ptxas is not on PATH")
-    procs = [(p, subprocess.Popen([ptxas, f"-arch={arch}", str(p), "-o", str(p.with_suffix(".cubin"))],
+    procs = [(p, subprocess.Popen([ptxas, "-v", f"-arch={arch}", str(p), "-o", str(p.with_suffix(".cubin"))],
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
              for p in sorted(out.glob("*.ptx"))]
-    failures = [f"{p.name}: {proc.communicate(timeout=300)[0]}" for p, proc in procs if proc.wait() != 0]
+    logs = {p.name: proc.communicate(timeout=300)[0] for p, proc in procs}
+    failures = [f"{p.name}: {logs[p.name]}" for p, proc in procs if proc.returncode != 0]
     assert not failures, "\n".join(failures)
+    # a register spill turns a streaming kernel's loads into local-memory round trips
+    spills = [f"{name}: {line.strip()}" for name, log in logs.items() for line in log.splitlines()
+              if re.search(r"[1-9]\d* bytes spill (stores|loads)", line)]
+    assert not spills, "kernels spill registers:\n" + "\n".join(spills)
+    assert sum(log.count("Compiling entry function") for log in logs.values()) >= len(_cupy.families())
 
 
 @pytest.mark.parametrize("family", _cupy.families())
