@@ -123,9 +123,30 @@ def _mismatches(rank):
     return out
 
 
+def _wrappers(rank, world):
+    """EF21 and DGC momentum (the hook's other error_feedback choices), fused against one call
+    each: {label: [bit-identical per step]}."""
+    from gradcomp.collectives import allreduce, allreduce_fused
+    from gradcomp.compress import EF21, DGCMomentum
+
+    out = {}
+    for label, wrap in (("ef21+topk", lambda: EF21(get_compressor("topk"))),
+                        ("ef21+onebit", lambda: EF21(get_compressor("onebit"))),
+                        ("dgc+topk", lambda: DGCMomentum(get_compressor("topk")))):
+        fused, single = [wrap() for _ in SHAPES], [wrap() for _ in SHAPES]
+        out[label] = []
+        for step in range(STEPS):
+            ts = [_data(f"{label}/{k}/{step}", rank, s, d) for k, s, d in SHAPES]
+            got = allreduce_fused([(k, t, c) for (k, _, _), t, c in zip(SHAPES, ts, fused)])
+            want = [allreduce(t, c, key=k, algorithm=_default(world)) for (k, _, _), t, c in zip(SHAPES, ts, single)]
+            out[label].append(all(torch.equal(_bits(g), _bits(x)) for g, x in zip(got, want)))
+    return out
+
+
 def _rank_main(rank, w):
     torch.manual_seed(99 + rank)  # compressors must not depend on it
-    return {"compare": _compare(rank, w), "telemetry": _telemetry(rank, w), "mismatch": _mismatches(rank)}
+    return {"compare": _compare(rank, w), "telemetry": _telemetry(rank, w), "mismatch": _mismatches(rank),
+            "wrappers": _wrappers(rank, w)}
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda w: f"{w}ranks")
@@ -146,6 +167,12 @@ def test_fused_equals_per_tensor_calls_bit_for_bit_on_every_rank(runs):
     for r in runs:
         a, s = r["compare"]["async"]
         assert all(torch.equal(_bits(x), _bits(y)) for x, y in zip(a, s))
+
+
+def test_ef21_and_dgc_wrappers_fused_equal_one_call_each(runs):
+    for r in runs:
+        for label, steps in r["wrappers"].items():
+            assert all(steps), (label, steps)
 
 
 def test_one_call_and_fewer_bytes_than_per_tensor(runs):
