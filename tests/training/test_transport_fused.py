@@ -1,5 +1,6 @@
-"""The bucket exchange on 2 real gloo ranks: compressors that are not summable share one
-allgather per bucket, and give the same bits as sending each parameter on its own.
+"""The bucket exchange on 2 and 3 real gloo ranks: compressors that are not summable share one
+fused exchange per bucket (allgather on 2 ranks, scatter-reduce on 3), and give the same bits
+as sending each parameter on its own.
 
 Invariant protected: over several steps (so residuals and compressor state carry over), a
 bucket mixing dense, native (fp16), variable-size (threshold) and fixed-size (topk with error
@@ -8,6 +9,7 @@ of that gradient alone, on every rank; and the non-summable ones cost one record
 """
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dist import run_ranks
@@ -28,13 +30,14 @@ def _rank(rank, world):
     from gradcomp.training._transport import exchange
 
     bucket, single = _codecs(), _codecs()
+    op = "allreduce/allgather" if world == 2 else "allreduce/scatter-reduce"
     out, calls = [], []
     for step in range(STEPS):
         g = torch.Generator().manual_seed(1000 * step + rank)
         grads = {n: torch.randn(s, generator=g) for n, s in SHAPES.items()}
         reset_telemetry()
         got = exchange([(n, grads[n], bucket[n]) for n in SHAPES], None, world)
-        calls.append(telemetry()["by_op"]["allreduce/allgather"]["calls"])
+        calls.append(telemetry()["by_op"][op]["calls"])
         want = [grads[n].clone() if single[n] is None else allreduce(grads[n], single[n], key=n) for n in SHAPES]
         for i, n in enumerate(SHAPES):
             if single[n] is None:  # dense: the plain mean, as DDP's reducer computes it
@@ -43,8 +46,9 @@ def _rank(rank, world):
     return out, calls
 
 
-def test_bucket_exchange_equals_per_parameter_allreduce(tmp_path):
-    results = run_ranks(_rank, 2, tmp_path, timeout_s=120)
+@pytest.mark.parametrize("world", [2, 3])
+def test_bucket_exchange_equals_per_parameter_allreduce(tmp_path, world):
+    results = run_ranks(_rank, world, tmp_path, timeout_s=120)
     for out, calls in results:
         assert calls == [1] * STEPS  # topk, onebit and threshold in one exchange per step
         for step, (got, want) in enumerate(out):
