@@ -78,6 +78,66 @@ def exchange(items: Sequence[Item], group, world: int, *, buffer: Optional[torch
     return out  # type: ignore[return-value]
 
 
+def exchange_hierarchical(items: Sequence[Item], hier: Any, owners: Sequence[int], *,
+                          buffer: Optional[torch.Tensor] = None, label: str = "?") -> List[torch.Tensor]:
+    """The mean of every gradient over all ranks, dense inside a node, compressed across nodes
+    (``hier``: :class:`gradcomp.training._worker.Hierarchy`); per dtype, in order:
+
+    1. one dense allreduce of the gradients over the node gives every rank the node's mean
+       (the fast links carry the dense bytes);
+    2. each gradient is owned by one local rank (``owners``, one per item: whole gradients, the
+       same on every node and every step); the owners of a gradient, one per node, average their node means
+       with :func:`exchange` over the inter-node group, so the codec, its error feedback and
+       its state per parameter name live on the owners, and each gradient crosses the slow
+       links once per node, compressed;
+    3. every rank zeroes what it does not own and one allreduce over the node (a sum with one
+       non-zero term per element: exact, but a -0.0 result becomes +0.0) hands every rank
+       every result. Every rank of every node ends with the same bits.
+
+    Returns views of ``buffer`` when the gradients are exactly its consecutive views (a DDP
+    bucket, averaged in place), else of a new flat tensor.
+    """
+    out: List[Optional[torch.Tensor]] = [None] * len(items)
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for i, (_, g, _) in enumerate(items):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    for idx in by_dtype.values():
+        grads = [items[i][1] for i in idx]
+        flat = _flat_of(grads, buffer)
+        views = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
+        rec = Record("allreduce", "intra-node", label, "bucket", hier.local_size, dense_bytes=_nbytes(flat))
+        rec.payload_bytes = _nbytes(flat)
+        _mean_(flat, hier.intra, hier.local_size, rec)
+        own = [owners[i] for i in idx]
+        mine = [j for j, o in enumerate(own) if o == hier.local_rank]
+        results = exchange([(items[idx[j]][0], views[j], items[idx[j]][2]) for j in mine], hier.inter, hier.nodes,
+                           label=label)
+        for j, value in zip(mine, results):
+            if value.data_ptr() != views[j].data_ptr():
+                views[j].copy_(value)
+        for j, o in enumerate(own):
+            if o != hier.local_rank:
+                views[j].zero_()
+        _sum_(flat, hier.intra, hier.local_size, rec)
+        commit(rec)
+        for j, i in enumerate(idx):
+            out[i] = views[j]
+    return out  # type: ignore[return-value]
+
+
+def _flat_of(grads: List[torch.Tensor], buffer: Optional[torch.Tensor]) -> torch.Tensor:
+    """``buffer`` itself when ``grads`` are its consecutive views, else their concatenation."""
+    if buffer is not None and buffer.is_contiguous() and sum(g.numel() for g in grads) == buffer.numel():
+        pos = buffer.data_ptr()
+        for g in grads:
+            if g.dtype != buffer.dtype or not g.is_contiguous() or g.data_ptr() != pos:
+                break
+            pos += g.numel() * g.element_size()
+        else:
+            return buffer.view(-1)
+    return torch.cat([g.detach().reshape(-1) for g in grads])
+
+
 def _whole(items: Sequence[Item], buffer: torch.Tensor, cast: Optional[CastCompressor], group, world: int
            ) -> List[torch.Tensor]:
     """The whole bucket in one allreduce, in place: dense (as DDP's own allreduce does), or
@@ -143,6 +203,13 @@ def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
         flat.div_(world)
     else:
         flat.mul_(1.0 / world)
+    return _sum_(flat, group, world, rec)
+
+
+def _sum_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
+    """Sum ``flat`` over the group in place (every rank gets the same bits)."""
+    if world == 1 or flat.numel() == 0:
+        return flat
     start = time.perf_counter()
     dist.all_reduce(flat, group=group)
     rec.comm_s += time.perf_counter() - start

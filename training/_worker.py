@@ -19,7 +19,7 @@ from __future__ import annotations
 import atexit
 import queue
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -158,6 +158,36 @@ def completed(job: Callable[[Any], Any], then: Optional[Callable[[torch.futures.
     except Exception as exc:
         fut.set_exception(exc)
     return fut if then is None else fut.then(then)
+
+
+class Hierarchy(NamedTuple):
+    """This rank's groups for the hierarchical exchange: its node, and one rank per node."""
+
+    intra: Any  # the ranks of this node (consecutive global ranks)
+    inter: Any  # the ranks with this rank's local index, one per node
+    local_size: int
+    local_rank: int
+    nodes: int
+
+
+def node_groups(local_size: int) -> Hierarchy:
+    """Groups for nodes of ``local_size`` consecutive ranks of the default group, used only by
+    gradcomp's training exchange. A collective: every rank calls it at the same point."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    timeout = _timeout(dist.group.WORLD)
+    nodes = world // local_size
+    intra = inter = None
+    for n in range(nodes):
+        members = list(range(n * local_size, (n + 1) * local_size))
+        g = dist.new_group(members, timeout=timeout)
+        if rank in members:
+            intra = g
+    for i in range(local_size):
+        members = list(range(i, world, local_size))
+        g = dist.new_group(members, timeout=timeout)
+        if rank in members:
+            inter = g
+    return Hierarchy(intra, inter, local_size, rank % local_size, nodes)
 
 
 def _timeout(group) -> Optional[Any]:

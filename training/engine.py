@@ -14,7 +14,7 @@ import torch
 from gradcomp.collectives import choose_algorithm, server_feedback
 
 from . import _worker
-from ._transport import exchange
+from ._transport import exchange, exchange_hierarchical
 from .policy import Policy, base_of
 
 _VERSION = 1
@@ -23,19 +23,37 @@ _VERSION = 1
 class Compression:
     """Averages named gradients over ``group`` as ``policy`` says; see the module docstring."""
 
-    def __init__(self, policy: Policy, group=None) -> None:
+    def __init__(self, policy: Policy, group=None, local_size: Optional[int] = None) -> None:
         self.policy = policy
         self.group = group
         self.iteration = 0  # completed exchanges of the whole model; drives ``start_iter``
         self.world = _worker.world_of(group)
         self._worker: Optional[_worker.Worker] = None
+        if local_size is not None:
+            if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
+                    or self.world % local_size:
+                raise ValueError(f"local_size={local_size!r} must be an int >= 1 that divides the number of ranks "
+                                 f"({self.world})")
+            if group is not None:
+                raise ValueError("local_size (dense inside a node, compressed across nodes) works on the default "
+                                 "process group only; pass process_group=None")
+        # ranks per node for the hierarchical exchange (None: flat); one node of one rank is flat
+        self.local_size = local_size if local_size is not None and self.world > 1 else None
+        self._hierarchy: Optional[_worker.Hierarchy] = None
+        self._owners: Dict[str, int] = {}  # parameter name -> the local rank that sends it across nodes
+        self._loads = [0] * (self.local_size or 1)  # elements owned per local rank
+        # the ranks a compressed exchange spans: one per node when hierarchical
+        self.exchange_world = self.world // self.local_size if self.local_size else self.world
         codec = policy.default.codec
         self.label = base_of(codec).name if codec is base_of(codec) else f"{codec.kind}+{base_of(codec).name}"
 
     def start(self) -> None:
-        """Create the worker (and its twin group) now; every rank must call this at the same point."""
+        """Create the worker (and its twin group, and the node groups when hierarchical) now;
+        every rank must call this at the same point."""
         if self.world > 1 and self._worker is None:
             self._worker = _worker.worker_for(self.group)
+        if self.local_size is not None and self._hierarchy is None:
+            self._hierarchy = _worker.node_groups(self.local_size)
 
     def submit(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
                buffer: Optional[torch.Tensor] = None, then: Optional[Callable] = None,
@@ -49,14 +67,34 @@ class Compression:
         if advance:
             self.iteration += 1
 
+        if world > 1:
+            self.start()
+        hierarchy = self._hierarchy
+        owners = self._own(names, grads) if hierarchy is not None else None
+
         def job(group):
+            if hierarchy is not None:
+                return exchange_hierarchical(items, hierarchy, owners, buffer=buffer, label=label)
             return exchange(items, group, world, buffer=buffer, label=label)
 
         if world == 1:
             return _worker.completed(job, then)
-        self.start()
         device = buffer.device if buffer is not None else grads[0].device if grads else torch.device("cpu")
         return self._worker.submit(job, device, then, inline=inline)
+
+    def _own(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> List[int]:
+        """The owner (local rank) of each gradient, fixed the first time its name is seen: the
+        largest new gradients first, each to the least loaded local rank (ties to the lowest).
+        Every rank submits the same names in the same order, so every node agrees, and the
+        owner never changes, so the error feedback kept on it is never stranded (a DDP bucket
+        rebuild moves gradients between buckets, not between owners)."""
+        new = sorted({n: g.numel() for n, g in zip(names, grads) if n not in self._owners}.items(),
+                     key=lambda kv: (-kv[1], names.index(kv[0])))
+        for name, numel in new:
+            owner = min(range(len(self._loads)), key=lambda r: (self._loads[r], r))
+            self._owners[name] = owner
+            self._loads[owner] += numel
+        return [self._owners[n] for n in names]
 
     def compressed(self, name: str, tensor: torch.Tensor) -> bool:
         """Whether ``tensor`` (parameter ``name``) is compressed at the current iteration."""
@@ -67,14 +105,18 @@ class Compression:
         the collectives keep it with the codec, and a resumed run needs it too."""
         out = {}
         for pattern, codec in self.policy.codecs().items():
-            if codec is not base_of(codec) and choose_algorithm(codec, self.world) == "scatter-reduce":
+            if codec is not base_of(codec) and choose_algorithm(codec, self.exchange_world) == "scatter-reduce":
                 out[pattern] = server_feedback(codec)
         return out
 
     def state_dict(self) -> Dict[str, Any]:
         """Iteration and every codec's state (CPU tensors); call it when no exchange is running."""
-        return {"version": _VERSION, "iteration": self.iteration, "codecs": self.policy.state_dict(),
-                "servers": {p: s.state_dict() for p, s in self._servers().items()}}
+        state = {"version": _VERSION, "iteration": self.iteration, "codecs": self.policy.state_dict(),
+                 "servers": {p: s.state_dict() for p, s in self._servers().items()}}
+        if self.local_size is not None:  # which rank of a node holds which gradient's state
+            state["owners"] = dict(self._owners)
+            state["owner_loads"] = list(self._loads)
+        return state
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if not isinstance(state, Mapping) or state.get("version") != _VERSION:
@@ -86,6 +128,17 @@ class Compression:
                              f"run has {len(servers)}; resume on the same number of ranks")
         for pattern, server in servers.items():
             server.load_state_dict(state["servers"][pattern])
+        owners, loads = state.get("owners"), state.get("owner_loads")
+        if self.local_size is None and owners is not None:
+            raise ValueError("state_dict was saved with local_size (hierarchical exchange); pass the same local_size")
+        if self.local_size is not None:
+            if (not isinstance(owners, Mapping) or not isinstance(loads, (list, tuple))
+                    or len(loads) != self.local_size
+                    or any(not isinstance(o, int) or not 0 <= o < self.local_size for o in owners.values())):
+                raise ValueError(f"state_dict holds no gradient owners for {self.local_size} ranks per node; "
+                                 f"resume with the local_size it was saved with")
+            self._owners = {str(n): int(o) for n, o in owners.items()}
+            self._loads = [int(v) for v in loads]
         self.iteration = int(state["iteration"])
 
 

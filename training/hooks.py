@@ -87,17 +87,19 @@ def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.
 
 
 def ddp_comm_hook(compressor: Any = "none", *, model: Optional[torch.nn.Module] = None,
-                  process_group=None, **options: Any) -> Tuple[HookState, Hook]:
+                  process_group=None, local_size: Optional[int] = None, **options: Any) -> Tuple[HookState, Hook]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
     ``compressor``: any registered name (its options as keywords), a ``Compressor`` or an
     error-feedback wrapper. Policy keywords (see :mod:`gradcomp.training.policy`):
     ``start_iter``, ``min_compression_rate``, ``min_numel``, ``compress_1d``, ``layers``,
     ``error_feedback``, ``ef_options``. ``model`` names the parameters (recommended);
-    ``process_group`` as given to DDP. Call it on every rank at the same point: it creates the
-    worker's twin of the default group.
+    ``process_group`` as given to DDP. ``local_size``: ranks per node (consecutive global
+    ranks); then each bucket is averaged densely inside the node and compressed only across
+    nodes, each gradient sent by one rank per node. Call it on every rank at the same point:
+    it creates the worker's twin of the default group (and the node groups).
     """
-    compression = Compression(Policy(compressor, **options), process_group)
+    compression = Compression(Policy(compressor, **options), process_group, local_size)
     compression.start()
     return HookState(compression, model), compressed_hook
 

@@ -37,13 +37,15 @@ class CompressedOptimizer(torch.optim.Optimizer):
     error-feedback wrapper; policy keywords as for :func:`ddp_comm_hook` (``start_iter``,
     ``min_compression_rate``, ``min_numel``, ``compress_1d``, ``layers``, ``error_feedback``,
     ``ef_options``). ``model`` names the parameters (else ``param{i}`` by position);
-    ``bucket_mb`` caps a bucket; ``process_group`` defaults to every rank. ``param_groups``,
+    ``bucket_mb`` caps a bucket; ``process_group`` defaults to every rank; ``local_size``
+    (ranks per node) averages densely inside a node and compresses only across nodes, as for
+    :func:`ddp_comm_hook`. ``param_groups``,
     ``state``, ``zero_grad``, ``add_param_group`` and LR schedulers act on the inner optimizer.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, compressor: Any = "none", *,
                  model: Optional[torch.nn.Module] = None, process_group=None, bucket_mb: float = 25.0,
-                 broadcast: bool = True, **options: Any) -> None:
+                 broadcast: bool = True, local_size: Optional[int] = None, **options: Any) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise ValueError(f"CompressedOptimizer wraps a torch.optim.Optimizer, got {type(optimizer).__name__}")
         if isinstance(optimizer, CompressedOptimizer):
@@ -57,7 +59,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
                      "_optimizer_load_state_dict_post_hooks"):
             setattr(self, name, OrderedDict())
         self._patch_step_function()
-        self.compression = Compression(Policy(compressor, **options), process_group)
+        self.compression = Compression(Policy(compressor, **options), process_group, local_size)
         self.bucket_mb = float(bucket_mb)
         self._model = model
         self._params: List[torch.Tensor] = []
