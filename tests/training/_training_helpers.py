@@ -1,6 +1,7 @@
 """Small models and synthetic data shared by the training tests (run inside gloo ranks)."""
 from __future__ import annotations
 
+import io
 from typing import Optional, Tuple
 
 import torch
@@ -34,6 +35,21 @@ def batch(x: torch.Tensor, y: torch.Tensor, size: int, rank: int, step: int) -> 
     g = torch.Generator().manual_seed(1000 * step + rank)
     idx = torch.randint(0, x.shape[0], (size,), generator=g)
     return x[idx], y[idx]
+
+
+def snapshot(model: torch.nn.Module, state) -> bytes:
+    """A checkpoint of the model and a hook's state, as bytes."""
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "hook": state.state_dict()}, buf)
+    return buf.getvalue()
+
+
+def restore(model: torch.nn.Module, state, checkpoint: Optional[bytes]) -> None:
+    """Load a :func:`snapshot` into the model and the hook's state (nothing when None)."""
+    if checkpoint is not None:
+        ck = torch.load(io.BytesIO(checkpoint), weights_only=True)
+        model.load_state_dict(ck["model"])
+        state.load_state_dict(ck["hook"])
 
 
 def flat_params(model: torch.nn.Module) -> torch.Tensor:

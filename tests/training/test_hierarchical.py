@@ -14,13 +14,11 @@ Invariants protected:
 """
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _training_helpers import batch, flat_params, mlp, teacher_data
+from _training_helpers import batch, flat_params, mlp, restore, snapshot, teacher_data
 from dist import run_ranks
 
 STEPS = 4
@@ -38,10 +36,7 @@ def _ddp(me, compressor, steps, *, start=0, checkpoint=None, save_at=None, telem
         state, hook = ddp_comm_hook(compressor, model=model, min_numel=0, **options)
         ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    if checkpoint is not None:
-        ck = torch.load(io.BytesIO(checkpoint), weights_only=True)
-        model.load_state_dict(ck["model"])
-        state.load_state_dict(ck["hook"])
+    restore(model, state, checkpoint)
     saved, tele = None, None
     for step in range(start, start + steps):
         xb, yb = batch(x, y, 8, me, step)
@@ -53,9 +48,7 @@ def _ddp(me, compressor, steps, *, start=0, checkpoint=None, save_at=None, telem
             tele = telemetry()["by_op"]
         opt.step()
         if save_at == step + 1:
-            buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "hook": state.state_dict()}, buf)
-            saved = buf.getvalue()
+            saved = snapshot(model, state)
     return flat_params(model), saved, tele
 
 

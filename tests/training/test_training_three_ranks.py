@@ -8,13 +8,11 @@
 """
 from __future__ import annotations
 
-import io
-
 import torch
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from _training_helpers import batch, flat_params, mlp, teacher_data
+from _training_helpers import batch, flat_params, mlp, restore, snapshot, teacher_data
 from dist import run_ranks
 
 
@@ -31,10 +29,7 @@ def _run(me, compressor, steps, *, start=0, checkpoint=None, save_at=None, seed=
         state, hook = ddp_comm_hook(compressor, model=model, min_numel=0, **options)
         ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
-    if checkpoint is not None:
-        ck = torch.load(io.BytesIO(checkpoint), weights_only=True)
-        model.load_state_dict(ck["model"])
-        state.load_state_dict(ck["hook"])
+    restore(model, state, checkpoint)
     saved = None
     for step in range(start, start + steps):
         xb, yb = batch(x, y, 8, me, step)
@@ -42,9 +37,7 @@ def _run(me, compressor, steps, *, start=0, checkpoint=None, save_at=None, seed=
         torch.nn.functional.cross_entropy(ddp(xb), yb).backward()
         opt.step()
         if save_at == step + 1:
-            buf = io.BytesIO()
-            torch.save({"model": model.state_dict(), "hook": state.state_dict()}, buf)
-            saved = buf.getvalue()
+            saved = snapshot(model, state)
     return model, state, saved
 
 
