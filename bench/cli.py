@@ -72,9 +72,14 @@ def resolve_link(args) -> Optional[netem.Link]:
     return link
 
 
-def link_text(link: Optional[netem.Link]) -> str:
+def link_text(link: Optional[netem.Link], local_size: int = 1) -> str:
+    nodes = f"; nodes of {local_size} ranks (hierarchical hook)" if local_size > 1 else ""
     if link is None:
-        return "loopback (all ranks on this machine, unshaped)"
+        return f"loopback (all ranks on this machine, unshaped){nodes}"
+    if local_size > 1:
+        return (f"emulated {link} per node of {local_size} ranks (tc tbf each way"
+                f"{', netem delay' if link.delay_ms else ''}), each node in its own network namespace, "
+                f"loopback inside a node; hierarchical hook")
     return (f"emulated {link} per rank (tc tbf each way{', netem delay' if link.delay_ms else ''}), "
             f"each rank in its own network namespace")
 
@@ -131,6 +136,11 @@ def collective_parser() -> argparse.ArgumentParser:
                    help="collective algorithm (default: chosen per compressor)")
     p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed calls per method (default 5)")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed calls first (default 1)")
+    p.add_argument("--local-size", type=int, default=1, metavar="L",
+                   help="ranks per node (with --model): with --netem the ranks of a node share one namespace "
+                        "(loopback inside) and one shaped link; each gradcomp method then runs twice, flat and "
+                        "hierarchical (dense inside a node, compressed across nodes: label '/node'). Dense "
+                        "all_reduce and PyTorch's hooks are unchanged (default 1)")
     common_options(p)
     return p
 
@@ -154,11 +164,18 @@ def run_collective(argv: Sequence[str]) -> int:
     if args.model and args.algorithm != "auto":
         raise ValueError("--algorithm applies to the collective on one tensor (--numel); with --model the gradients "
                          "go through gradcomp's DDP hook, which picks the transport per parameter")
+    if args.local_size < 1 or args.world_size % args.local_size:
+        raise ValueError(f"--local-size must be >= 1 and divide --world-size ({args.world_size}), not {args.local_size}")
+    if args.local_size > 1 and not args.model:
+        raise ValueError("--local-size applies to gradcomp's DDP hook, which runs with --model")
+    if args.local_size > 1:  # each gradcomp method flat and hierarchical, side by side
+        methods = [dict(m, label=m["label"] + suffix, hierarchical=bool(suffix)) if m["kind"] == "gradcomp" else m
+                   for m in methods for suffix in ("", "/node") if suffix == "" or m["kind"] == "gradcomp"]
     link = resolve_link(args)
     cfg = {"numel": numel, "model": args.model, "bucket_mb": args.bucket_mb, "methods": methods,
            "algorithm": None if args.algorithm == "auto" else args.algorithm, "repeats": args.repeats,
-           "warmup": args.warmup, "seed": args.seed}
-    env = envmod.environment(args.world_size, link_text(link), args.threads)
+           "warmup": args.warmup, "seed": args.seed, "local_size": args.local_size}
+    env = envmod.environment(args.world_size, link_text(link, args.local_size), args.threads)
     if args.model:
         layers = shapes.model_layers(args.model)
         info = shapes.summary(layers)
@@ -189,7 +206,7 @@ def run_and_report(kind: str, cfg: Dict[str, Any], args: argparse.Namespace, lin
     bar = Progress(not args.no_progress)
     try:
         results = launch.run_ranks(kind, cfg, args.world_size, link=link, threads=args.threads,
-                                   timeout_s=args.timeout, on_progress=bar)
+                                   timeout_s=args.timeout, on_progress=bar, local_size=cfg.get("local_size", 1))
     finally:
         bar.close()
     records = results[0]

@@ -124,7 +124,8 @@ def matrix_shape(numel: int) -> Tuple[int, ...]:
     return (rows, numel // rows) if rows > 1 else (numel,)
 
 
-def _method(spec: Dict[str, Any], world: int, layout, algorithm: Optional[str], model: bool) -> Callable:
+def _method(spec: Dict[str, Any], world: int, layout, algorithm: Optional[str], model: bool,
+            local_size: int = 1) -> Callable:
     """``run(bufs) -> (outputs, stats)`` for one method; ``bufs`` are the per-bucket inputs."""
     kind = spec["kind"]
     if kind == "dense":
@@ -157,7 +158,7 @@ def _method(spec: Dict[str, Any], world: int, layout, algorithm: Optional[str], 
     from gradcomp.compress import ErrorFeedback, get_compressor
 
     if model:  # realistic layers: gradcomp's DDP hook, which compresses parameter by parameter
-        state, hook = hooks.gradcomp_hook(spec)
+        state, hook = hooks.gradcomp_hook(spec, local_size=local_size if spec.get("hierarchical") else None)
 
         def exchange(bufs):
             return launch(state, hook, bufs)
@@ -235,7 +236,7 @@ def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[...,
     raw: List[Dict[str, Any]] = []
     for spec in methods:
         try:
-            run = _method(spec, world, layout, cfg.get("algorithm"), bool(cfg.get("model")))
+            run = _method(spec, world, layout, cfg.get("algorithm"), bool(cfg.get("model")), int(cfg.get("local_size", 1)))
             res = _time_calls(run, flat, views, exact, warmup, repeats, tick(spec["label"]))
         except ValueError as exc:  # e.g. an algorithm this compressor cannot use: same on every rank
             res = {"error": str(exc)}
@@ -263,6 +264,7 @@ def _records(methods, everyone, cfg, world, numel) -> List[Dict[str, Any]]:
         rec: Dict[str, Any] = {"compressor": spec["label"], "method": spec["kind"], "error_feedback": spec["ef"],
                                "options": spec.get("options", {}), "world_size": world, "numel": numel,
                                "model": cfg.get("model"), "algorithm": cfg.get("algorithm") or "auto",
+                               "local_size": int(cfg.get("local_size", 1)), "hierarchical": bool(spec.get("hierarchical")),
                                "repeats": cfg["repeats"], "warmup": cfg["warmup"],
                                "dense_bytes_per_rank": dense_bytes, "dense_ms": dense_ms}
         if "error" in results[0]:

@@ -66,12 +66,14 @@ class CountingAllReduce:
         dist.all_reduce = self._orig
 
 
-def gradcomp_hook(spec: Dict[str, Any], model: Optional[torch.nn.Module] = None) -> Tuple[Any, Hook]:
-    """``(state, hook)`` of gradcomp's DDP hook for a method spec (compressor, options, EF)."""
+def gradcomp_hook(spec: Dict[str, Any], model: Optional[torch.nn.Module] = None,
+                  local_size: Optional[int] = None) -> Tuple[Any, Hook]:
+    """``(state, hook)`` of gradcomp's DDP hook for a method spec (compressor, options, EF);
+    ``local_size``: ranks per node for the hierarchical exchange."""
     from gradcomp.training import ddp_comm_hook
 
     return ddp_comm_hook(spec["name"], model=model, error_feedback="ef" if spec["ef"] else "none",
-                         **spec["options"])
+                         local_size=local_size, **spec["options"])
 
 
 def torch_hook(kind: str, options: Dict[str, Any]) -> Tuple[Any, Hook, int]:

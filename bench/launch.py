@@ -46,15 +46,16 @@ def _pump(stream, out: "queue.Queue[Optional[str]]") -> None:
 
 def run_ranks(task: str, cfg: Dict[str, Any], world_size: int, *, link: Optional[netem.Link] = None,
               threads: int = 1, timeout_s: float = 1800.0,
-              on_progress: Optional[Callable[[Dict[str, Any]], None]] = None) -> List[Any]:
-    """Run ``task`` (a name in ``_worker.TASKS``) on ``world_size`` ranks; results in rank order."""
+              on_progress: Optional[Callable[[Dict[str, Any]], None]] = None, local_size: int = 1) -> List[Any]:
+    """Run ``task`` (a name in ``_worker.TASKS``) on ``world_size`` ranks; results in rank order.
+    With ``link``, nodes of ``local_size`` ranks each get a namespace (see ``netem.Cluster``)."""
     if not 1 <= world_size <= netem.MAX_RANKS:
         raise ValueError(f"world size must be between 1 and {netem.MAX_RANKS}, not {world_size}")
     procs: List[subprocess.Popen] = []
     with ExitStack() as stack:
         tmp = tempfile.mkdtemp(prefix="gradcomp-bench-")
         stack.callback(shutil.rmtree, tmp, True)
-        cluster = stack.enter_context(netem.Cluster(world_size, link)) if link is not None else None
+        cluster = stack.enter_context(netem.Cluster(world_size, link, local_size)) if link is not None else None
         stack.callback(_stop, procs)
         spec = {"task": task, "cfg": cfg, "world_size": world_size, "threads": threads,
                 "store": os.path.join(tmp, "store"), "out": tmp, "timeout_s": timeout_s}

@@ -138,16 +138,22 @@ def _tbf(rate_bit: int) -> List[str]:
 
 
 class Cluster:
-    """``world_size`` namespaces joined by shaped veth links; use as a context manager."""
+    """Nodes of ``local_size`` ranks, one namespace per node, joined by shaped veth links; use
+    as a context manager. The ranks of a node share its namespace and address, so they talk
+    over its loopback (unshaped: the fast links inside a node) and share its shaped link."""
 
-    def __init__(self, world_size: int, link: Link) -> None:
+    def __init__(self, world_size: int, link: Link, local_size: int = 1) -> None:
         if not 1 <= world_size <= MAX_RANKS:
             raise ValueError(f"an emulated cluster has 1 to {MAX_RANKS} ranks, not {world_size}")
+        if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 or world_size % local_size:
+            raise ValueError(f"local_size={local_size!r} must be an int >= 1 that divides the world size {world_size}")
         self.world_size = world_size
+        self.local_size = local_size
         self.link = link
         tag = f"{PREFIX}{os.getpid()}"
         self.hub = f"{tag}-hub"
-        self.ranks = [f"{tag}-r{i}" for i in range(world_size)]
+        self.nodes = [f"{tag}-r{i}" for i in range(world_size // local_size)]
+        self.ranks = [self.nodes[r // local_size] for r in range(world_size)]  # each rank's namespace
         self._created: List[str] = []
         self._procs: Dict[int, subprocess.Popen] = {}
         self._closed = False
@@ -189,7 +195,7 @@ class Cluster:
 
     # ---- use --------------------------------------------------------------------------
     def address(self, rank: int) -> str:
-        return f"{SUBNET}.{rank + 1}"
+        return f"{SUBNET}.{rank // self.local_size + 1}"
 
     def command(self, rank: int, argv: Sequence[str]) -> List[str]:
         """``argv`` prefixed so that it runs inside rank ``rank``'s namespace."""
@@ -214,7 +220,7 @@ class Cluster:
         self._add_ns(self.hub)
         _sh(["ip", "-n", self.hub, "link", "add", "br0", "type", "bridge"], "creating the bridge")
         _sh(["ip", "-n", self.hub, "link", "set", "br0", "up"], "bringing up the bridge")
-        for i, ns in enumerate(self.ranks):
+        for i, ns in enumerate(self.nodes):
             self._add_ns(ns)
             port = f"p{i}"
             # both ends are created directly inside their namespaces: the host never sees them
@@ -222,7 +228,7 @@ class Cluster:
                 "creating a veth pair")
             _sh(["ip", "-n", self.hub, "link", "set", port, "master", "br0"], "attaching a port to the bridge")
             _sh(["ip", "-n", self.hub, "link", "set", port, "up"], "bringing up a bridge port")
-            _sh(["ip", "-n", ns, "addr", "add", f"{self.address(i)}/24", "dev", IFACE], "assigning an address")
+            _sh(["ip", "-n", ns, "addr", "add", f"{SUBNET}.{i + 1}/24", "dev", IFACE], "assigning an address")
             _sh(["ip", "-n", ns, "link", "set", IFACE, "up"], "bringing up a rank link")
             self._shape(ns, IFACE, delay=True)
             self._shape(self.hub, port, delay=False)

@@ -79,63 +79,67 @@ def exchange(items: Sequence[Item], group, world: int, *, buffer: Optional[torch
 
 
 def exchange_hierarchical(items: Sequence[Item], hier: Any, owners: Sequence[int], *,
-                          buffer: Optional[torch.Tensor] = None, label: str = "?") -> List[torch.Tensor]:
+                          label: str = "?") -> List[torch.Tensor]:
     """The mean of every gradient over all ranks, dense inside a node, compressed across nodes
-    (``hier``: :class:`gradcomp.training._worker.Hierarchy`); per dtype, in order:
+    (``hier``: :class:`gradcomp.training._worker.Hierarchy`). Each gradient has an owner, one
+    local rank (``owners``, one per item: whole gradients, the same on every node and every
+    step). Per dtype, in order:
 
-    1. one dense allreduce of the gradients over the node gives every rank the node's mean
-       (the fast links carry the dense bytes);
-    2. each gradient is owned by one local rank (``owners``, one per item: whole gradients, the
-       same on every node and every step); the owners of a gradient, one per node, average their node means
-       with :func:`exchange` over the inter-node group, so the codec, its error feedback and
-       its state per parameter name live on the owners, and each gradient crosses the slow
-       links once per node, compressed;
-    3. every rank zeroes what it does not own and one allreduce over the node (a sum with one
-       non-zero term per element: exact, but a -0.0 result becomes +0.0) hands every rank
-       every result. Every rank of every node ends with the same bits.
+    1. for each local rank, the gradients it owns, concatenated and scaled by ``1/L``, are
+       summed onto it (``reduce`` over the node: the fast links carry the dense bytes, each
+       byte once);
+    2. the owners of a gradient, one per node, average their node means with :func:`exchange`
+       over the inter-node group, so the codec, its error feedback and its state per
+       parameter name live on the owners, and each gradient crosses the slow links once per
+       node, compressed;
+    3. each owner broadcasts its results over the node. Every rank of every node ends with
+       the same bits.
 
-    Returns views of ``buffer`` when the gradients are exactly its consecutive views (a DDP
-    bucket, averaged in place), else of a new flat tensor.
+    Returns views of new flat tensors (one per owner and dtype).
     """
     out: List[Optional[torch.Tensor]] = [None] * len(items)
     by_dtype: Dict[torch.dtype, List[int]] = {}
     for i, (_, g, _) in enumerate(items):
         by_dtype.setdefault(g.dtype, []).append(i)
+    L = hier.local_size
     for idx in by_dtype.values():
-        grads = [items[i][1] for i in idx]
-        flat = _flat_of(grads, buffer)
-        views = [v.view(g.shape) for v, g in zip(flat.split([g.numel() for g in grads]), grads)]
-        rec = Record("allreduce", "intra-node", label, "bucket", hier.local_size, dense_bytes=_nbytes(flat))
-        rec.payload_bytes = _nbytes(flat)
-        _mean_(flat, hier.intra, hier.local_size, rec)
-        own = [owners[i] for i in idx]
-        mine = [j for j, o in enumerate(own) if o == hier.local_rank]
-        results = exchange([(items[idx[j]][0], views[j], items[idx[j]][2]) for j in mine], hier.inter, hier.nodes,
-                           label=label)
-        for j, value in zip(mine, results):
-            if value.data_ptr() != views[j].data_ptr():
-                views[j].copy_(value)
-        for j, o in enumerate(own):
+        rec = Record("allreduce", "intra-node", label, "bucket", L)
+        parts = []  # (owner, item indices, flat): the same list on every rank of the node
+        for o in range(L):
+            mine = [i for i in idx if owners[i] == o]
+            if not mine:
+                continue
+            flat = torch.cat([items[i][1].detach().reshape(-1) for i in mine])
+            rec.dense_bytes += _nbytes(flat)
+            flat.div_(L) if flat.dtype in (torch.float16, torch.bfloat16) else flat.mul_(1.0 / L)  # as _mean_
+            start = time.perf_counter()
+            dist.reduce(flat, group=hier.intra, group_dst=o)
+            rec.comm_s += time.perf_counter() - start
             if o != hier.local_rank:
-                views[j].zero_()
-        _sum_(flat, hier.intra, hier.local_size, rec)
+                rec.bytes_sent += _nbytes(flat)
+            else:
+                rec.bytes_recv += _nbytes(flat) * (L - 1)
+            parts.append((o, mine, flat))
+        for o, mine, flat in parts:
+            views = [v.view(items[i][1].shape) for v, i in zip(flat.split([items[i][1].numel() for i in mine]), mine)]
+            if o == hier.local_rank:
+                results = exchange([(items[i][0], v, items[i][2]) for i, v in zip(mine, views)], hier.inter,
+                                   hier.nodes, label=label)
+                for v, value in zip(views, results):
+                    if value.data_ptr() != v.data_ptr():
+                        v.copy_(value)
+            for i, v in zip(mine, views):
+                out[i] = v
+        for o, _, flat in parts:
+            start = time.perf_counter()
+            dist.broadcast(flat, group=hier.intra, group_src=o)
+            rec.comm_s += time.perf_counter() - start
+            if o == hier.local_rank:
+                rec.bytes_sent += _nbytes(flat) * (L - 1)
+            else:
+                rec.bytes_recv += _nbytes(flat)
         commit(rec)
-        for j, i in enumerate(idx):
-            out[i] = views[j]
     return out  # type: ignore[return-value]
-
-
-def _flat_of(grads: List[torch.Tensor], buffer: Optional[torch.Tensor]) -> torch.Tensor:
-    """``buffer`` itself when ``grads`` are its consecutive views, else their concatenation."""
-    if buffer is not None and buffer.is_contiguous() and sum(g.numel() for g in grads) == buffer.numel():
-        pos = buffer.data_ptr()
-        for g in grads:
-            if g.dtype != buffer.dtype or not g.is_contiguous() or g.data_ptr() != pos:
-                break
-            pos += g.numel() * g.element_size()
-        else:
-            return buffer.view(-1)
-    return torch.cat([g.detach().reshape(-1) for g in grads])
 
 
 def _whole(items: Sequence[Item], buffer: torch.Tensor, cast: Optional[CastCompressor], group, world: int
@@ -203,13 +207,6 @@ def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
         flat.div_(world)
     else:
         flat.mul_(1.0 / world)
-    return _sum_(flat, group, world, rec)
-
-
-def _sum_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
-    """Sum ``flat`` over the group in place (every rank gets the same bits)."""
-    if world == 1 or flat.numel() == 0:
-        return flat
     start = time.perf_counter()
     dist.all_reduce(flat, group=group)
     rec.comm_s += time.perf_counter() - start

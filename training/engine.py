@@ -74,7 +74,7 @@ class Compression:
 
         def job(group):
             if hierarchy is not None:
-                return exchange_hierarchical(items, hierarchy, owners, buffer=buffer, label=label)
+                return exchange_hierarchical(items, hierarchy, owners, label=label)
             return exchange(items, group, world, buffer=buffer, label=label)
 
         if world == 1:

@@ -67,6 +67,22 @@ def test_bad_arguments_are_one_clear_error(capsys):
     assert cli.main(["--numel", "0"]) == 2
     assert cli.main(["--netem", "fast"]) == 2
     assert "RATE" in capsys.readouterr().err
+    assert cli.main(["--model", "resnet50", "--world-size", "4", "--local-size", "3"]) == 2
+    assert "divide --world-size" in capsys.readouterr().err
+    assert cli.main(["--world-size", "4", "--local-size", "2"]) == 2
+    assert "with --model" in capsys.readouterr().err
+
+
+def test_nodes_run_each_method_flat_and_hierarchical(tmp_path):
+    out = tmp_path / "h.json"
+    proc = _bench("--model", "resnet50", "--world-size", "4", "--local-size", "2", "--compressors", "onebit",
+                  "--repeats", "1", "--json", str(out), "--no-progress", timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    records = {r["compressor"]: r for r in json.loads(out.read_text())}
+    assert set(records) == {"dense", "onebit+ef", "onebit+ef/node"}
+    assert not records["onebit+ef"]["hierarchical"] and records["onebit+ef/node"]["hierarchical"]
+    assert all(r["local_size"] == 2 and r["collective_ms"] > 0 for r in records.values())
+    assert "onebit+ef/node" in proc.stdout
 
 
 def test_netem_without_root_says_why_and_fails(monkeypatch, capsys):

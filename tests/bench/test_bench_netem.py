@@ -91,6 +91,34 @@ def test_link_is_shaped_and_everything_is_removed():
     assert _ours() == []
 
 
+def _transfer(cluster, src, dst, nbytes):
+    """Bits per second from rank ``src`` to rank ``dst`` (a server in dst's namespace)."""
+    srv = cluster.popen(dst, [sys.executable, "-c", SERVER, cluster.address(dst)], stdout=subprocess.PIPE, text=True)
+    cli = cluster.popen(src, [sys.executable, "-c", CLIENT, cluster.address(dst), str(nbytes)],
+                        stdout=subprocess.PIPE, text=True)
+    n, seconds = srv.communicate(timeout=20)[0].split()
+    cli.communicate(timeout=20)
+    assert int(n) == nbytes
+    return int(n) * 8 / float(seconds)
+
+
+@needs_root
+def test_nodes_share_a_namespace_and_a_shaped_link():
+    """Nodes of 2 ranks: inside a node the ranks share an address and talk over loopback
+    (unshaped), between nodes over the node's shaped link."""
+    rate = 40 * 10**6
+    with netem.Cluster(4, netem.Link(rate), local_size=2) as cluster:
+        assert len(_ours()) == 3  # the hub and 2 nodes
+        assert cluster.address(0) == cluster.address(1) != cluster.address(2) == cluster.address(3)
+        across = _transfer(cluster, 0, 2, 1_500_000)
+        assert 0.6 * rate < across < 1.15 * rate, f"measured {across / 1e6:.1f} Mbit/s between nodes"
+        inside = _transfer(cluster, 3, 2, 1_500_000)
+        assert inside > 5 * rate, f"measured {inside / 1e6:.1f} Mbit/s inside a node: shaped?"
+    assert _ours() == []
+    with pytest.raises(ValueError, match="divides the world size"):
+        netem.Cluster(4, netem.Link(rate), local_size=3)
+
+
 @needs_root
 def test_delay_is_emulated_or_refused_with_the_reason():
     try:
