@@ -73,13 +73,13 @@ def resolve_link(args) -> Optional[netem.Link]:
 
 
 def link_text(link: Optional[netem.Link], local_size: int = 1) -> str:
-    nodes = f"; nodes of {local_size} ranks (hierarchical hook)" if local_size > 1 else ""
+    nodes = f"; nodes of {local_size} ranks ('/node': the hierarchical hook)" if local_size > 1 else ""
     if link is None:
         return f"loopback (all ranks on this machine, unshaped){nodes}"
     if local_size > 1:
         return (f"emulated {link} per node of {local_size} ranks (tc tbf each way"
                 f"{', netem delay' if link.delay_ms else ''}), each node in its own network namespace, "
-                f"loopback inside a node; hierarchical hook")
+                f"loopback inside a node ('/node': the hierarchical hook)")
     return (f"emulated {link} per rank (tc tbf each way{', netem delay' if link.delay_ms else ''}), "
             f"each rank in its own network namespace")
 
