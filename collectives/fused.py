@@ -106,10 +106,11 @@ def _fused_job(items: List[Item], specs: list, group, algorithm: Optional[str]) 
                 accs[i] = acc
     except Exception as exc:
         error = exc
-    device = next((a.device for a in algos if a is not None), torch.device("cpu"))
+    # after a local failure an algorithm may be half set up: only the lengths travel then
+    device = next((t.device for _, t, _ in items if isinstance(t, torch.Tensor)), torch.device("cpu"))
     exact = not all(s.base.fixed_size for s in specs)
     if name == "allgather":
-        buf = _pack([None if a is None else a.buf for a in algos], device, error)
+        buf = _pack([None if a is None or error is not None else a.buf for a in algos], device, error)
         table = comm.exchange(_header(comm.size, name, items, specs, error, [buf.numel()]))
         _verify(table, items, specs, error)
         bufs = gather_bytes(comm, buf, header_sizes(table)[:, 0].tolist(), exact=exact)
@@ -143,7 +144,7 @@ def _scatter_reduce(comm: Comm, items: List[Item], specs: list, algos: list, dev
     # what goes to rank j: every tensor's chunk-j payload, behind n lengths
     per_dest = [[None] * n for _ in range(w)]
     for i, a in enumerate(algos):
-        if a is not None:
+        if a is not None and error is None:
             for j, piece in enumerate(a.sendbuf.split(a.out_sizes)):
                 per_dest[j][i] = piece
     sends = [_pack(parts, device, error) for parts in per_dest]

@@ -120,16 +120,28 @@ def exchange_hierarchical(items: Sequence[Item], hier: Any, owners: Sequence[int
             else:
                 rec.bytes_recv += _nbytes(flat) * (L - 1)
             parts.append((o, mine, flat))
+        error = None
         for o, mine, flat in parts:
             views = [v.view(items[i][1].shape) for v, i in zip(flat.split([items[i][1].numel() for i in mine]), mine)]
             if o == hier.local_rank:
-                results = exchange([(items[i][0], v, items[i][2]) for i, v in zip(mine, views)], hier.inter,
-                                   hier.nodes, label=label)
-                for v, value in zip(views, results):
-                    if value.data_ptr() != v.data_ptr():
-                        v.copy_(value)
+                try:  # a failure must reach the node before its broadcasts, not leave it waiting
+                    results = exchange([(items[i][0], v, items[i][2]) for i, v in zip(mine, views)], hier.inter,
+                                       hier.nodes, label=label)
+                    for v, value in zip(views, results):
+                        if value.data_ptr() != v.data_ptr():
+                            v.copy_(value)
+                except Exception as exc:
+                    error = exc
             for i, v in zip(mine, views):
                 out[i] = v
+        failed = torch.zeros(L, dtype=torch.int32, device=parts[0][2].device)
+        failed[hier.local_rank] = int(error is not None)
+        dist.all_reduce(failed, group=hier.intra)
+        if error is not None:
+            raise error
+        if bool(failed.any()):
+            raise ValueError(f"the hierarchical exchange failed on local rank(s) {failed.nonzero().flatten().tolist()} "
+                             f"of this node (the error is raised there)")
         for o, _, flat in parts:
             start = time.perf_counter()
             dist.broadcast(flat, group=hier.intra, group_src=o)

@@ -88,9 +88,9 @@ class Compression:
         Every rank submits the same names in the same order, so every node agrees, and the
         owner never changes, so the error feedback kept on it is never stranded (a DDP bucket
         rebuild moves gradients between buckets, not between owners)."""
-        new = sorted({n: g.numel() for n, g in zip(names, grads) if n not in self._owners}.items(),
-                     key=lambda kv: (-kv[1], names.index(kv[0])))
-        for name, numel in new:
+        new = sorted((-g.numel(), pos, n) for pos, (n, g) in enumerate(zip(names, grads)) if n not in self._owners)
+        for negative, _, name in new:
+            numel = -negative
             owner = min(range(len(self._loads)), key=lambda r: (self._loads[r], r))
             self._owners[name] = owner
             self._loads[owner] += numel

@@ -104,6 +104,9 @@ def _mismatches(rank):
         "dtype": [("a", torch.ones(4), "topk"),
                   ("b", torch.ones(6, dtype=torch.float64) if rank else torch.ones(6), "topk")],
         "rejected": [("a", torch.ones(4), "topk"), ("b", torch.ones(6, dtype=torch.int64), "topk")],
+        # a compressor that refuses its input halfway through the local work (rank 0 only)
+        "refused": [("a", torch.ones(4), "topk"),
+                    ("b", torch.full((6,), 1e300 if rank == 0 else 1.0, dtype=torch.float64), "int8")],
     }
     out = {}
     for what, items in cases.items():
@@ -188,7 +191,8 @@ def test_mismatch_raises_on_every_rank_and_says_so(runs):
     expect = {"layout": "different tensors", "count": "different tensors", "dtype": "different tensors",
               "compressor": "compressor", "key": "keys", "rejected": "int64", "multi-round": "several rounds",
               "algorithm": "unknown algorithm 'native'"}
-    for r in runs:
+    for rank, r in enumerate(runs):
         for what, word in expect.items():
             assert word in r["mismatch"][what], (what, r["mismatch"][what])
+        assert ("float32 range" if rank == 0 else "rank(s) [0] rejected") in r["mismatch"]["refused"]
         assert torch.equal(r["mismatch"]["after"], torch.full((3,), (len(runs) - 1) / 2))

@@ -99,6 +99,23 @@ def _errors(me):
     return out
 
 
+def _failure(me):
+    """An owner whose compressor refuses its input: every rank of both nodes raises, none hangs."""
+    from gradcomp.training.engine import Compression
+    from gradcomp.training.policy import Policy
+
+    comp = Compression(Policy("int8", min_numel=0, error_feedback="none"), None, 2)
+    comp.start()
+    grads = [torch.ones(300, dtype=torch.float64), torch.ones(40, 10, dtype=torch.float64)]
+    if me == 0:
+        grads[1][0, 0] = 1e300  # the node mean stays beyond what int8's fp32 scales can carry
+    try:
+        comp.submit(["a", "b"], grads).wait()
+        return "no error"
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+
+
 def _rank(rank, world):
     hier = {"local_size": 2}
     straight, saved, tele = _ddp(rank, "topk", STEPS + 2, save_at=STEPS, telemetry_at=1, ratio=0.1, **hier)
@@ -110,6 +127,7 @@ def _rank(rank, world):
         "optimizer": _optimizer(rank, **hier),
         "none": _grads_once(rank, **hier),
         "errors": _errors(rank),
+        "failure": _failure(rank),
     }
 
 
@@ -153,3 +171,9 @@ def test_bad_local_size_is_refused(runs):
         assert "divides the number of ranks" in r["errors"]["divides"]
         assert "divides the number of ranks" in r["errors"]["bool"]
         assert "default process group only" in r["errors"]["group"]
+
+
+def test_a_failing_owner_fails_every_rank(runs):
+    for r in runs:
+        assert r["failure"].startswith("ValueError"), r["failure"]
+    assert "float32 range" in runs[0]["failure"] or "float32 range" in runs[1]["failure"]
