@@ -21,12 +21,15 @@ def encode(payload: Payload, device: torch.device) -> torch.Tensor:
     return buf if device.type == "cpu" else buf.to(device)
 
 
-def decode(buf: torch.Tensor, device: torch.device, numel: Optional[int] = None, rank: Optional[int] = None) -> Payload:
-    """Inverse of :func:`encode`; ``ValueError`` if the bytes are not a valid payload, or (when
-    ``numel`` is given: what this rank expects, from the agreed header) if they describe
-    another number of elements, checked before anything is allocated for them."""
+def decode(buf: torch.Tensor, device: torch.device, numel: Optional[int] = None, rank: Optional[int] = None,
+           max_numel: Optional[int] = None) -> Payload:
+    """Inverse of :func:`encode`; ``ValueError`` if the bytes are not a valid payload, if they
+    describe more than ``max_numel`` elements, or (when ``numel`` is given: what this rank
+    expects, from the agreed header) another number of elements; all checked before anything
+    is allocated for them."""
+    limit = numel if numel is not None else max_numel
     try:
-        payload = Payload.from_bytes(buf.cpu().numpy(), **({} if numel is None else {"max_numel": max(numel, 0)}))
+        payload = Payload.from_bytes(buf.cpu().numpy(), **({} if limit is None else {"max_numel": max(limit, 0)}))
     except ValueError as exc:
         if rank is None:
             raise

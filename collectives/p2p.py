@@ -61,10 +61,12 @@ def send(tensor: torch.Tensor, dst: int, compressor: Any = "none", *, key: Optio
 
 
 def recv(src: int, compressor: Any = "none", *, key: Optional[str] = None, group=None, tag: int = 0,
-         device: Optional[torch.device] = None) -> torch.Tensor:
+         device: Optional[torch.device] = None, max_numel: Optional[int] = None) -> torch.Tensor:
     """Receive a tensor that global rank ``src`` sent with ``send`` and the same compressor
     configuration; returns it decompressed, with the sender's shape and dtype, on ``device``
-    (default: the CPU, or the current CUDA device under NCCL)."""
+    (default: the CPU, or the current CUDA device under NCCL). ``max_numel`` bounds the
+    elements the sender may announce (``ValueError`` before anything is allocated; the
+    message is consumed, so the channel stays in step)."""
     spec = make_spec(compressor, None, False, False)
     key = "" if key is None else str(key)
     comm = _comm("recv", src, group, spec, key)
@@ -76,7 +78,7 @@ def recv(src: int, compressor: Any = "none", *, key: Optional[str] = None, group
     if head[3] != h64(repr(spec.base)):  # raised only now, so the channel stays in step
         raise ValueError(f"recv: rank {src} sent with a different compressor or options than {spec.base!r}")
     with rec.timing("decompress"):
-        payload = decode(buf, device or comm.device)
+        payload = decode(buf, device or comm.device, max_numel=max_numel)
         out = spec.base.decompress(payload)
         if spec.feedback is not None:
             out = spec.feedback.combine(key, out)

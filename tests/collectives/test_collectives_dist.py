@@ -206,6 +206,17 @@ def _p2p(rank, w):
                     send(t, dst, _p2p_comp(name), key="x")
                 elif rank == dst:
                     out[(src, name, step)] = recv(src, _p2p_comp(name), key="x")
+    # a bound on what the sender may announce: refused before decoding, the channel stays in step
+    if rank == 0:
+        send(torch.ones(1000), 1, "fp16")
+        send(torch.ones(3), 1, "fp16")
+    elif rank == 1:
+        try:
+            recv(0, "fp16", max_numel=100)
+            out["bounded"] = "no error"
+        except ValueError as exc:
+            out["bounded"] = str(exc)
+        out["after bound"] = recv(0, "fp16", max_numel=100)
     return out
 
 
@@ -497,6 +508,8 @@ def test_p2p_delivers_what_the_sender_compressed(runs):
                     t = data(f"p2p/{name}/{step}/{src}", src, (9, 5), torch.float32)
                     expected = ef.decompress(ef.compress(t, key="x")).to(t.dtype)
                     assert same_bits(results[dst]["p2p"][(src, name, step)], expected), (w, name, step)
+        assert "more than the limit 100" in results[1]["p2p"]["bounded"]
+        assert torch.equal(results[1]["p2p"]["after bound"], torch.ones(3))
 
 
 def test_hierarchical_same_bits_everywhere(runs):
