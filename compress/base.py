@@ -31,6 +31,7 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 import torch
 
 from gradcomp.kernels import rng
+from gradcomp.kernels.quant import block_runs
 
 from .payload import Payload, dtype_name
 
@@ -204,6 +205,14 @@ class Compressor:
         """``decompress_into`` on a flat ``out``; subclasses override with a pass that needs no
         temporary."""
         add_into(out, self.decompress(payload).reshape(-1), alpha, accumulate)
+
+    def _decode_runs_into(self, payload: Payload, out: torch.Tensor, align: int, alpha: float,
+                          accumulate: bool) -> None:
+        """``_decompress_into`` in cache-sized runs whose starts are multiples of ``align``,
+        each decoded by the subclass's ``_decode(payload, a, b)`` (elements ``a:b``, work
+        dtype): the bits of the generic form without a full-size temporary."""
+        for a, b in block_runs(payload.numel, align, out.device):
+            add_into(out[a:b], self._decode(payload, a, b).to(payload.dtype), alpha, accumulate)
 
     def bits_per_element(self, numel: int = 1 << 20) -> float:
         """Theoretical wire bits per element for a tensor of ``numel`` elements."""

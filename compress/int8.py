@@ -12,7 +12,7 @@ import torch
 from gradcomp.kernels.quant import (block_absmax, block_runs, dequantize_levels, div_scalar, fp32_scales,
                                    num_blocks, quantize_levels)
 
-from .base import Compressor, Option, add_into, expect, meta_int, positive_int, seed_option, tensor_spec, work_dtype
+from .base import Compressor, Option, expect, meta_int, positive_int, seed_option, tensor_spec, work_dtype
 from .registry import register
 
 _LEVELS = 127
@@ -38,10 +38,13 @@ class Int8(Compressor):
 
     def _compress(self, flat, key, step):
         x = flat.to(work_dtype(flat.dtype))
-        bs = self.block_size
-        scale32 = fp32_scales(x, div_scalar(block_absmax(x, bs), _LEVELS), bs)
+        scale32 = self._scales(x)
         u = self._uniform(x.numel(), key, step, x.device) if self.stochastic else None
-        return [scale32, self._levels(x, scale32, u)], {"block_size": bs}
+        return [scale32, self._levels(x, scale32, u)], {"block_size": self.block_size}
+
+    def _scales(self, x):
+        """The fp32 wire scales ``max |x| / 127`` of ``x``'s blocks."""
+        return fp32_scales(x, div_scalar(block_absmax(x, self.block_size), _LEVELS), self.block_size)
 
     def _levels(self, x, scale32, u):
         scale_x = scale32.to(x.dtype)
@@ -54,13 +57,13 @@ class Int8(Compressor):
         followed by ``_decompress`` and a subtraction."""
         bs, n = self.block_size, flat.numel()
         # fp64 scales can overflow the fp32 wire: found before anything is changed
-        whole = fp32_scales(flat, div_scalar(block_absmax(flat, bs), _LEVELS), bs) if flat.dtype == torch.float64 else None
+        whole = self._scales(flat) if flat.dtype == torch.float64 else None
         scale32 = torch.empty(num_blocks(n, bs), dtype=torch.float32, device=flat.device)
         levels = torch.empty(n, dtype=torch.int8, device=flat.device)
         u = self._uniform(n, key, step, flat.device) if self.stochastic else None
         for a, b in block_runs(n, bs, flat.device):
             x, blocks = flat[a:b], slice(a // bs, num_blocks(b, bs))
-            s = whole[blocks] if whole is not None else fp32_scales(x, div_scalar(block_absmax(x, bs), _LEVELS), bs)
+            s = whole[blocks] if whole is not None else self._scales(x)
             scale32[blocks] = s
             q = levels[a:b]
             q.copy_(self._levels(x, s, None if u is None else u[a:b]))
@@ -68,18 +71,16 @@ class Int8(Compressor):
         return [scale32, levels], {"block_size": bs}
 
     def _decompress(self, payload):
-        scale, levels = payload.tensors
-        wd = work_dtype(payload.dtype)
-        return dequantize_levels(levels, scale.to(wd), payload.meta["block_size"], wd)
+        return self._decode(payload, 0, payload.numel)
 
-    def _decompress_into(self, payload, out, alpha, accumulate):
-        """In cache-sized runs of whole blocks, with the bits of the generic form."""
+    def _decode(self, payload, a, b):
+        """Elements ``a:b`` (``a`` at a block start) in the work dtype."""
         scale, levels = payload.tensors
         bs, wd = payload.meta["block_size"], work_dtype(payload.dtype)
-        for a, b in block_runs(levels.numel(), bs, out.device):
-            blocks = slice(a // bs, num_blocks(b, bs))
-            dec = dequantize_levels(levels[a:b], scale[blocks].to(wd), bs, wd)
-            add_into(out[a:b], dec.to(payload.dtype), alpha, accumulate)
+        return dequantize_levels(levels[a:b], scale[a // bs:num_blocks(b, bs)].to(wd), bs, wd)
+
+    def _decompress_into(self, payload, out, alpha, accumulate):
+        self._decode_runs_into(payload, out, payload.meta["block_size"], alpha, accumulate)
 
     def _wire_bytes(self, numel):
         return 4.0 * num_blocks(numel, self.block_size) + numel

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import torch
 
-from gradcomp.kernels.quant import block_runs, natural_decode, natural_encode
+from gradcomp.kernels.quant import natural_decode, natural_encode
 
-from .base import Compressor, add_into, expect, seed_option, tensor_spec, work_dtype
+from .base import Compressor, expect, seed_option, tensor_spec, work_dtype
 from .registry import register
 
 _EXP_RANGE = (-1074, 1024)  # frexp exponents of float64's smallest and largest magnitudes
@@ -38,15 +38,15 @@ class Natural(Compressor):
         return [codes, torch.tensor([exp], dtype=torch.int32, device=flat.device)], {}
 
     def _decompress(self, payload):
+        return self._decode(payload, 0, payload.numel)
+
+    def _decode(self, payload, a, b):
+        """Elements ``a:b`` in the work dtype (a table lookup)."""
         codes, exp = payload.tensors
-        return natural_decode(codes, int(exp[0]), work_dtype(payload.dtype), payload.dtype)
+        return natural_decode(codes[a:b], int(exp[0]), work_dtype(payload.dtype), payload.dtype)
 
     def _decompress_into(self, payload, out, alpha, accumulate):
-        """In cache-sized runs, with the generic bits (the decoding is a table lookup)."""
-        codes, exp = payload.tensors
-        e, wd = int(exp[0]), work_dtype(payload.dtype)
-        for a, b in block_runs(payload.numel, 1, out.device):
-            add_into(out[a:b], natural_decode(codes[a:b], e, wd, payload.dtype).to(payload.dtype), alpha, accumulate)
+        self._decode_runs_into(payload, out, 1, alpha, accumulate)
 
     def _wire_bytes(self, numel):
         return numel + 4.0

@@ -14,10 +14,10 @@ import math
 import torch
 
 from gradcomp.kernels.bits import pack_codes, packed_nbytes, unpack_codes
-from gradcomp.kernels.quant import (block_runs, bucket_norms, dequantize_levels, div_scalar, fp32_scales,
+from gradcomp.kernels.quant import (bucket_norms, dequantize_levels, div_scalar, fp32_scales,
                                    num_blocks, quantize_levels)
 
-from .base import Compressor, Option, add_into, expect, meta_int, positive_int, seed_option, tensor_spec, work_dtype
+from .base import Compressor, Option, expect, meta_int, positive_int, seed_option, tensor_spec, work_dtype
 from .registry import register
 
 
@@ -73,10 +73,9 @@ class QSGD(Compressor):
         return dequantize_levels(levels, div_scalar(norms[a // bs:num_blocks(b, bs)].to(wd), s), bs, wd)
 
     def _decompress_into(self, payload, out, alpha, accumulate):
-        """In cache-sized runs of whole buckets that start on a byte, with the generic bits."""
+        # runs of whole buckets that start on a byte of the packed codes
         align = math.lcm(payload.meta["bucket_size"], 8 // code_bits(payload.meta["levels"]))
-        for a, b in block_runs(payload.numel, align, out.device):
-            add_into(out[a:b], self._decode(payload, a, b).to(payload.dtype), alpha, accumulate)
+        self._decode_runs_into(payload, out, align, alpha, accumulate)
 
     def _wire_bytes(self, numel):
         return 4.0 * num_blocks(numel, self.bucket_size) + packed_nbytes(numel, code_bits(self.levels))

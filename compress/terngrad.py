@@ -16,10 +16,10 @@ import math
 import torch
 
 from gradcomp.kernels.bits import pack_codes, packed_nbytes, unpack_codes
-from gradcomp.kernels.quant import (block_absmax, block_runs, dequantize_levels, fp32_scales, num_blocks,
+from gradcomp.kernels.quant import (block_absmax, dequantize_levels, fp32_scales, num_blocks,
                                    quantize_levels)
 
-from .base import Compressor, Option, add_into, expect, meta_int, seed_option, tensor_spec, work_dtype
+from .base import Compressor, Option, expect, meta_int, seed_option, tensor_spec, work_dtype
 from .registry import register
 
 
@@ -74,10 +74,9 @@ class TernGrad(Compressor):
         return dequantize_levels(levels, scale[a // bs:num_blocks(b, bs)].to(wd), bs, wd)
 
     def _decompress_into(self, payload, out, alpha, accumulate):
-        """In cache-sized runs of whole buckets that start on a byte, with the generic bits."""
+        # runs of whole buckets that start on a byte of the packed codes
         align = math.lcm(_block(payload.meta["bucket_size"], payload.numel), 4)
-        for a, b in block_runs(payload.numel, align, out.device):
-            add_into(out[a:b], self._decode(payload, a, b).to(payload.dtype), alpha, accumulate)
+        self._decode_runs_into(payload, out, align, alpha, accumulate)
 
     def _wire_bytes(self, numel):
         return 4.0 * num_blocks(numel, _block(self.bucket_size, numel)) + packed_nbytes(numel, 2)
