@@ -169,8 +169,8 @@ def run_collective(argv: Sequence[str]) -> int:
     if args.local_size > 1 and not args.model:
         raise ValueError("--local-size applies to gradcomp's DDP hook, which runs with --model")
     if args.local_size > 1:  # each gradcomp method flat and hierarchical, side by side
-        methods = [dict(m, label=m["label"] + suffix, hierarchical=bool(suffix)) if m["kind"] == "gradcomp" else m
-                   for m in methods for suffix in ("", "/node") if suffix == "" or m["kind"] == "gradcomp"]
+        methods = [v for m in methods for v in
+                   ([m, dict(m, label=m["label"] + "/node", hierarchical=True)] if m["kind"] == "gradcomp" else [m])]
     link = resolve_link(args)
     cfg = {"numel": numel, "model": args.model, "bucket_mb": args.bucket_mb, "methods": methods,
            "algorithm": None if args.algorithm == "auto" else args.algorithm, "repeats": args.repeats,

@@ -111,7 +111,7 @@ def exchange_hierarchical(items: Sequence[Item], hier: Any, owners: Sequence[int
                 continue
             flat = torch.cat([items[i][1].detach().reshape(-1) for i in mine])
             rec.dense_bytes += _nbytes(flat)
-            flat.div_(L) if flat.dtype in (torch.float16, torch.bfloat16) else flat.mul_(1.0 / L)  # as _mean_
+            _scale_(flat, L)
             start = time.perf_counter()
             dist.reduce(flat, group=hier.intra, group_dst=o)
             rec.comm_s += time.perf_counter() - start
@@ -215,10 +215,7 @@ def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
     ``none`` and 16-bit cast hooks give the same bits as those, for any world size."""
     if world == 1 or flat.numel() == 0:
         return flat
-    if flat.dtype in (torch.float16, torch.bfloat16):
-        flat.div_(world)
-    else:
-        flat.mul_(1.0 / world)
+    _scale_(flat, world)
     start = time.perf_counter()
     dist.all_reduce(flat, group=group)
     rec.comm_s += time.perf_counter() - start
@@ -226,6 +223,11 @@ def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
     rec.bytes_sent += moved
     rec.bytes_recv += moved
     return flat
+
+
+def _scale_(flat: torch.Tensor, world: int) -> torch.Tensor:
+    """``flat / world`` in place, rounded as PyTorch rounds it (see :func:`_mean_`)."""
+    return flat.div_(world) if flat.dtype in (torch.float16, torch.bfloat16) else flat.mul_(1.0 / world)
 
 
 def _dense(grad: torch.Tensor) -> Generator:
