@@ -93,7 +93,7 @@ def _telemetry(rank, world):
 
 
 def _mismatches(rank):
-    from gradcomp.collectives import allreduce, allreduce_fused
+    from gradcomp.collectives import allreduce_fused
 
     one = [("a", torch.ones(4), "topk"), ("b", torch.ones(6), "topk")]
     cases = {

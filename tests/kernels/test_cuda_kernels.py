@@ -16,6 +16,8 @@ import torch
 from gradcomp.compress import ErrorFeedback, available_compressors, get_compressor
 from gradcomp.kernels import _cupy, _dispatch, bits, quant, rng, select, sign, sparse
 
+from kernel_checks import same  # beside this file (conftest puts it on the path)
+
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not _cupy.available(), reason="CuPy cannot see a CUDA device or NVRTC: the kernels cannot run"),
@@ -24,14 +26,6 @@ DEVICE = torch.device("cuda")
 BIG = 2**24 + 3
 SIZES = [0, 1, 7, 1000, BIG]
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def same(a, b, zero_sign=True):
-    """Equal dtypes and values, NaN where the other has NaN (any payload), and (unless
-    ``zero_sign`` is false) the same signs of zero."""
-    nan = a.isnan()
-    return (a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
-            and (not zero_sign or torch.equal(a.signbit() & ~nan, b.signbit() & ~nan)))
 
 
 def reference(fn, *args, **kwargs):

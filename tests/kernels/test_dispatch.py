@@ -14,15 +14,9 @@ from gradcomp.compress import ErrorFeedback, get_compressor
 from gradcomp.kernels import _cupy, _dispatch, quant, rng, select, sign, sparse
 from gradcomp.kernels import bits as bits_ref
 
+from kernel_checks import same  # beside this file (conftest puts it on the path)
+
 FLOATS = [torch.float32, torch.float16, torch.bfloat16]
-
-
-def same(a, b, zero_sign=True):
-    """Equal dtypes and values, NaN where the other has NaN (any payload), and (unless
-    ``zero_sign`` is false) the same signs of zero."""
-    nan = a.isnan()
-    return (a.dtype == b.dtype and torch.equal(nan, b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
-            and (not zero_sign or torch.equal(a.signbit() & ~nan, b.signbit() & ~nan)))
 
 
 # ---- plumbing ------------------------------------------------------------------------------

@@ -2,7 +2,6 @@
 kernels), ragged blocks and CPU chunks change nothing, and NaN/Inf are never lost."""
 import math
 
-import numpy as np
 import pytest
 import torch
 
