@@ -13,6 +13,7 @@ import torch
 
 from gradcomp.compress import Compressor
 from gradcomp.compress.base import work_dtype
+from gradcomp.compress.error_feedback import to_finite
 
 from ._comm import Comm
 
@@ -84,4 +85,5 @@ def wdtype(t: torch.Tensor) -> torch.dtype:
 
 
 def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype else t.to(dtype)
+    """``t`` in the wire ``dtype``; finite values beyond its range saturate (see ``to_finite``)."""
+    return t if t.dtype == dtype else to_finite(t, dtype)

@@ -22,6 +22,7 @@ order would then depend on timing.
 from __future__ import annotations
 
 import atexit
+import contextvars
 import queue
 import threading
 from typing import Any, Callable, Dict, Tuple
@@ -69,7 +70,8 @@ class _Worker:
 
     def submit(self, job: Job) -> torch.futures.Future:
         fut: torch.futures.Future = torch.futures.Future()
-        self._queue.put((job, fut))
+        # the job runs in the caller's context: a state transaction open there covers it too
+        self._queue.put((job, fut, contextvars.copy_context()))
         return fut
 
     def stop(self, timeout: float) -> None:
@@ -82,9 +84,9 @@ class _Worker:
             item = self._queue.get()
             if item is None:
                 return
-            job, fut = item
+            job, fut, context = item
             try:
-                value = job(self.eff)
+                value = context.run(job, self.eff)
             except Exception as exc:
                 fut.set_exception(exc)
             else:

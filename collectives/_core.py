@@ -29,7 +29,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from gradcomp.compress import Compressor, available_compressors, get_compressor
+from gradcomp.compress import Compressor, available_compressors, get_compressor, transaction
 from gradcomp.compress.base import FLOAT_DTYPES, work_dtype
 
 from . import _telemetry as telemetry
@@ -169,7 +169,9 @@ def flat_job(tensor, spec: Spec, key: str, group) -> torch.Tensor:
     rec.algorithm = choose_algorithm(spec.base, comm.size, spec.algorithm)
     if isinstance(tensor, torch.Tensor):
         rec.dense_bytes = tensor.numel() * tensor.element_size()
-    out = reduce(tensor, spec, comm, key=key, feedback=spec.feedback)
+    with transaction.step() as txn:  # state kept only if the exchange completes with a finite mean
+        out = reduce(tensor, spec, comm, key=key, feedback=spec.feedback)
+        txn.observe(out)
     if spec.measure:
         measure(rec, out, tensor, [comm])
     telemetry.commit(rec)

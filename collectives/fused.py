@@ -28,6 +28,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from gradcomp.compress import transaction
+
 from . import _async
 from . import _telemetry as telemetry
 from ._algorithm import fresh
@@ -75,6 +77,15 @@ def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *
 
 
 def _fused_job(items: List[Item], specs: list, group, algorithm: Optional[str]) -> List[torch.Tensor]:
+    """The whole set is one step: its state is kept only if every mean is finite (see
+    :mod:`gradcomp.compress.transaction`)."""
+    with transaction.step() as txn:
+        out = _fused_exchange(items, specs, group, algorithm)
+        txn.observe(out)
+    return out
+
+
+def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[str]) -> List[torch.Tensor]:
     labels = {label(s) for s in specs}
     rec = telemetry.Record("allreduce", "?", labels.pop() if len(labels) == 1 else "mixed", "fused", 1)
     comm = Comm(group, rec, "allreduce")

@@ -20,6 +20,8 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
+from gradcomp.compress import transaction
+
 from . import _async, _telemetry as telemetry
 from ._algorithm import chunk_sizes, mean_in_order, wdtype
 from ._comm import Comm, group_timeout, initialized
@@ -81,12 +83,14 @@ def hierarchical_job(tensor, spec, key: str, intra_group, inter_group) -> torch.
     got = intra.all_to_all(tensor.detach().reshape(-1), sizes, [sizes[i]] * n_local)
     with rec.timing("decompress"):  # the dense reduction of the shard
         shard = mean_in_order(got.split(sizes[i]), n_local, wdtype(tensor)).to(tensor.dtype)
-    result = reduce(shard, spec, inter, key=f"{key}/shard{i}of{n_local}", feedback=spec.feedback,
-                    part=i, parts=n_local)
-    padded = result.new_zeros(sizes[0])
-    padded[:sizes[i]] = result
-    rows = intra.all_gather(padded)
-    out = torch.cat([rows[j, :sizes[j]] for j in range(n_local)]).reshape(tensor.shape)
+    with transaction.step() as txn:  # state kept only if the exchange completes with a finite mean
+        result = reduce(shard, spec, inter, key=f"{key}/shard{i}of{n_local}", feedback=spec.feedback,
+                        part=i, parts=n_local)
+        padded = result.new_zeros(sizes[0])
+        padded[:sizes[i]] = result
+        rows = intra.all_gather(padded)
+        out = torch.cat([rows[j, :sizes[j]] for j in range(n_local)]).reshape(tensor.shape)
+        txn.observe(out)  # the whole tensor: every rank of every node decides alike
     if spec.measure:
         measure(rec, out, tensor, [intra, inter])
     telemetry.commit(rec)

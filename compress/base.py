@@ -34,6 +34,7 @@ from gradcomp.kernels import rng
 from gradcomp.kernels.quant import block_runs
 
 from .payload import Payload, dtype_name
+from .transaction import replace
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -151,6 +152,7 @@ class Compressor:
         skey = "" if key is None else str(key)
         if step is None:
             step = self._steps.get(skey, 0)
+            replace(self._steps, skey)  # an open transaction may have to undo it
             self._steps[skey] = step + 1
         return skey, int(step)
 

@@ -19,6 +19,7 @@ from gradcomp.kernels.select import topk_abs_indices
 
 from .base import Compressor, Option, seed_option
 from .error_feedback import _Feedback
+from .transaction import replace
 from .payload import Payload
 from .registry import register
 from .topk import TopK, ratio_option
@@ -107,7 +108,7 @@ class DGCMomentum(_Feedback):
         u = self._velocity.get(skey)
         if u is None or u.shape != v.shape or u.dtype != v.dtype or u.device != v.device:
             u = torch.zeros_like(v) if u is None or u.numel() != v.numel() else u.reshape(v.shape).to(v)
-        g = tensor.to(v.dtype)
+        g = tensor.detach().to(v.dtype)
         if self.clip_norm is not None:
             norm = float(torch.linalg.vector_norm(g))
             if self.clip_norm < norm < math.inf:
@@ -124,12 +125,13 @@ class DGCMomentum(_Feedback):
             raise ValueError(f"DGCMomentum: update of key {skey!r} without a preceding accumulate")
         v = self._slot(skey, acc)
         sent = sent.reshape(acc.shape)
-        torch.sub(acc, sent.to(v.dtype), out=v)
+        torch.sub(acc, sent.to(v.dtype), out=self._writable(skey))
         if self.masking:
             u.masked_fill_(sent != 0, 0.0)
+        replace(self._velocity, skey)
         self._velocity[skey] = u
 
-    def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
+    def _compress_step(self, tensor: torch.Tensor, key: Optional[str], step: Optional[int]) -> Payload:
         """Compress ``v + momentum * u + clip(tensor)``; updates ``u`` and ``v`` of ``key``."""
         acc = self.accumulate(tensor, key)
         payload, decoded = self._send(acc, tensor.dtype, key, step)

@@ -24,6 +24,8 @@ from gradcomp.kernels.memory import empty
 from .base import Compressor, work_dtype
 from .payload import Payload
 from .registry import compressor_class
+from . import transaction
+from .transaction import replace, writable
 
 
 def _as_compressor(compressor: Any) -> Compressor:
@@ -36,6 +38,22 @@ def _as_compressor(compressor: Any) -> Compressor:
     return compressor
 
 
+def to_finite(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``acc`` (a residual-corrected sum, fp32 or fp64) cast to the gradient's ``dtype``, with
+    every finite value that the cast would round to infinity saturated to ``dtype``'s largest
+    finite value of its sign instead: compressed from there, the excess stays in the residual
+    (``acc - decoded``), so finite input never sends inf and no mass is lost. Non-finite values
+    stay as they are. One read-only check of the cast tensor on the common path."""
+    src = acc.to(dtype)
+    if src.dtype.is_floating_point and src.dtype.itemsize < acc.dtype.itemsize and src.numel() \
+            and not bool(torch.isfinite(src.sum())):
+        over = torch.isinf(src) & torch.isfinite(acc)
+        if bool(over.any()):
+            top = torch.finfo(dtype).max
+            src = torch.where(over, torch.where(acc > 0, top, -top).to(dtype), src)
+    return src
+
+
 class _Feedback:
     """What both feedback kinds share: a wrapped compressor and fp32 state per key."""
 
@@ -44,6 +62,8 @@ class _Feedback:
     def __init__(self, compressor: Compressor | str) -> None:
         self.compressor = _as_compressor(compressor)
         self._state: Dict[str, torch.Tensor] = {}
+        # the other buffer of each key inside a transaction (see gradcomp.compress.transaction)
+        self._spares: Dict[str, torch.Tensor] = {}
 
     # capability flags of the wrapped compressor, so collectives treat us like it
     name = property(lambda self: self.compressor.name)
@@ -71,13 +91,23 @@ class _Feedback:
                                  f"now {tuple(tensor.shape)}; use a distinct key per tensor")
             if buf is None:  # numpy-backed: its first touch costs a quarter of a torch.zeros
                 buf = empty(tensor.numel(), wd, tensor.device).zero_().view(tensor.shape)
-            else:
-                buf = buf.reshape(tensor.shape).to(tensor.device)
-            self._state[key] = buf
+            else:  # a copy: the old buffer may have to be restored (a transaction's rollback)
+                buf = buf.reshape(tensor.shape).to(tensor.device, copy=True)
+            self._set(key, buf)
         elif buf.dtype != wd:
-            buf = buf.to(wd)
-            self._state[key] = buf
+            buf = self._set(key, buf.to(wd))
         return buf
+
+    def _set(self, key: str, buf: torch.Tensor) -> torch.Tensor:
+        """Make ``buf`` (a new tensor) the state of ``key``; an open transaction remembers the old."""
+        replace(self._state, key, self._spares)
+        self._state[key] = buf
+        return buf
+
+    def _writable(self, key: str) -> torch.Tensor:
+        """The state of ``key`` about to be overwritten whole (see
+        :func:`gradcomp.compress.transaction.writable`)."""
+        return writable(self._state, key, self._spares)
 
     def state_dict(self) -> Dict[str, Any]:
         return {"kind": self.kind, "compressor": self.compressor.state_dict(),
@@ -88,17 +118,32 @@ class _Feedback:
             raise ValueError(f"state_dict is for {state.get('kind')!r}, not {self.kind!r}")
         self.compressor.load_state_dict(state["compressor"])
         self._state = {k: v.clone() for k, v in state["state"].items()}
+        self._spares = {}
 
     def _send(self, acc: torch.Tensor, dtype: torch.dtype, key: Optional[str],
               step: Optional[int]) -> Tuple[Payload, torch.Tensor]:
         """Compress ``acc`` as a tensor of the gradient's ``dtype``: the payload is exactly what
         the compressor sends without feedback, and the cast's rounding lands in the memory."""
-        src = acc if acc.dtype == dtype else acc.to(dtype)
+        src = acc if acc.dtype == dtype else to_finite(acc, dtype)
         return self.compressor.compress_decoded(src, key, step=step)
 
     def combine(self, key: Optional[str], averaged: torch.Tensor) -> torch.Tensor:
         """Turn the average of decoded payloads into the collective's result."""
         return averaged
+
+    def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
+        """Compress ``tensor`` with this feedback; updates the state of ``key``. A step that
+        does not leave that state finite (a non-finite input or decoding) changes nothing: the
+        payload still says so, the state stays as it was (see
+        :mod:`gradcomp.compress.transaction`)."""
+        with transaction.step() as st:
+            payload = self._compress_step(tensor, key, step)
+            # the new state is finite exactly when the accumulated input and its decoding are
+            st.observe(self._state.get("" if key is None else str(key)))
+        return payload
+
+    def _compress_step(self, tensor: torch.Tensor, key: Optional[str], step: Optional[int]) -> Payload:
+        raise NotImplementedError
 
 
 class ErrorFeedback(_Feedback):
@@ -116,12 +161,13 @@ class ErrorFeedback(_Feedback):
         self.compressor._check_input(tensor)
         res = self._slot("" if key is None else str(key), tensor)
         acc = empty(res.numel(), res.dtype, res.device).view(res.shape)
-        return torch.add(res, tensor, out=acc)
+        return torch.add(res, tensor.detach(), out=acc)
 
     def update(self, key: Optional[str], acc: torch.Tensor, sent: torch.Tensor) -> None:
         """Set the residual of ``key`` to ``acc - sent`` (``sent``: what the wire carried)."""
-        res = self._slot("" if key is None else str(key), acc)
-        torch.sub(acc, sent.to(res.dtype), out=res)
+        skey = "" if key is None else str(key)
+        self._slot(skey, acc)
+        torch.sub(acc, sent.to(work_dtype(acc.dtype)), out=self._writable(skey))
 
     def fuses(self, tensor: torch.Tensor) -> bool:
         """Whether the residual of a step on ``tensor`` can be kept in place: the compressor has
@@ -140,10 +186,11 @@ class ErrorFeedback(_Feedback):
         skey = "" if key is None else str(key)
         res = self._slot(skey, tensor)
         if not res.is_contiguous():  # e.g. loaded from a state_dict; the compressor needs it flat
-            res = self._state[skey] = res.contiguous()
-        return res.add_(tensor)
+            res = self._set(skey, res.contiguous())
+        # the same bits and passes as res.add_(tensor); inside a transaction into the other buffer
+        return torch.add(res, tensor.detach(), out=self._writable(skey))
 
-    def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
+    def _compress_step(self, tensor: torch.Tensor, key: Optional[str], step: Optional[int]) -> Payload:
         """Compress ``tensor + residual``; the residual becomes the new compression error."""
         if isinstance(tensor, torch.Tensor) and self.fuses(tensor):
             return self.compressor.compress_residual(self.accumulate_in_place(tensor, key), key, step=step)
@@ -163,7 +210,7 @@ class ErrorFeedback(_Feedback):
         skey = "" if key is None else str(key)
         res = self._slot(skey, tensor)
         if tensor.dtype == res.dtype and res.is_contiguous():
-            acc = res.add_(tensor)
+            acc = torch.add(res, tensor.detach(), out=self._writable(skey))  # = res.add_(tensor)
             result = yield from self.compressor.rounds(acc, key, out=out)
             acc.sub_(result.reshape(acc.shape))
             return result
@@ -201,19 +248,20 @@ class EF21(_Feedback):
         pieces of it separately."""
         self.compressor._check_input(tensor)
         est = self._slot("" if key is None else str(key), tensor)
-        return tensor.to(est.dtype) - est
+        return tensor.detach().to(est.dtype) - est
 
     def update(self, key: Optional[str], acc: torch.Tensor, sent: torch.Tensor) -> None:
         """Add ``sent`` (what the wire carried for ``acc``, decoded) to the estimate of ``key``."""
-        est = self._slot("" if key is None else str(key), acc)
-        est.add_(sent.to(est.dtype).reshape(est.shape))
+        skey = "" if key is None else str(key)
+        est = self._slot(skey, acc)
+        torch.add(est, sent.to(est.dtype).reshape(est.shape), out=self._writable(skey))
 
-    def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
+    def _compress_step(self, tensor: torch.Tensor, key: Optional[str], step: Optional[int]) -> Payload:
         self.compressor._check_input(tensor)
         skey = "" if key is None else str(key)
         est = self._slot(skey, tensor)
-        payload, decoded = self._send(tensor.to(est.dtype) - est, tensor.dtype, key, step)
-        est.add_(decoded.to(est.dtype))
+        payload, decoded = self._send(tensor.detach().to(est.dtype) - est, tensor.dtype, key, step)
+        torch.add(est, decoded.to(est.dtype).reshape(est.shape), out=self._writable(skey))
         return payload
 
     def combine(self, key: Optional[str], averaged: torch.Tensor) -> torch.Tensor:
@@ -222,6 +270,7 @@ class EF21(_Feedback):
         if agg is None or agg.shape != averaged.shape:
             agg = torch.zeros(averaged.shape, dtype=work_dtype(averaged.dtype), device=averaged.device)
         agg = agg + averaged.to(agg.dtype)
+        replace(self._aggregate, skey)
         self._aggregate[skey] = agg
         return agg.to(averaged.dtype)
 

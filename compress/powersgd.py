@@ -29,6 +29,7 @@ from gradcomp.kernels.linalg import METHODS, orthonormalize
 
 from .base import FLOAT_DTYPES, Compressor, Option, expect, numel_of, positive_int, seed_option, work_dtype
 from .registry import register
+from .transaction import replace
 
 
 @register("powersgd")
@@ -99,6 +100,7 @@ class PowerSGD(Compressor):
         q_avg = yield q
         _expect_like(q_avg, q, "Q")
         if bool(torch.isfinite(q_avg).all()):
+            replace(self._q, key)  # an open transaction may have to undo it
             self._q[key] = q_avg.detach().clone()
         return p, q_avg
 

@@ -15,6 +15,7 @@ import torch
 from .base import Option, work_dtype
 from .registry import register
 from .signsgd import SignCompressor, nonfinite_sum
+from .transaction import replace, writable
 
 
 @register("signum")
@@ -30,12 +31,14 @@ class Signum(SignCompressor):
 
     def _post_init(self) -> None:
         self._momentum: Dict[str, torch.Tensor] = {}
+        self._spares: Dict[str, torch.Tensor] = {}  # the other buffer inside a transaction
 
     def _signal(self, flat, key):
         if nonfinite_sum(flat.sum(dtype=work_dtype(flat.dtype)).item(), flat):
             return flat, True
-        buf = self._buffer(key, flat)
-        buf.lerp_(flat.to(buf.dtype), 1.0 - self.momentum)  # one in-place pass
+        old = self._buffer(key, flat)
+        # one pass, the bits of old.lerp_(...); inside a transaction into the other buffer
+        buf = torch.lerp(old, flat.to(old.dtype), 1.0 - self.momentum, out=writable(self._momentum, key, self._spares))
         return buf, False
 
     def _values(self, x, sums, bits):
@@ -49,8 +52,11 @@ class Signum(SignCompressor):
         elif buf.numel() != flat.numel():
             raise ValueError(f"signum: key {key!r} held a momentum of {buf.numel()} elements, now "
                              f"{flat.numel()}; use a distinct key per tensor")
+        elif buf.device == flat.device and buf.dtype == wd:
+            return buf
         else:
-            buf = buf.to(device=flat.device, dtype=wd)
+            buf = buf.to(device=flat.device, dtype=wd, copy=True)
+        replace(self._momentum, key, self._spares)
         self._momentum[key] = buf
         return buf
 
@@ -67,3 +73,4 @@ class Signum(SignCompressor):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._momentum = {k: v.clone() for k, v in state.get("momentum", {}).items()}
+        self._spares = {}

@@ -12,6 +12,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 import torch
 
 from gradcomp.collectives import choose_algorithm, server_feedback
+from gradcomp.compress.transaction import Transaction
 
 from . import _worker
 from ._transport import exchange, exchange_hierarchical
@@ -40,6 +41,7 @@ class Compression:
         # ranks per node for the hierarchical exchange (None: flat); one node of one rank is flat
         self.local_size = local_size if local_size is not None and self.world > 1 else None
         self._hierarchy: Optional[_worker.Hierarchy] = None
+        self._txn: Optional[Transaction] = None  # the state changes of the iteration in flight
         self._owners: Dict[str, int] = {}  # parameter name -> the local rank that sends it across nodes
         self._loads = [0] * (self.local_size or 1)  # elements owned per local rank
         # the ranks a compressed exchange spans: one per node when hierarchical
@@ -59,28 +61,57 @@ class Compression:
                buffer: Optional[torch.Tensor] = None, then: Optional[Callable] = None,
                advance: bool = False, inline: bool = False) -> torch.futures.Future:
         """A future of the mean of every gradient (a list in order; chained with ``.then(then)``),
-        sent as the policy says at the current iteration, which ``advance`` then increments.
+        sent as the policy says at the current iteration. ``advance``: this is the iteration's
+        last bucket; once it is done the iteration ends (:meth:`end_iteration`).
         ``buffer``: see :func:`gradcomp.training._transport.exchange`; ``inline``: see
         :meth:`gradcomp.training._worker.Worker.submit`."""
         items = [(n, g, self.policy.route(n, g, self.iteration)) for n, g in zip(names, grads)]
         world, label = self.world, self.label
-        if advance:
-            self.iteration += 1
-
         if world > 1:
             self.start()
         hierarchy = self._hierarchy
         owners = self._own(names, grads) if hierarchy is not None else None
+        if self._txn is None:  # the iteration's first bucket
+            self._txn = Transaction()
+        txn = self._txn
 
         def job(group):
-            if hierarchy is not None:
-                return exchange_hierarchical(items, hierarchy, owners, label=label)
-            return exchange(items, group, world, buffer=buffer, label=label)
+            with txn.active():  # every state change of the iteration, kept or undone together
+                try:
+                    if hierarchy is not None:
+                        out = exchange_hierarchical(items, hierarchy, owners, label=label)
+                    else:
+                        out = exchange(items, group, world, buffer=buffer, label=label)
+                    txn.observe(out)
+                except BaseException:
+                    txn.failed = True
+                    if advance:
+                        self.end_iteration()
+                    raise
+            if advance:
+                self.end_iteration()
+            return out
 
         if world == 1:
             return _worker.completed(job, then)
         device = buffer.device if buffer is not None else grads[0].device if grads else torch.device("cpu")
         return self._worker.submit(job, device, then, inline=inline)
+
+    def end_iteration(self, keep: bool = True) -> bool:
+        """End the iteration whose buckets were submitted: keep its state changes and count it
+        when every bucket completed with finite means (and ``keep``), else undo all of them on
+        every bucket and leave the iteration as it was — the step a loss scaler skips, or one
+        whose exchange failed, is as if it never happened. Call it when no exchange of the
+        iteration is running. True when kept."""
+        txn, self._txn = self._txn, None
+        if txn is None:
+            return keep
+        if keep and txn.finite and not txn.failed:
+            txn.commit()
+            self.iteration += 1
+            return True
+        txn.rollback()
+        return False
 
     def _own(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> List[int]:
         """The owner (local rank) of each gradient, fixed the first time its name is seen: the
@@ -121,6 +152,7 @@ class Compression:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         if not isinstance(state, Mapping) or state.get("version") != _VERSION:
             raise ValueError(f"not a gradcomp training state_dict of version {_VERSION}")
+        self.end_iteration(keep=False)  # an iteration left unfinished is not part of the state
         self.policy.load_state_dict(state["codecs"])
         servers = self._servers()
         if set(servers) != set(state.get("servers", {})):

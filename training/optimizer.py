@@ -132,16 +132,33 @@ class CompressedOptimizer(torch.optim.Optimizer):
         while self._next < len(self._buckets):  # buckets whose gradients are not all there
             self._launch(self._next)
             self._next += 1
-        for bucket, fut in zip(self._buckets, self._futures):
-            for i, avg in zip(bucket, fut.wait()):
+        results, error = self._wait()
+        self._reset()
+        if error is not None:  # nothing of this iteration is kept: a retry starts from the same state
+            self.compression.end_iteration(keep=False)
+            raise error
+        for bucket, values in zip(self._buckets, results):
+            for i, avg in zip(bucket, values):
                 p = self._params[i]
                 if p.grad is None:
                     p.grad = avg.clone() if avg._base is not None else avg
                 elif avg.data_ptr() != p.grad.data_ptr():
                     p.grad.copy_(avg)
-        self._reset()
-        self.compression.iteration += 1
+        # a non-finite mean (the step a loss scaler skips) undoes the iteration's state changes
+        self.compression.end_iteration()
         self._synced = True
+
+    def _wait(self):
+        """Every bucket's result (None where it failed) and the first error, once all are done:
+        state is undone only when no exchange is still running."""
+        results, error = [], None
+        for fut in self._futures:
+            try:
+                results.append(None if fut is None else fut.wait())
+            except Exception as exc:
+                results.append(None)
+                error = error or exc
+        return results, error
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -221,13 +238,12 @@ class CompressedOptimizer(torch.optim.Optimizer):
             handle.remove()
 
     def _drain(self) -> None:
-        """Wait for exchanges in flight (their results are dropped) and start a new iteration."""
+        """Wait for exchanges in flight; their results are dropped, so their state changes are
+        undone (the gradients they averaged never reach the parameters)."""
         if any(f is not None for f in self._futures):
-            for f in self._futures:
-                if f is not None:
-                    f.wait()
+            self._wait()
             self._reset()
-            self.compression.iteration += 1
+            self.compression.end_iteration(keep=False)
 
 
 def _weak_hook(opt: CompressedOptimizer) -> Callable[[torch.Tensor], None]:

@@ -1,0 +1,184 @@
+"""Transactions over compression state: a step's changes are kept only when the step counts.
+
+Error feedback, EF21, DGC's momentum, PowerSGD's warm starts and every compressor's step
+counter change as a step is compressed. A step whose exchange fails halfway, or whose averaged
+result is not finite (the step a loss scaler skips), must leave all of that as it was, on every
+rank. So the collectives run each step inside a :class:`Transaction`:
+
+- every change of per-key state is announced first (:func:`replace`), and the transaction
+  remembers the value it replaces (a reference: nothing is copied);
+- a state tensor that would be updated in place is written into a second buffer instead (the
+  same memory passes: ``out = old + g`` reads and writes what ``old += g`` does), so the old
+  one stays intact until the transaction ends; the two buffers then alternate, no allocation
+  in the steady state;
+- :meth:`Transaction.commit` keeps the changes, :meth:`Transaction.rollback` restores every
+  remembered value.
+
+Without an open transaction (a compressor or ``ErrorFeedback`` used on its own) changes apply
+at once, as they always did. A transaction is open in the current context
+(``contextvars``): the collectives open one per call, the training runtime one per iteration
+(all its buckets), and an inner one joins the outer (:func:`step`).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Any, Dict, Iterator, List, MutableMapping, Optional, Tuple
+
+import torch
+
+_MISSING = object()
+_current: contextvars.ContextVar[Optional["Transaction"]] = contextvars.ContextVar("gradcomp_transaction",
+                                                                                  default=None)
+
+
+class Transaction:
+    """The state changes of one step; undone together by :meth:`rollback` unless committed."""
+
+    def __init__(self) -> None:
+        self._undo: List[Tuple[MutableMapping, Any, Any, Optional[Dict]]] = []
+        self._seen: Dict[Tuple[int, Any], bool] = {}
+        self.finite = True  # every result observed so far was finite
+        self.failed = False  # an exchange of this step raised
+
+    def remember(self, mapping: MutableMapping, key: Any, spares: Optional[Dict] = None) -> bool:
+        """Remember ``mapping[key]`` (or its absence) before its first change in this
+        transaction; True the first time. ``spares``: where the buffer that is no longer needed
+        when the transaction ends (the old one on commit, the new one on rollback) is kept for
+        reuse."""
+        ident = (id(mapping), key)
+        if ident in self._seen:
+            return False
+        self._seen[ident] = True
+        self._undo.append((mapping, key, mapping.get(key, _MISSING), spares))
+        return True
+
+    def observe(self, results: Any) -> bool:
+        """Note whether every tensor in ``results`` (a tensor or a list of them) is finite; the
+        result for these."""
+        ok = all_finite(results)
+        self.finite = self.finite and ok
+        return ok
+
+    def commit(self) -> None:
+        for mapping, key, old, spares in self._undo:
+            if spares is not None and isinstance(old, torch.Tensor) and mapping.get(key) is not old:
+                spares[key] = old
+        self._clear()
+
+    def rollback(self) -> None:
+        for mapping, key, old, spares in reversed(self._undo):
+            new = mapping.get(key, _MISSING)
+            if spares is not None and isinstance(new, torch.Tensor) and new is not old:
+                spares[key] = new
+            if old is _MISSING:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = old
+        self._clear()
+
+    def _clear(self) -> None:
+        self._undo.clear()
+        self._seen.clear()
+        self.finite, self.failed = True, False
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator["Transaction"]:
+        """Make this the open transaction of the current context while the block runs."""
+        token = _current.set(self)
+        try:
+            yield self
+        finally:
+            _current.reset(token)
+
+
+def current() -> Optional[Transaction]:
+    """The transaction open in this context, or None."""
+    return _current.get()
+
+
+def replace(mapping: MutableMapping, key: Any, spares: Optional[Dict] = None) -> bool:
+    """Announce a change of ``mapping[key]``: remembered by the open transaction, if any. True
+    when the current value must not be changed in place (a transaction is open and this is
+    its first change of that entry): write a new buffer (see :func:`buffer_for`) instead."""
+    txn = _current.get()
+    return txn is not None and txn.remember(mapping, key, spares)
+
+
+def writable(mapping: MutableMapping, key: Any, spares: Dict) -> torch.Tensor:
+    """``mapping[key]``, a state tensor about to be updated in place, made safe for it: inside a
+    transaction, the first time, a second buffer of the same shape, dtype and device (from
+    ``spares`` when one fits) takes its place and the old one is remembered. The caller writes
+    the whole new value into the returned buffer (``torch.add(old, g, out=buf)``), reading the
+    old value from the tensor it held before the call."""
+    old = mapping[key]
+    if not replace(mapping, key, spares):
+        return old
+    buf = spares.pop(key, None)
+    if buf is None or buf.shape != old.shape or buf.dtype != old.dtype or buf.device != old.device \
+            or not buf.is_contiguous():
+        from gradcomp.kernels.memory import empty  # numpy-backed on CPU: cheap to fault in
+
+        buf = empty(old.numel(), old.dtype, old.device).view(old.shape)
+    mapping[key] = buf
+    return buf
+
+
+class Step:
+    """What a collective's :func:`step` block sees: ``observe(results)`` checks the results it
+    returns when the step owns its transaction; a joined transaction's owner checks its own
+    results (which contain these), so nothing is checked twice."""
+
+    def __init__(self, txn: Transaction, owned: bool) -> None:
+        self.txn, self.owned = txn, owned
+
+    def observe(self, results: Any) -> None:
+        if self.owned:
+            self.txn.observe(results)
+
+
+@contextlib.contextmanager
+def step() -> Iterator[Step]:
+    """A collective's step: join the open transaction, or open one that ends with the block —
+    committed when the block finishes and every observed result is finite, rolled back when a
+    result is not finite or the block raises. A joined transaction is told of a failure
+    (``failed``) and left to its owner to end."""
+    outer = _current.get()
+    if outer is not None:
+        try:
+            yield Step(outer, owned=False)
+        except BaseException:
+            outer.failed = True
+            raise
+        return
+    txn = Transaction()
+    with txn.active():
+        try:
+            yield Step(txn, owned=True)
+        except BaseException:
+            txn.rollback()
+            raise
+    if txn.finite:
+        txn.commit()
+    else:
+        txn.rollback()
+
+
+def all_finite(results: Any) -> bool:
+    """Whether every tensor in ``results`` (a tensor, or a list or tuple of them) is finite.
+
+    One read-only pass: a dot product with itself (vectorised, ~5 ms per 100 MB of fp32 on one
+    core) is finite only if every element is; an exact check runs only when it is not (an
+    element is non-finite, or the sum of squares overflowed)."""
+    tensors = [results] if isinstance(results, torch.Tensor) else list(results)
+    for t in tensors:
+        if t is None or not t.numel() or not t.is_floating_point():
+            continue
+        flat = t.detach().reshape(-1)
+        if flat.dtype in (torch.float32, torch.float64):
+            quick = torch.dot(flat, flat)
+        else:  # 16-bit: summed in fp32 inside, rounded to 16 bits; overflow falls back below
+            quick = flat.sum()
+        if not bool(torch.isfinite(quick)) and not bool(torch.isfinite(flat).all()):
+            return False
+    return True
