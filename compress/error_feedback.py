@@ -38,6 +38,14 @@ def _as_compressor(compressor: Any) -> Compressor:
     return compressor
 
 
+def _identity(config: str) -> Dict[str, Any]:
+    import torch.distributed as dist
+
+    live = dist.is_available() and dist.is_initialized()
+    return {"rank": dist.get_rank() if live else 0, "world": dist.get_world_size() if live else 1,
+            "config": config}
+
+
 def to_finite(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``acc`` (a residual-corrected sum, fp32 or fp64) cast to the gradient's ``dtype``, with
     every finite value that the cast would round to infinity saturated to ``dtype``'s largest
@@ -110,12 +118,21 @@ class _Feedback:
         return writable(self._state, key, self._spares)
 
     def state_dict(self) -> Dict[str, Any]:
+        """The state per key, with whose it is: this process's rank and world size and the
+        configuration (residuals belong to one rank of one job)."""
         return {"kind": self.kind, "compressor": self.compressor.state_dict(),
-                "state": {k: v.detach().cpu().clone() for k, v in self._state.items()}}
+                "state": {k: v.detach().cpu().clone() for k, v in self._state.items()},
+                "identity": _identity(repr(self))}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("kind") != self.kind:
             raise ValueError(f"state_dict is for {state.get('kind')!r}, not {self.kind!r}")
+        saved, mine = state.get("identity"), _identity(repr(self))
+        if saved is not None and saved != mine:
+            what = next(k for k in ("world", "rank", "config") if saved.get(k) != mine[k])
+            raise ValueError(f"{self.kind}: the state_dict was saved with {what} {saved.get(what)!r}, this one has "
+                             f"{mine[what]!r}; residuals belong to one rank of one world size and configuration: "
+                             f"load each rank's own state_dict into the same configuration")
         self.compressor.load_state_dict(state["compressor"])
         self._state = {k: v.clone() for k, v in state["state"].items()}
         self._spares = {}

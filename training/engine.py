@@ -7,11 +7,13 @@ the iteration and every codec's per-parameter state (residuals, warm starts, ste
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 
 from gradcomp.collectives import choose_algorithm, server_feedback
+from gradcomp.collectives._header import h64
 from gradcomp.compress.transaction import Transaction
 
 from . import _worker
@@ -42,6 +44,8 @@ class Compression:
         self.local_size = local_size if local_size is not None and self.world > 1 else None
         self._hierarchy: Optional[_worker.Hierarchy] = None
         self._txn: Optional[Transaction] = None  # the state changes of the iteration in flight
+        self._checked: set = set()  # bucket layouts every rank has agreed on
+        self.names: List[str] = []  # the parameter names, when the caller knows them (identity of a checkpoint)
         self._owners: Dict[str, int] = {}  # parameter name -> the local rank that sends it across nodes
         self._loads = [0] * (self.local_size or 1)  # elements owned per local rank
         # the ranks a compressed exchange spans: one per node when hierarchical
@@ -49,13 +53,54 @@ class Compression:
         codec = policy.default.codec
         self.label = base_of(codec).name if codec is base_of(codec) else f"{codec.kind}+{base_of(codec).name}"
 
-    def start(self) -> None:
-        """Create the worker (and its twin group, and the node groups when hierarchical) now;
-        every rank must call this at the same point."""
+    def start(self, params: Optional[Sequence[Tuple[str, torch.Tensor]]] = None) -> None:
+        """Check that every rank has the same configuration (and ``params``: names, shapes and
+        dtypes, when known), then create the worker (and its twin group, and the node groups
+        when hierarchical); every rank must call this at the same point."""
         if self.world > 1 and self._worker is None:
+            self.check(params, "at registration")
             self._worker = _worker.worker_for(self.group)
         if self.local_size is not None and self._hierarchy is None:
             self._hierarchy = _worker.node_groups(self.local_size)
+
+    @property
+    def started(self) -> bool:
+        """Whether :meth:`start` ran (it checks agreement and creates the worker once)."""
+        return self._worker is not None or self.world == 1
+
+    def check(self, params: Optional[Sequence[Tuple[str, torch.Tensor]]], when: str) -> None:
+        """``ValueError`` on every rank unless all agree on the configuration and ``params``."""
+        if self.world > 1:
+            agree(self._config(params), self.group, when)
+
+    def _config(self, params: Optional[Sequence[Tuple[str, torch.Tensor]]] = None) -> Dict[str, str]:
+        """What every rank must agree on, as printable fields (see :func:`agree`)."""
+        config = {"compressor and policy": self.policy.describe(),
+                  "policy settings": repr([(r.pattern, r.start_iter, r.min_compression_rate, r.min_numel,
+                                            r.compress_1d) for r in [*self.policy.rules, self.policy.default]]),
+                  "ranks per node (local_size)": repr(self.local_size),
+                  "iteration": repr(self.iteration)}
+        if params is not None:
+            config["parameters"] = _describe_params(params)
+        return config
+
+    def _check_bucket(self, items: Sequence[Any], group) -> None:
+        """The first time this rank sees a bucket layout (names, shapes, dtypes, routes), every
+        rank checks that it agrees, with the codecs' step counters of its gradients: a cheap
+        exchange when DDP builds or rebuilds its buckets, none in the steady state. Called
+        inside the bucket's job, so it is ordered with the exchanges."""
+        signature = tuple((n, tuple(g.shape), g.dtype, id(c)) for n, g, c in items)
+        if signature in self._checked:
+            return
+        self._checked.add(signature)
+        if self.world == 1:
+            return
+        # hierarchical: a gradient's codec state lives on its owner only, so counters differ
+        steps = [] if self.local_size else [(n, base_of(c)._steps.get(n)) for n, _, c in items if c is not None]
+        agree({"bucket": _describe_params([(n, g) for n, g, _ in items]),
+               "routes (compressed or dense) at this iteration": repr([c is not None for _, _, c in items]),
+               "iteration": repr(self.iteration), "step counters": repr(steps)},
+              group, "when a bucket layout was first seen")
 
     def submit(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
                buffer: Optional[torch.Tensor] = None, then: Optional[Callable] = None,
@@ -78,6 +123,7 @@ class Compression:
         def job(group):
             with txn.active():  # every state change of the iteration, kept or undone together
                 try:
+                    self._check_bucket(items, hierarchy.intra if hierarchy is not None else group)
                     if hierarchy is not None:
                         out = exchange_hierarchical(items, hierarchy, owners, label=label)
                     else:
@@ -96,6 +142,39 @@ class Compression:
             return _worker.completed(job, then)
         device = buffer.device if buffer is not None else grads[0].device if grads else torch.device("cpu")
         return self._worker.submit(job, device, then, inline=inline)
+
+    def _identity(self) -> Dict[str, Any]:
+        """Whose state this is: rank, world size, parameter names and a configuration
+        fingerprint (a checkpoint must be loaded by the same rank of the same job)."""
+        return {"rank": dist.get_rank(self.group) if _worker.initialized() else 0, "world": self.world, "names": sorted(self.names),
+                "config": h64(self.policy.describe() + self._config()["policy settings"]
+                              + repr(self.local_size))}
+
+    def _check_identity(self, saved: Any) -> None:
+        if not isinstance(saved, Mapping):
+            raise ValueError("the state_dict carries no identity (saved by an older gradcomp); it cannot be checked "
+                             "against this rank, world size and model, so it is refused")
+        mine = self._identity()
+        if saved.get("world") != mine["world"]:
+            raise ValueError(f"the state_dict was saved on {saved.get('world')} ranks, this run has {mine['world']}; "
+                             f"error-feedback residuals belong to one rank of one world size: resume on "
+                             f"{saved.get('world')} ranks (or start the compression state afresh)")
+        if saved.get("rank") != mine["rank"]:
+            raise ValueError(f"the state_dict is rank {saved.get('rank')}'s, loaded on rank {mine['rank']}; "
+                             f"every rank saves and loads its own file (e.g. ckpt-rank{mine['rank']}.pt)")
+        if saved.get("config") != mine["config"]:
+            raise ValueError("the state_dict was saved with another compressor, options or policy than this "
+                             f"run's ({self.policy.describe()}); resume with the same configuration")
+        if not mine["names"] and saved.get("names") and not all(n.startswith("param") for n in saved["names"]):
+            raise ValueError("the state_dict was saved with model= (its state is kept under parameter names such as "
+                             f"{saved['names'][0]!r}); pass the same model= to resume it")
+        if mine["names"] and saved.get("names") and saved.get("names") != mine["names"]:
+            a, b = set(saved.get("names")), set(mine["names"])
+            diff = sorted(a - b)[:3] + sorted(b - a)[:3]
+            hint = (" (it was saved without model=, which names parameters param0, param1, ...; pass the same "
+                    "model= as when it was saved)" if any(n.startswith("param") for n in a ^ b) else "")
+            raise ValueError(f"the state_dict holds the compression state of other parameters (e.g. {diff}){hint}; "
+                             f"load it into the model it was saved with")
 
     def end_iteration(self, keep: bool = True) -> bool:
         """End the iteration whose buckets were submitted: keep its state changes and count it
@@ -143,7 +222,8 @@ class Compression:
     def state_dict(self) -> Dict[str, Any]:
         """Iteration and every codec's state (CPU tensors); call it when no exchange is running."""
         state = {"version": _VERSION, "iteration": self.iteration, "codecs": self.policy.state_dict(),
-                 "servers": {p: s.state_dict() for p, s in self._servers().items()}}
+                 "servers": {p: s.state_dict() for p, s in self._servers().items()},
+                 "identity": self._identity()}
         if self.local_size is not None:  # which rank of a node holds which gradient's state
             state["owners"] = dict(self._owners)
             state["owner_loads"] = list(self._loads)
@@ -153,6 +233,8 @@ class Compression:
         if not isinstance(state, Mapping) or state.get("version") != _VERSION:
             raise ValueError(f"not a gradcomp training state_dict of version {_VERSION}")
         self.end_iteration(keep=False)  # an iteration left unfinished is not part of the state
+        self._check_identity(state.get("identity"))
+        self._checked.clear()  # the next bucket checks the loaded step counters on every rank
         self.policy.load_state_dict(state["codecs"])
         servers = self._servers()
         if set(servers) != set(state.get("servers", {})):
@@ -172,6 +254,33 @@ class Compression:
             self._owners = {str(n): int(o) for n, o in owners.items()}
             self._loads = [int(v) for v in loads]
         self.iteration = int(state["iteration"])
+
+
+def agree(config: Mapping[str, str], group, when: str) -> None:
+    """Raise the same ``ValueError`` on every rank of ``group`` unless every rank passed the
+    same ``config`` (field -> printable value), naming the first field that differs and each
+    rank's value. One small all-gather."""
+    digest = {k: h64(v) for k, v in config.items()}
+    gathered: List[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, (digest, dict(config)), group=group)
+    for field in config:
+        values = [g[0].get(field) for g in gathered]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {_short(g[1].get(field, 'missing'))}" for r, g in enumerate(gathered))
+            raise ValueError(f"ranks disagree on the {field} {when} ({shown}); every rank must build gradcomp's "
+                             f"compression with the same configuration, model and checkpoint step")
+    if any(set(g[0]) != set(digest) for g in gathered):
+        raise ValueError(f"ranks disagree on what they compare {when}: every rank must run the same gradcomp "
+                         f"version and call the same hook or optimizer")
+
+
+def _short(text: str, limit: int = 160) -> str:
+    """``text``, or the part around where it first differs… short enough for a message."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _describe_params(params: Sequence[Tuple[str, torch.Tensor]]) -> str:
+    return "; ".join(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for n, t in params)
 
 
 def names_of(params: Sequence[torch.Tensor], model: Optional[torch.nn.Module]) -> List[str]:

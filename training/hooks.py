@@ -60,6 +60,9 @@ class HookState:
         return name
 
     def state_dict(self) -> Dict[str, Any]:
+        """The compression state with its identity (rank, world size, parameter names, a
+        configuration fingerprint): save one file per rank; loading refuses another rank's."""
+        self.compression.names = list(self._names.values())
         return self.compression.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -100,8 +103,13 @@ def ddp_comm_hook(compressor: Any = "none", *, model: Optional[torch.nn.Module] 
     it creates the worker's twin of the default group (and the node groups).
     """
     compression = Compression(Policy(compressor, **options), process_group, local_size)
-    compression.start()
-    return HookState(compression, model), compressed_hook
+    state = HookState(compression, model)
+    if model is not None:
+        module = model.module if isinstance(model, DistributedDataParallel) else model
+        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+        compression.names = [n for n, _ in named]
+    compression.start(named if model is not None else None)
+    return state, compressed_hook
 
 
 def cast_wrapper(hook: Hook, dtype: torch.dtype = torch.float16) -> Hook:

@@ -69,7 +69,6 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._no_sync = False
         self._synced = False
         self._register([p for g in optimizer.param_groups for p in g["params"]], broadcast)
-        self.compression.start()
 
     # ---- the wrapped optimizer ------------------------------------------------------------
     @property
@@ -110,9 +109,9 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._drain()
         sd = dict(state_dict)
         ours = sd.pop("gradcomp", None)
-        self.optimizer.load_state_dict(sd)
-        if ours is not None:
+        if ours is not None:  # first: a checkpoint of another rank or model is refused before anything loads
             self.compression.load_state_dict(ours)
+        self.optimizer.load_state_dict(sd)
 
     # ---- communication --------------------------------------------------------------------
     @contextlib.contextmanager
@@ -176,16 +175,22 @@ class CompressedOptimizer(torch.optim.Optimizer):
     # ---- internals ------------------------------------------------------------------------
     def _register(self, params: List[torch.Tensor], broadcast: bool) -> None:
         new = [p for p in params if p.requires_grad and id(p) not in self._index]
+        names = names_of(self._params + new, self._model)
+        # every rank checks the configuration and parameters first: a rank with another model
+        # or options gets this error, not a failed broadcast
+        named = list(zip(names, self._params + new))
+        if self.compression.started:
+            self.compression.check(named, "when a parameter group was added")
+        else:
+            self.compression.start(named)
         if broadcast:
             self._broadcast(new)
         for p in new:
             self._index[id(p)] = len(self._params)
             self._params.append(p)
             self._handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
-        if self._model is not None:
-            self._names = names_of(self._params, self._model)
-        else:
-            self._names = [f"param{i}" for i in range(len(self._params))]
+        self._names = names
+        self.compression.names = list(self._names)
         order = list(range(len(self._params)))[::-1]  # backward produces the last parameters first
         planned = plan_buckets([(self._names[i], self._params[i]) for i in order], self.bucket_mb)
         self._buckets = [[order[j] for j in b] for b in planned]

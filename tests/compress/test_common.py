@@ -205,7 +205,8 @@ def test_decompress_into_over_cache_sized_runs(name, options, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_error_feedback_in_place_equals_the_two_step_protocol(name, dtype):
     """ErrorFeedback.compress (in place where the compressor allows) sends the same payload and
-    keeps the same residual bits as accumulate / compress_decoded / update, NaN and Inf included."""
+    keeps the same residual bits as accumulate / compress_decoded / update; a step with NaN and
+    Inf sends the same payload and keeps nothing (the residual stays as it was)."""
     ef = ErrorFeedback(get_compressor(name))
     ref_c = get_compressor(name)
     wd = torch.float64 if dtype == torch.float64 else torch.float32
@@ -217,8 +218,9 @@ def test_error_feedback_in_place_equals_the_two_step_protocol(name, dtype):
         p = ef.compress(g, key="w")
         acc = g.to(wd) + res
         q, sent = ref_c.compress_decoded(acc.to(dtype), key="w")
-        res = acc - sent.to(wd)
         assert p.to_bytes() == q.to_bytes(), f"{name} step {step}: payload differs"
+        if step < 3:
+            res = acc - sent.to(wd)
         assert _same(ef.residual("w"), res), f"{name} step {step}: residual differs"
 
 
