@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import allreduce, allreduce_fused
+from gradcomp.collectives._comm import Comm
 from gradcomp.collectives._telemetry import Record, commit, measure_error_default
 from gradcomp.compress import Compressor, Payload
 from gradcomp.compress.fp16 import CastCompressor
@@ -112,9 +113,7 @@ def exchange_hierarchical(items: Sequence[Item], hier: Any, owners: Sequence[int
             flat = torch.cat([items[i][1].detach().reshape(-1) for i in mine])
             rec.dense_bytes += _nbytes(flat)
             _scale_(flat, L)
-            start = time.perf_counter()
-            dist.reduce(flat, group=hier.intra, group_dst=o)
-            rec.comm_s += time.perf_counter() - start
+            _backend(hier.intra, rec, f"reduce onto local rank {o}", lambda: dist.reduce(flat, group=hier.intra, group_dst=o))
             if o != hier.local_rank:
                 rec.bytes_sent += _nbytes(flat)
             else:
@@ -136,16 +135,15 @@ def exchange_hierarchical(items: Sequence[Item], hier: Any, owners: Sequence[int
                 out[i] = v
         failed = torch.zeros(L, dtype=torch.int32, device=parts[0][2].device)
         failed[hier.local_rank] = int(error is not None)
-        dist.all_reduce(failed, group=hier.intra)
+        _backend(hier.intra, rec, "status exchange", lambda: dist.all_reduce(failed, group=hier.intra))
         if error is not None:
             raise error
         if bool(failed.any()):
             raise ValueError(f"the hierarchical exchange failed on local rank(s) {failed.nonzero().flatten().tolist()} "
                              f"of this node (the error is raised there)")
         for o, _, flat in parts:
-            start = time.perf_counter()
-            dist.broadcast(flat, group=hier.intra, group_src=o)
-            rec.comm_s += time.perf_counter() - start
+            _backend(hier.intra, rec, f"broadcast from local rank {o}",
+                     lambda: dist.broadcast(flat, group=hier.intra, group_src=o))
             if o == hier.local_rank:
                 rec.bytes_sent += _nbytes(flat) * (L - 1)
             else:
@@ -216,13 +214,17 @@ def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
     if world == 1 or flat.numel() == 0:
         return flat
     _scale_(flat, world)
-    start = time.perf_counter()
-    dist.all_reduce(flat, group=group)
-    rec.comm_s += time.perf_counter() - start
+    _backend(group, rec, "all_reduce of a bucket", lambda: dist.all_reduce(flat, group=group))
     moved = _nbytes(flat) * 2 * (world - 1) // world  # what a ring allreduce moves per rank
     rec.bytes_sent += moved
     rec.bytes_recv += moved
     return flat
+
+
+def _backend(group, rec: Record, what: str, call) -> Any:
+    """Run one ``torch.distributed`` call: a backend failure (a dead peer, a timeout) becomes the
+    collectives' ``CommunicationError`` naming this rank and the call; time counts as comm."""
+    return Comm(group, rec, "training exchange")._run(what, call)
 
 
 def _scale_(flat: torch.Tensor, world: int) -> torch.Tensor:
