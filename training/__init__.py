@@ -10,6 +10,7 @@ from .engine import Compression
 from .hooks import HookState, cast_wrapper, compressed_hook, ddp_comm_hook
 from .optimizer import CompressedOptimizer
 from .policy import Policy, Rule, make_codec
+from .reshard import reshard_states
 
 __all__ = ["ddp_comm_hook", "CompressedOptimizer", "HookState", "cast_wrapper", "compressed_hook",
-           "Compression", "Policy", "Rule", "make_codec", "shutdown"]
+           "Compression", "Policy", "Rule", "make_codec", "reshard_states", "shutdown"]

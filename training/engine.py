@@ -236,12 +236,13 @@ class Compression:
         self._check_identity(state.get("identity"))
         self._checked.clear()  # the next bucket checks the loaded step counters on every rank
         self.policy.load_state_dict(state["codecs"])
-        servers = self._servers()
-        if set(servers) != set(state.get("servers", {})):
-            raise ValueError(f"state_dict was saved with {len(state.get('servers', {}))} scatter-reduce codecs, this "
-                             f"run has {len(servers)}; resume on the same number of ranks")
+        servers, saved = self._servers(), state.get("servers", {})
+        if set(saved) - set(servers):  # the identity check caught another world size already
+            raise ValueError(f"state_dict holds scatter-reduce state for codecs {sorted(set(saved) - set(servers))} "
+                             f"that this run does not have; resume with the same policy")
         for pattern, server in servers.items():
-            server.load_state_dict(state["servers"][pattern])
+            if pattern in saved:  # absent after reshard_states: the new layout starts its own
+                server.load_state_dict(saved[pattern])
         owners, loads = state.get("owners"), state.get("owner_loads")
         if self.local_size is None and owners is not None:
             raise ValueError("state_dict was saved with local_size (hierarchical exchange); pass the same local_size")
