@@ -15,6 +15,7 @@ With one process (no process group, or a group of one) nothing is sent and nothi
 """
 from __future__ import annotations
 
+import os
 from datetime import timedelta
 from typing import Callable, List, Optional, Sequence, TypeVar
 
@@ -36,13 +37,23 @@ def initialized() -> bool:
 
 def resolve(group) -> Optional[object]:
     """The process group object for ``group`` (``None`` means the default group), or None
-    when no process group is initialised."""
+    when no process group is initialised (see :func:`check_alone`)."""
     if not initialized():
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialised; "
                              "call init_process_group first or pass group=None")
+        check_alone()
         return None
     return dist.group.WORLD if group is None else group
+
+
+def check_alone() -> None:
+    """Without a process group, refuse to run when a launcher set ``WORLD_SIZE`` above 1: the
+    local round trip would leave every rank silently training on its own gradients."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    if world.isdigit() and int(world) > 1:
+        raise ValueError(f"WORLD_SIZE={world} says this process is one of {world}, but torch.distributed is not "
+                         f"initialised; call init_process_group first, or unset WORLD_SIZE to run alone")
 
 
 def group_timeout(group) -> Optional[timedelta]:

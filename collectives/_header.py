@@ -5,6 +5,11 @@ compressor (name and options), algorithm, key and the option to measure error mu
 a rank whose own input or compressor failed says so here, so the others raise too. The same
 exchange carries the payload sizes (one per rank, or one per destination chunk), so variable
 payloads cost no extra round trip. Fixed part: 22 int64; then ``w`` size slots.
+
+``allreduce_fused`` sends the same row for its set of tensors, with the hash of the whole
+layout in the ``shape`` field where ``allreduce`` has the hash of its tensor's shape; so a
+row whose ``shape`` hash is not that of its own dims comes from ``allreduce_fused``, and a
+rank in one call while another is in the other is told so by name.
 """
 from __future__ import annotations
 
@@ -83,11 +88,7 @@ def verify(table: torch.Tensor, *, op: str, error: Optional[BaseException], loca
     def differs(*names: str) -> bool:
         return any(len(set(col(n))) > 1 for n in names)
 
-    if differs("magic", "op"):
-        ops = {v: k for k, v in OPS.items()}
-        per_rank = ", ".join(f"rank {r}: {ops.get(row[IDX['op']], 'another gradcomp version')}"
-                             for r, row in enumerate(rows))
-        raise ValueError(f"{op}: ranks are in different collectives ({per_rank}); every rank must make the same calls in the same order")
+    check_same_call(table, op=op)
     if differs("dtype"):
         per_rank = ", ".join(f"rank {r}: {_dtype_name(row)}" for r, row in enumerate(rows))
         raise ValueError(f"{op}: ranks passed tensors of different dtypes ({per_rank}); every rank must pass the same shape and dtype")
@@ -120,6 +121,33 @@ def verify(table: torch.Tensor, *, op: str, error: Optional[BaseException], loca
         raise ValueError(f"{op}: the native payloads differ between ranks outside the averaged tensor (metadata "
                          f"or index tensors), so they cannot be summed; the compressor's shared state (seed, "
                          f"step of key {local['key']!r}) is out of step across ranks")
+
+
+def check_same_call(table: torch.Tensor, *, op: str) -> None:
+    """Raise the same ``ValueError`` on every rank unless every rank is in the same collective
+    (``allreduce``, ``allreduce_fused``, the hierarchical exchange)."""
+    rows = table.tolist()
+    names = {v: k for k, v in OPS.items()}
+    calls = [names.get(row[IDX["op"]], "another gradcomp version") if row[IDX["magic"]] == MAGIC
+             else "another gradcomp version" for row in rows]
+    calls = [f"{c}_fused" if c == "allreduce" and _fused_row(row) else c for c, row in zip(calls, rows)]
+    if len(set(calls)) > 1:
+        per_rank = ", ".join(f"rank {r}: {c}" for r, c in enumerate(calls))
+        raise ValueError(f"{op}: ranks are in different collectives ({per_rank}); every rank must make the same "
+                         f"calls in the same order")
+
+
+def _fused_row(row: List[int]) -> bool:
+    """Whether a row describes a set of tensors (see the module docstring): one tensor of at
+    most ``_DIMS`` dims has the hash of its dims, a larger one has all ``_DIMS`` dims set,
+    while a set's row has its total size in ``d0`` and no other dim."""
+    ndim = row[IDX["ndim"]]
+    if ndim < 0:
+        return False  # not a tensor
+    dims = [row[IDX[f"d{i}"]] for i in range(_DIMS)]
+    if ndim > _DIMS:
+        return dims[-1] == -1
+    return row[IDX["shape"]] != h64(repr(tuple(dims[:ndim])))
 
 
 def _dtype_name(row: List[int]) -> str:

@@ -12,6 +12,9 @@ from typing import Any, Optional
 
 import torch
 
+from gradcomp.compress import Compressor
+from gradcomp.compress.error_feedback import check_default_key
+
 from . import _async
 from ._core import ALGORITHMS, choose_algorithm, flat_job, make_spec
 from .hierarchical import hierarchical_job
@@ -39,6 +42,9 @@ def allreduce(tensor: torch.Tensor, compressor: Any = "none", key: Optional[str]
     ``CommunicationError`` within the group's timeout.
     """
     spec = make_spec(compressor, algorithm, measure_error, verify)
+    if key is None and (spec.feedback is not None or type(spec.base).state_dict is not Compressor.state_dict):
+        # state per key (beyond step counters): two tensors sharing the default key share it
+        check_default_key(spec.feedback if spec.feedback is not None else spec.base, tensor, "allreduce")
     key = "" if key is None else str(key)
     if (intra_group is None) != (inter_group is None):
         raise ValueError("hierarchical allreduce needs both intra_group and inter_group (see make_node_groups), or neither")

@@ -35,7 +35,7 @@ from . import _telemetry as telemetry
 from ._algorithm import fresh
 from ._comm import Comm
 from ._core import _fuses, check_input, label, make_spec
-from ._header import IDX, build, h64, verify
+from ._header import IDX, build, check_same_call, h64, verify
 from ._header import sizes as header_sizes
 from ._wire import gather_bytes
 from .allgather import AllGather
@@ -206,7 +206,8 @@ def _verify(table: torch.Tensor, items: List[Item], specs: list, error) -> None:
     def same(name: str) -> bool:
         return len(set(table[:, IDX[name]].tolist())) == 1
 
-    if same("magic") and same("op") and not (same("shape") and same("ndim") and same("numel")):
+    check_same_call(table, op="allreduce")  # a rank in allreduce instead: say so, not "different tensors"
+    if not (same("shape") and same("ndim") and same("numel")):
         per_rank = ", ".join(f"rank {r}: {row[IDX['ndim']]} tensors of {row[IDX['numel']]} elements"
                              for r, row in enumerate(table.tolist()))
         raise ValueError(f"allreduce_fused: ranks passed different tensors ({per_rank}, layouts compared by hash); "

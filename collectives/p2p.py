@@ -13,6 +13,8 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from gradcomp.compress.payload import max_wire_bytes, memory_bytes
+
 from . import _telemetry as telemetry
 from ._comm import Comm
 from ._header import MAGIC, code_dtype, dtype_code, h64
@@ -65,8 +67,11 @@ def recv(src: int, compressor: Any = "none", *, key: Optional[str] = None, group
     """Receive a tensor that global rank ``src`` sent with ``send`` and the same compressor
     configuration; returns it decompressed, with the sender's shape and dtype, on ``device``
     (default: the CPU, or the current CUDA device under NCCL). ``max_numel`` bounds the
-    elements the sender may announce (``ValueError`` before anything is allocated; the
-    message is consumed, so the channel stays in step)."""
+    elements the sender may announce: a payload that describes more raises ``ValueError``
+    once received (the channel stays in step), and one announced as longer than any payload
+    of ``max_numel`` elements can be (``max_wire_bytes``) raises ``ValueError`` before
+    anything is allocated for it, unreceived. Without ``max_numel``, a payload announced as
+    longer than this machine's memory is refused the same way."""
     spec = make_spec(compressor, None, False, False)
     key = "" if key is None else str(key)
     comm = _comm("recv", src, group, spec, key)
@@ -74,6 +79,7 @@ def recv(src: int, compressor: Any = "none", *, key: Optional[str] = None, group
     head = comm.recv(torch.empty(5, dtype=torch.int64, device=comm.device), src, tag).tolist()
     if head[0] != MAGIC or head[1] != _KIND or head[2] < 0:
         raise ValueError(f"recv: the message from rank {src} is not a gradcomp send (header {head[:3]})")
+    _check_length(head[2], src, max_numel)
     buf = comm.recv(torch.empty(head[2], dtype=torch.uint8, device=comm.device), src, tag)
     if head[3] != h64(repr(spec.base)):  # raised only now, so the channel stays in step
         raise ValueError(f"recv: rank {src} sent with a different compressor or options than {spec.base!r}")
@@ -87,3 +93,16 @@ def recv(src: int, compressor: Any = "none", *, key: Optional[str] = None, group
     rec.payload_bytes = payload.nbytes
     telemetry.commit(rec)
     return out
+
+
+def _check_length(length: int, src: int, max_numel: Optional[int]) -> None:
+    """Refuse, before allocating, a payload longer than one of ``max_numel`` elements can be
+    (longer than this machine's memory without ``max_numel``)."""
+    if max_numel is not None:
+        limit, what = max_wire_bytes(max_numel), f"a payload of at most max_numel={max_numel} elements"
+    else:
+        limit, what = memory_bytes(), "this machine's memory"
+    if limit is not None and length > limit:
+        raise ValueError(f"recv: rank {src} announced a payload of {length} bytes, more than {what} can take "
+                         f"({limit} bytes); it was not received, so that rank's send fails and later messages "
+                         f"between the two are out of step")

@@ -15,6 +15,8 @@ flags and ``decompress``.
 """
 from __future__ import annotations
 
+import warnings
+import weakref
 from typing import Any, Dict, Generator, Optional, Tuple
 
 import torch
@@ -36,6 +38,32 @@ def _as_compressor(compressor: Any) -> Compressor:
     if not isinstance(compressor, Compressor):
         raise ValueError(f"expected a compressor or its name, got {type(compressor).__name__}")
     return compressor
+
+
+# what the default key (no ``key=``) last saw, per state owner (see check_default_key)
+_last_default: "weakref.WeakKeyDictionary[Any, weakref.ref]" = weakref.WeakKeyDictionary()
+_warned: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def check_default_key(owner: Any, tensor: Any, where: str) -> None:
+    """Warn once per ``owner`` (a wrapper or a stateful compressor) when its default key sees a
+    tensor while another one, still alive at another address, was the last it saw: the two
+    share one residual (or warm start). A tensor made anew each step, the old one gone, is not
+    warned about; costs one weak reference per call without ``key``."""
+    if not isinstance(tensor, torch.Tensor):
+        return
+    try:
+        ref = _last_default.get(owner)
+        _last_default[owner] = weakref.ref(tensor)
+    except TypeError:  # an owner that takes no weak reference: nothing to compare with
+        return
+    prev = ref() if ref is not None else None
+    if prev is None or prev is tensor or owner in _warned or (
+            prev.numel() and tensor.numel() and prev.data_ptr() == tensor.data_ptr()):
+        return
+    _warned.add(owner)
+    warnings.warn(f"{where}: two tensors were passed without key= to {owner!r}, which keeps state per key, "
+                  f"so they share one residual or warm start; pass key= naming each tensor", stacklevel=3)
 
 
 def _identity(config: str) -> Dict[str, Any]:
@@ -153,6 +181,8 @@ class _Feedback:
         does not leave that state finite (a non-finite input or decoding) changes nothing: the
         payload still says so, the state stays as it was (see
         :mod:`gradcomp.compress.transaction`)."""
+        if key is None:
+            check_default_key(self, tensor, f"{type(self).__name__}.compress")
         with transaction.step() as st:
             payload = self._compress_step(tensor, key, step)
             # the new state is finite exactly when the accumulated input and its decoding are

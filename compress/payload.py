@@ -9,24 +9,42 @@ The JSON header holds the compressor name, the original shape and dtype, decode 
 tensor. Lengths are explicit and checked against the buffer before anything is allocated, so
 truncated, oversized or random bytes raise ``ValueError``; the compressor then checks that
 the tensors fit its format (sizes, index ranges) before any decode can scatter with them.
+
+Bounds, all checked before the part they bound is parsed or allocated:
+
+- the header is at most ``MAX_HEADER`` bytes and holds at most ``MAX_BRACKETS`` ``[``/``{``
+  and ``MAX_COMMAS`` commas (counted in the raw bytes, strings included), so neither the
+  nesting depth nor the parsed objects can grow past a small multiple of those bytes;
+- the tensor data is at most ``MAX_BYTES_PER_ELEMENT`` bytes per element of the original
+  tensor (an fp64 value and an int64 index) plus ``TENSOR_SLACK`` bytes per tensor (scales,
+  bit padding), so :func:`max_wire_bytes` bounds a payload's bytes before they are received;
+- without an explicit ``max_numel``, the original tensor must also fit in this machine's
+  memory once decoded: a few bytes that claim a tensor nothing could hold are refused rather
+  than handed to ``decompress``.
 """
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
 MAGIC = b"GCMP"
 VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
-MAX_HEADER = 1 << 20  # bytes of JSON header; metadata is small
+MAX_HEADER = 1 << 16  # bytes of JSON header; no compressor writes more than a few hundred
+MAX_BRACKETS = 256  # "[" and "{" in a header: bounds nesting and containers before parsing
+MAX_COMMAS = 1 << 14  # "," in a header: bounds the parsed values before parsing
+MAX_META_DEPTH = 4  # lists nested in a meta value
 MAX_TENSORS = 64
 MAX_DIMS = 16
 MAX_NUMEL = 1 << 40  # largest original tensor a payload may describe
+MAX_BYTES_PER_ELEMENT = 16  # tensor data per original element: an fp64 value and an int64 index
+TENSOR_SLACK = 64  # tensor data per tensor beyond that: scales, bit padding
 
 DTYPES: Dict[str, torch.dtype] = {
     "bool": torch.bool, "uint8": torch.uint8, "int8": torch.int8, "int16": torch.int16,
@@ -34,6 +52,20 @@ DTYPES: Dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16, "float32": torch.float32, "float64": torch.float64,
 }
 _DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+def max_wire_bytes(numel: int) -> int:
+    """The most bytes ``to_bytes`` may make for a payload of at most ``numel`` elements (what
+    :meth:`Payload.from_bytes` accepts)."""
+    return _PREFIX.size + MAX_HEADER + MAX_BYTES_PER_ELEMENT * max(numel, 0) + TENSOR_SLACK * MAX_TENSORS
+
+
+def memory_bytes() -> Optional[int]:
+    """This machine's physical memory in bytes (None where the platform does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -80,6 +112,9 @@ class Payload:
             "t": [[dtype_name(t.dtype), list(t.shape)] for t in self.tensors],
         }
         hbytes = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
+        if len(hbytes) > MAX_HEADER:
+            raise ValueError(f"payload header of {len(hbytes)} bytes exceeds the limit of {MAX_HEADER}; keys and meta "
+                             f"must be short")
         parts = [_PREFIX.pack(MAGIC, VERSION, len(hbytes)), hbytes]
         for t in self.tensors:
             t = t.detach().to("cpu").contiguous()
@@ -87,11 +122,19 @@ class Payload:
         return b"".join(parts)
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, *, max_numel: int = MAX_NUMEL) -> "Payload":
-        """Parse and validate bytes made by :meth:`to_bytes`; ``ValueError`` on anything else."""
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *, max_numel: Optional[int] = None) -> "Payload":
+        """Parse and validate bytes made by :meth:`to_bytes`; ``ValueError`` on anything else.
+
+        ``max_numel`` bounds the elements the payload may describe; without it, at most
+        ``MAX_NUMEL`` elements that fit in this machine's memory once decoded."""
         from .registry import compressor_class
 
-        buf = memoryview(bytes(data))
+        try:
+            view = memoryview(data)
+        except TypeError:
+            raise ValueError(f"Payload.from_bytes expects bytes, a bytearray or another buffer of bytes, "
+                             f"got {type(data).__name__}") from None
+        buf = memoryview(bytes(view))
         if len(buf) < _PREFIX.size:
             raise ValueError(f"payload too short: {len(buf)} bytes, the prefix alone is {_PREFIX.size}")
         magic, version, hlen = _PREFIX.unpack_from(buf, 0)
@@ -100,34 +143,39 @@ class Payload:
         if version != VERSION:
             raise ValueError(f"payload version {version} is not supported (this build reads version {VERSION})")
         pos = _PREFIX.size
-        if hlen > MAX_HEADER or pos + hlen > len(buf):
-            raise ValueError(f"payload header length {hlen} exceeds the {len(buf) - pos} bytes that follow")
-        try:
-            header = json.loads(bytes(buf[pos:pos + hlen]).decode())
-        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            raise ValueError(f"payload header is not valid JSON: {exc}") from None
+        if hlen > MAX_HEADER:
+            raise ValueError(f"payload header length {hlen} exceeds the limit of {MAX_HEADER} bytes")
+        if pos + hlen > len(buf):
+            raise ValueError(f"payload truncated: the header needs {hlen} bytes, {len(buf) - pos} follow")
+        header = _parse_header(bytes(buf[pos:pos + hlen]))
         pos += hlen
         if not isinstance(header, dict) or set(header) != {"c", "shape", "dtype", "meta", "t"}:
             raise ValueError("payload header must hold exactly the fields c, shape, dtype, meta, t")
         name = header["c"]
         klass = compressor_class(name)
         shape = _shape(header["shape"], "shape")
-        if math.prod(shape) > max_numel:
-            raise ValueError(f"payload describes {math.prod(shape)} elements, more than the limit {max_numel}")
         dtype = _dtype(header["dtype"])
+        numel = math.prod(shape)
+        _check_numel(numel, dtype, max_numel)
         meta = header["meta"]
         if not isinstance(meta, dict) or not all(_plain(v) for v in meta.values()):
-            raise ValueError("payload meta must be a dict of numbers, strings, booleans and lists of them")
+            raise ValueError(f"payload meta must be a dict of numbers, strings, booleans and lists of them "
+                             f"(nested at most {MAX_META_DEPTH} deep)")
         specs = header["t"]
         if not isinstance(specs, list) or len(specs) > MAX_TENSORS:
             raise ValueError(f"payload must list at most {MAX_TENSORS} tensors")
-        tensors = []
+        sized = []
         for spec in specs:
             if not isinstance(spec, list) or len(spec) != 2:
                 raise ValueError("each payload tensor is described by [dtype, shape]")
             tdtype, tshape = _dtype(spec[0]), _shape(spec[1], "tensor shape")
-            itemsize = torch.empty((), dtype=tdtype).element_size()
-            size = math.prod(tshape) * itemsize
+            sized.append((tdtype, tshape, math.prod(tshape) * torch.empty((), dtype=tdtype).element_size()))
+        data_bytes, allowed = sum(s for _, _, s in sized), MAX_BYTES_PER_ELEMENT * numel + TENSOR_SLACK * len(sized)
+        if data_bytes > allowed:
+            raise ValueError(f"payload tensors hold {data_bytes} bytes, more than the {allowed} allowed for "
+                             f"{numel} elements in {len(sized)} tensors")
+        tensors = []
+        for tdtype, tshape, size in sized:
             if size > len(buf) - pos:
                 raise ValueError(f"payload truncated: a tensor needs {size} bytes, {len(buf) - pos} remain")
             raw = torch.frombuffer(bytearray(buf[pos:pos + size]), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
@@ -138,6 +186,31 @@ class Payload:
         payload = cls(name, shape, dtype, tensors, meta)
         klass.check_payload(payload)
         return payload
+
+
+def _parse_header(raw: bytes) -> Any:
+    """The JSON header, its structure bounded before parsing (see the module docstring)."""
+    brackets, commas = raw.count(b"[") + raw.count(b"{"), raw.count(b",")
+    if brackets > MAX_BRACKETS or commas > MAX_COMMAS:
+        raise ValueError(f"payload header holds {brackets} '[' or '{{' and {commas} ','; at most {MAX_BRACKETS} "
+                         f"and {MAX_COMMAS} are allowed (metadata is small and shallow)")
+    try:
+        return json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError) as exc:  # JSONDecodeError, or an int of too many digits
+        raise ValueError(f"payload header is not valid JSON: {exc}") from None
+
+
+def _check_numel(numel: int, dtype: torch.dtype, max_numel: Optional[int]) -> None:
+    if max_numel is not None:
+        if numel > max_numel:
+            raise ValueError(f"payload describes {numel} elements, more than the limit {max_numel}")
+        return
+    if numel > MAX_NUMEL:
+        raise ValueError(f"payload describes {numel} elements, more than the limit {MAX_NUMEL}")
+    decoded, memory = numel * torch.empty((), dtype=dtype).element_size(), memory_bytes()
+    if memory is not None and decoded > memory:
+        raise ValueError(f"payload describes {numel} elements of {dtype_name(dtype)} ({decoded} bytes decoded), more "
+                         f"than this machine's {memory} bytes of memory; pass max_numel to allow a size explicitly")
 
 
 def _shape(value: Any, what: str) -> Tuple[int, ...]:
@@ -153,7 +226,8 @@ def _dtype(value: Any) -> torch.dtype:
     return DTYPES[value]
 
 
-def _plain(v: Any) -> bool:
+def _plain(v: Any, depth: int = 0) -> bool:
     if isinstance(v, (bool, int, float, str)) or v is None:
         return True
-    return isinstance(v, list) and len(v) <= 4096 and all(_plain(x) for x in v)
+    return (isinstance(v, list) and len(v) <= 4096 and depth < MAX_META_DEPTH
+            and all(_plain(x, depth + 1) for x in v))

@@ -19,6 +19,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 import tempfile
 from pathlib import Path
 from typing import Any, Dict, Optional, Sequence
@@ -134,36 +135,81 @@ def compile_family(family: str, arch: str, nvrtc: Any = None) -> bytes:
 
 def cache_dir() -> Path:
     """Where compiled kernels are kept: ``$GRADCOMP_KERNEL_CACHE``, else
-    ``$XDG_CACHE_HOME/gradcomp/kernels`` (``~/.cache`` when unset)."""
+    ``$XDG_CACHE_HOME/gradcomp/kernels`` (``~/.cache`` when unset). When it is not writable,
+    :func:`temp_cache_dir` instead."""
     env = os.environ.get("GRADCOMP_KERNEL_CACHE")
     if env:
         return Path(env)
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gradcomp" / "kernels"
 
 
+def temp_cache_dir() -> Path:
+    """The fallback cache in the temp folder, ``gradcomp-kernels-<uid>``: its name is
+    predictable, so it is used only as a private folder (see :func:`_private`)."""
+    return Path(tempfile.gettempdir()) / f"gradcomp-kernels-{os.getuid()}"
+
+
 def binary(family: str, capability: int, nvrtc: Any = None) -> Path:
     """The compiled ``family`` for a device of compute capability ``capability``: read from the
-    cache when the source, options, architecture and NVRTC version match, else compiled and
-    written there (atomically: concurrent ranks never see half a file)."""
+    cache when the source, options, architecture and NVRTC version match and the file holds
+    what NVRTC makes (:func:`_cached`), else compiled and written there (atomically:
+    concurrent ranks never see half a file)."""
     nv = _nvrtc() if nvrtc is None else nvrtc
     supported = getattr(nv, "getSupportedArchs", None)
     arch = gpu_architecture(capability, tuple(supported()) if supported else None)
     key = json.dumps([source(family), COMPILE_OPTIONS, arch, list(nv.getVersion())])
     digest = hashlib.sha256(key.encode()).hexdigest()[:24]
     name = f"{family}-{arch}-{digest}.{'cubin' if arch.startswith('sm_') else 'ptx'}"
-    data = None
-    for folder in (cache_dir(), Path(tempfile.gettempdir()) / f"gradcomp-kernels-{os.getuid()}"):
+    data, problems = None, []
+    for folder, private in ((cache_dir(), False), (temp_cache_dir(), True)):
         path = folder / name
-        if path.is_file():
-            return path
-        if data is None:
-            data = compile_family(family, arch, nv)
         try:
+            if private:
+                _private(folder)
+            if _cached(path, arch, private):
+                return path
+            if data is None:
+                data = compile_family(family, arch, nv)
             _write_atomically(path, data)
             return path
-        except OSError:  # cache folder not writable: the next one
-            continue
-    raise KernelCompileError(f"no writable folder for compiled kernels (tried {cache_dir()} and the temp folder)")
+        except OSError as exc:  # not writable, or not private: the next one
+            problems.append(f"{folder}: {exc.strerror or exc}")
+    raise KernelCompileError(f"no usable folder for compiled kernels ({'; '.join(problems)}); set "
+                             f"GRADCOMP_KERNEL_CACHE to a folder this user can write")
+
+
+def _private(folder: Path) -> None:
+    """Make sure ``folder`` is private: created with mode 0700 if missing; an existing one must be
+    a real folder (not a link) owned by this user that no one else can write to (read access
+    for others is taken away); ``PermissionError`` otherwise, since another user could have
+    planted files in it."""
+    try:
+        folder.mkdir(mode=0o700, parents=False)
+    except FileExistsError:
+        pass
+    st = os.lstat(folder)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o022:
+        raise PermissionError(f"not a private folder (it must be a folder owned by uid {os.getuid()} that no one "
+                              f"else can write to; it is {'a folder' if stat.S_ISDIR(st.st_mode) else 'not a folder'} "
+                              f"owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o})")
+    if st.st_mode & 0o077:
+        os.chmod(folder, 0o700)
+
+
+def _cached(path: Path, arch: str, private: bool) -> bool:
+    """Whether ``path`` holds a kernel to load: a regular file (not a link) whose bytes are what
+    NVRTC makes for ``arch`` (an ELF cubin for a CUDA device, or PTX text for that target),
+    and in the private folder also owned by this user and writable by no one else."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    if not stat.S_ISREG(st.st_mode) or (private and (st.st_uid != os.getuid() or st.st_mode & 0o022)):
+        return False
+    data = path.read_bytes()
+    if arch.startswith("sm_"):  # ELF, e_machine EM_CUDA (190)
+        return data[:4] == b"\x7fELF" and len(data) > 20 and int.from_bytes(data[18:20], "little") == 190
+    return data.lstrip().startswith(b"//") and b".version" in data and b".target sm_" + arch[8:].encode() in data
 
 
 def _write_atomically(path: Path, data: bytes) -> None:

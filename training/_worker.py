@@ -13,6 +13,15 @@ The worker talks over a *twin* of the default group (``new_group`` over the same
 once on the caller's thread), so collectives the program itself issues on the default group
 (DDP's buffer broadcast, the unused-parameter map, a logged loss) never meet ours. Other
 groups are used as they are: issue nothing else on them while a backward pass is running.
+
+A job submitted from the worker's own thread (from a ``.then()`` callback of one of its
+futures) runs there at once: queued, waiting on it would wait for the worker itself. Its place
+in the order is still the same on every rank, since such a callback runs on every rank right
+after the job it follows.
+
+A worker whose default group was destroyed without ``shutdown()`` ends within ``_POLL_S``
+seconds and forgets its twin; the next ``worker_for`` after a new ``init_process_group``
+forgets whatever is left, so threads and sockets never accumulate over init/destroy cycles.
 """
 from __future__ import annotations
 
@@ -24,6 +33,9 @@ from typing import Any, Callable, Dict, NamedTuple, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives._comm import CommunicationError, check_alone
+
+_POLL_S = 1.0  # how often an idle worker checks that its default group still exists
 _lock = threading.Lock()
 _workers: Dict[int, Tuple[Any, "Worker"]] = {}  # id(group) -> (group, worker); keeps the group alive
 
@@ -38,6 +50,7 @@ def world_of(group) -> int:
         if group is not None:
             raise ValueError("a process group was given but torch.distributed is not initialised; "
                              "call init_process_group first or pass process_group=None")
+        check_alone()
         return 1
     return dist.get_world_size(group)
 
@@ -46,8 +59,16 @@ class Worker:
     """Runs submitted jobs one at a time, in order; each job gets the group to use."""
 
     def __init__(self, group) -> None:
+        self.world = dist.group.WORLD  # the default group this worker (and its twin) belongs to
         if group is None or group is dist.group.WORLD:
-            self.group = dist.new_group(timeout=_timeout(dist.group.WORLD))
+            try:
+                self.group = dist.new_group(timeout=_timeout(dist.group.WORLD))
+            except RuntimeError as exc:  # the store's wait timed out, or a peer is gone
+                said = " ".join(str(exc).split())[:300]
+                raise CommunicationError(
+                    f"gradcomp training: creating the worker's twin of the default group failed on rank "
+                    f"{dist.get_rank()}: every rank must start its first compressed exchange at the same point "
+                    f"of the program, and all must be alive (backend: {said})") from exc
         else:
             self.group = group
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
@@ -65,6 +86,12 @@ class Worker:
         cuda = device.type == "cuda"
         fut = torch.futures.Future(devices=[device]) if cuda else torch.futures.Future()
         out = fut if then is None else fut.then(then)
+        if threading.current_thread() is self.thread:  # from a callback: see the module docstring
+            try:
+                fut.set_result(job(self.group))
+            except Exception as exc:
+                fut.set_exception(exc)
+            return out
         if inline:
             if self._last is not None:
                 try:
@@ -89,29 +116,39 @@ class Worker:
     def stop(self, timeout: float) -> None:
         """Finish the queued jobs, then end the thread (waiting at most ``timeout`` s)."""
         self._queue.put(None)
-        self.thread.join(timeout)
+        if self.thread is not threading.current_thread():
+            self.thread.join(timeout)
 
     def _loop(self) -> None:
         streams: Dict[int, Any] = {}
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(timeout=_POLL_S)
+            except queue.Empty:
+                if self.world is not dist.group.WORLD:  # destroyed without shutdown(): free the twin
+                    _drop_stale()
+                    return
+                continue
             if item is None:
                 return
-            job, fut, device, ready = item
-            try:
-                if ready is None:
-                    value = job(self.group)
-                else:
-                    stream = streams.setdefault(device.index, torch.cuda.Stream(device))
-                    with torch.cuda.device(device), torch.cuda.stream(stream):
-                        stream.wait_event(ready)
-                        value = job(self.group)
-                        fut.set_result(value)  # records the stream's work for the future's users
-                        continue
-            except Exception as exc:  # reported through the future, raised where it is waited on
-                fut.set_exception(exc)
+            self._run(streams, *item)  # its own frame: nothing of the job stays referenced while idle
+
+    def _run(self, streams: Dict[int, Any], job: Callable[[Any], Any], fut: torch.futures.Future,
+             device: torch.device, ready: Optional[Any]) -> None:
+        try:
+            if ready is None:
+                value = job(self.group)
             else:
-                fut.set_result(value)
+                stream = streams.setdefault(device.index, torch.cuda.Stream(device))
+                with torch.cuda.device(device), torch.cuda.stream(stream):
+                    stream.wait_event(ready)
+                    value = job(self.group)
+                    fut.set_result(value)  # records the stream's work for the future's users
+                    return
+        except Exception as exc:  # reported through the future, raised where it is waited on
+            fut.set_exception(exc)
+        else:
+            fut.set_result(value)
 
 
 def worker_for(group) -> Worker:
@@ -123,8 +160,9 @@ def worker_for(group) -> Worker:
     g = dist.group.WORLD if group is None else group
     with _lock:
         entry = _workers.get(id(g))
-    if entry is not None and entry[0] is g:
+    if entry is not None and entry[0] is g and entry[1].world is dist.group.WORLD:
         return entry[1]
+    _drop_stale()
     worker = Worker(g)
     with _lock:
         _workers[id(g)] = (g, worker)
@@ -147,6 +185,17 @@ def shutdown(timeout: float = 30.0) -> None:
 
 
 atexit.register(shutdown)
+
+
+def _drop_stale() -> None:
+    """Forget the workers made under a default group that is no longer the current one
+    (destroyed without ``shutdown``), and end them without waiting."""
+    world = dist.group.WORLD
+    with _lock:
+        stale = [k for k, (_, w) in _workers.items() if w.world is not world]
+        workers = [_workers.pop(k)[1] for k in stale]
+    for w in workers:
+        w.stop(0.0)
 
 
 def completed(job: Callable[[Any], Any], then: Optional[Callable[[torch.futures.Future], Any]] = None

@@ -58,3 +58,37 @@ def test_a_payload_of_the_wrong_size_is_refused_by_name(tmp_path, world, algorit
             else:
                 assert "from rank 0" in r[what] and str(HUGE) in r[what], r[what]
         assert torch.equal(r["after"], torch.full((4,), (world - 1) / 2))
+
+
+def _p2p_liar(rank, world):
+    import torch.distributed as dist
+
+    from gradcomp.collectives import p2p, recv, send
+    from gradcomp.collectives._header import MAGIC, dtype_code, h64
+    from gradcomp.compress import get_compressor
+
+    out = {}
+    if rank == 0:  # announce payloads of 2**40 and 2**60 bytes, send neither, then an honest one
+        for claim in (2**40, 2**60):
+            head = [MAGIC, p2p._KIND, claim, h64(repr(get_compressor("topk"))), dtype_code(torch.float32)]
+            dist.send(torch.tensor(head, dtype=torch.int64), 1)
+        send(torch.arange(10.0), 1, "topk")
+        return out
+    for what, bound in (("bounded", 1000), ("unbounded", None)):
+        try:
+            recv(0, "topk", max_numel=bound)
+            out[what] = "no error"
+        except Exception as exc:
+            out[what] = f"{type(exc).__name__}: {exc}"
+    out["after"] = recv(0, "topk", max_numel=1000)
+    return out
+
+
+def test_a_p2p_length_beyond_the_bound_is_refused_before_allocating(tmp_path):
+    """``recv(..., max_numel=1000)`` once allocated the 2**40 bytes the sender announced."""
+    r = run_ranks(_p2p_liar, 2, tmp_path)[1]
+    assert r["bounded"].startswith("ValueError: recv: rank 0 announced a payload of 1099511627776 bytes, more than "
+                                   "a payload of at most max_numel=1000 elements"), r["bounded"]
+    assert r["unbounded"].startswith("ValueError: recv: rank 0 announced a payload of 1152921504606846976 bytes, "
+                                     "more than this machine's memory"), r["unbounded"]
+    assert torch.equal(r["after"], torch.zeros(10).index_fill_(0, torch.tensor([9]), 9.0))

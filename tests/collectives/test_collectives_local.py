@@ -62,6 +62,48 @@ def test_async_without_process_group_is_a_completed_future():
         bad.wait()
 
 
+def test_world_size_from_a_launcher_without_a_process_group_is_an_error(monkeypatch):
+    """torchrun sets WORLD_SIZE; without init_process_group a local round trip would silently
+    leave every rank with its own tensor."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for call in (lambda: allreduce(torch.ones(3), "fp16"), lambda: allreduce(torch.ones(3), "fp16", async_op=True).wait()):
+        with pytest.raises(ValueError, match="WORLD_SIZE=2 says this process is one of 2, but torch.distributed is not"):
+            call()
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert torch.equal(allreduce(torch.ones(3), "fp16"), torch.ones(3))
+
+
+def test_the_default_key_warns_once_when_two_tensors_share_its_state():
+    """Without key= every tensor shares one residual: warned once per wrapper when a second
+    tensor, alive beside the first, comes through; a tensor made anew each step is not warned
+    about, nor a compressor that keeps no state beyond step counters, nor an explicit key."""
+    import warnings
+
+    ef, a, b = ErrorFeedback("topk"), torch.randn(100), torch.randn(100)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            allreduce(torch.randn(100), ef)  # the step's new gradient; the old one is gone
+            allreduce(a, ef)
+            allreduce(a.view(10, 10).view(-1), ef)  # the same memory
+        for _ in range(2):
+            allreduce(a, "topk")
+            allreduce(b, "topk")
+            allreduce(a, ef, key="a")
+            allreduce(b, ef, key="b")
+        assert not caught, [str(w.message) for w in caught]
+        for _ in range(2):
+            allreduce(a, ef)
+            allreduce(b, ef)
+        powersgd = get_compressor("powersgd")  # its warm start is kept per key too
+        allreduce(a, powersgd)
+        allreduce(b, powersgd)
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2 and all("pass key= naming each tensor" in m for m in messages), messages
+    assert "ErrorFeedback" in messages[0] and "powersgd" in messages[1]
+    assert all(w.filename == __file__ for w in caught), "the warning should point at the caller"
+
+
 class _Flags(Compressor):
     """Unregistered stand-in: only the capability flags matter to the choice."""
 

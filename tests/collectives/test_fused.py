@@ -196,3 +196,25 @@ def test_mismatch_raises_on_every_rank_and_says_so(runs):
             assert word in r["mismatch"][what], (what, r["mismatch"][what])
         assert ("float32 range" if rank == 0 else "rank(s) [0] rejected") in r["mismatch"]["refused"]
         assert torch.equal(r["mismatch"]["after"], torch.full((3,), (len(runs) - 1) / 2))
+
+
+def _mixed_calls(rank, world):
+    from gradcomp.collectives import allreduce, allreduce_fused
+
+    out = {}
+    try:  # rank 0 in allreduce, rank 1 in allreduce_fused of the same tensor under the same key
+        if rank == 0:
+            allreduce(torch.ones(100), "topk", key="m")
+        else:
+            allreduce_fused([("m", torch.ones(100), "topk")])
+        out["mixed"] = "no error"
+    except ValueError as exc:
+        out["mixed"] = str(exc)
+    out["after"] = allreduce(torch.full((3,), float(rank)), "none", key="after")
+    return out
+
+
+def test_allreduce_beside_allreduce_fused_is_named_on_every_rank(tmp_path):
+    for r in run_ranks(_mixed_calls, 2, tmp_path):
+        assert "different collectives (rank 0: allreduce, rank 1: allreduce_fused)" in r["mixed"], r["mixed"]
+        assert torch.equal(r["after"], torch.full((3,), 0.5))

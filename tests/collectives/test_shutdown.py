@@ -1,6 +1,11 @@
-"""shutdown() ends the worker threads after their queued calls, and async calls work again after it."""
+"""shutdown() ends the worker threads after their queued calls, and async calls work again after
+it; a group destroyed without it leaves no thread or descriptor behind."""
+import os
 import threading
+import time
+from datetime import timedelta
 
+import pytest
 import torch
 
 from dist import run_ranks
@@ -22,3 +27,39 @@ def test_shutdown_stops_workers_and_async_still_works(tmp_path):
     for first, alive, again in results:
         assert alive == [], f"worker threads still running after shutdown: {alive}"
         assert torch.equal(first, torch.full((100,), 0.5)) and torch.equal(again, first)
+
+
+def _counts():
+    return threading.active_count(), len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+
+
+def _cycles_without_shutdown(rank, w, folder):
+    import torch.distributed as dist
+
+    from gradcomp.collectives import allreduce
+    from gradcomp.training import _worker, shutdown
+
+    shutdown()
+    dist.destroy_process_group()
+    baseline, settled = _counts(), []
+    for cycle in range(3):
+        store = dist.FileStore(os.path.join(folder, f"cycle{cycle}"), w)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=w, timeout=timedelta(seconds=30))
+        allreduce(torch.ones(10), "fp16", key="k", async_op=True).wait()  # the collectives' worker and twin
+        _worker.worker_for(None).submit(lambda g: dist.barrier(group=g), torch.device("cpu")).wait()  # training's
+        dist.destroy_process_group()  # shutdown() forgotten
+        deadline = time.monotonic() + 5
+        while _counts() != baseline and time.monotonic() < deadline:
+            time.sleep(0.05)
+        settled.append(_counts())
+    store = dist.FileStore(os.path.join(folder, "last"), w)  # the helper destroys one group at the end
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=w, timeout=timedelta(seconds=30))
+    return baseline, settled
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts threads and descriptors in /proc")
+def test_destroying_the_group_without_shutdown_leaks_nothing(tmp_path):
+    """Threads (Python and native) and file descriptors return to what they were before the
+    first init within a few seconds of each destroy_process_group, cycle after cycle."""
+    for baseline, settled in run_ranks(_cycles_without_shutdown, 2, tmp_path, str(tmp_path)):
+        assert settled == [baseline] * 3, f"(python threads, threads, fds): before {baseline}, after each cycle {settled}"

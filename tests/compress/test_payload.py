@@ -82,3 +82,83 @@ def test_mutated_bytes_give_value_error_or_a_valid_payload(raw, data):
 
 def _options_from(p):
     return {}
+
+
+def _framed(body: bytes) -> bytes:
+    return struct.pack("<4sHI", b"GCMP", 1, len(body)) + body
+
+
+@pytest.mark.parametrize("depth", [400, 5000])
+def test_deeply_nested_header_is_a_value_error(depth):
+    body = b'{"c":"none","shape":[1],"dtype":"float32","meta":{"x":' + b"[" * depth + b"]" * depth + b'},"t":[]}'
+    with pytest.raises(ValueError, match="payload header"):
+        Payload.from_bytes(_framed(body))
+
+
+def test_a_large_header_is_refused_before_it_is_parsed():
+    """A 1 MiB header of empty lists once took 25 MiB of heap before it was rejected."""
+    import tracemalloc
+
+    body = b"[" + b"[]," * ((1 << 20) // 3 - 1) + b"[]]"
+    raw = _framed(body)
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match="exceeds the limit of"):
+            Payload.from_bytes(raw)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 3 * len(raw), f"{peak} bytes of heap for a {len(raw)}-byte payload"
+    within = b'{"c":"none","shape":[1],"dtype":"float32","meta":{"x":[' + b"[]," * 2000 + b'[]]},"t":[]}'
+    with pytest.raises(ValueError, match=r"holds 2006 '\[' or '\{'"):
+        Payload.from_bytes(_framed(within))
+
+
+def test_header_length_errors_say_which_limit():
+    too_long = struct.pack("<4sHI", b"GCMP", 1, (1 << 20) + 99) + b" " * ((1 << 20) + 115)
+    with pytest.raises(ValueError, match="exceeds the limit of 65536 bytes") as err:
+        Payload.from_bytes(too_long)
+    assert "follow" not in str(err.value)
+    with pytest.raises(ValueError, match="truncated: the header needs 500 bytes, 20 follow"):
+        Payload.from_bytes(struct.pack("<4sHI", b"GCMP", 1, 500) + b" " * 20)
+
+
+@pytest.mark.parametrize("data", ["GCMP", None, [1, 2, 3]])
+def test_from_bytes_of_something_else_is_a_value_error(data):
+    with pytest.raises(ValueError, match=f"got {type(data).__name__}"):
+        Payload.from_bytes(data)
+
+
+def test_a_tiny_sparse_payload_claiming_a_huge_tensor_is_refused():
+    """127 bytes that claim 2**40 - 1 elements would decompress into 4 TiB."""
+    huge = 2**40 - 1
+    raw = Payload("topk", (huge,), torch.float32, [torch.ones(1), torch.tensor([7])], {}).to_bytes()
+    assert len(raw) < 128
+    with pytest.raises(ValueError, match="memory; pass max_numel"):
+        get_compressor("topk").decompress(Payload.from_bytes(raw))
+    assert Payload.from_bytes(raw, max_numel=huge).numel == huge  # allowed explicitly, still parsed
+    with pytest.raises(ValueError, match="more than the limit 1000"):
+        Payload.from_bytes(raw, max_numel=1000)
+
+
+@pytest.mark.parametrize("name", available_compressors())
+def test_every_payload_fits_the_wire_bound(name):
+    from gradcomp.compress.payload import max_wire_bytes
+
+    for shape in [(1,), (2,), (7,), (1, 1), (1, 50), (50, 1), (3, 3), (2, 300), (2, 2, 2)]:
+        for dtype in (torch.float16, torch.float32, torch.float64):
+            p = get_compressor(name).compress(torch.randn(shape, dtype=dtype), key="b")
+            raw = p.to_bytes()
+            assert len(raw) <= max_wire_bytes(p.numel)
+            Payload.from_bytes(raw)  # and the receiver's bound on the tensor data agrees
+
+
+def test_tensor_data_beyond_the_bound_is_refused():
+    raw = Payload("none", (1,), torch.float32, [torch.ones(64)], {}).to_bytes()
+    with pytest.raises(ValueError, match="256 bytes, more than the 80 allowed for 1 elements"):
+        Payload.from_bytes(raw)
+
+
+def test_a_header_too_long_to_be_read_is_not_written():
+    with pytest.raises(ValueError, match="exceeds the limit of 65536; keys and meta must be short"):
+        get_compressor("randomk").compress(torch.randn(10), key="k" * 70000).to_bytes()
