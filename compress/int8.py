@@ -3,19 +3,25 @@
 Each block of ``block_size`` elements sends ``scale = max |x| / 127`` (fp32) and the integers
 ``q = x / scale`` in ``[-127, 127]`` (int8; -128 is never used, so the grid is symmetric).
 Rounding is to nearest (error at most ``scale / 2``, biased) or, with ``stochastic=True``,
-stochastic (error below ``scale``, unbiased).
+stochastic (error below ``scale``, unbiased). A scale below float32's smallest normal (blocks
+with ``max |x| < 1.5e-36``) is rounded up, so it is never 0 and ``|q| <= 127`` still holds,
+and its levels are computed exactly (see ``kernels.quant.unit_multipliers``): such blocks
+decode as accurately as their subnormal scale allows, never to ``±max |x|``. At the other end a
+float32 scale whose 127 multiple would round past float32's max is one ulp lower, so finite
+input never decodes to inf (the largest element may then lose that ulp).
 """
 from __future__ import annotations
 
 import torch
 
-from gradcomp.kernels.quant import (block_absmax, block_runs, dequantize_levels, div_scalar, fp32_scales,
-                                   num_blocks, quantize_levels)
+from gradcomp.kernels.quant import (block_absmax, block_runs, dequantize_levels, fp32_scales, num_blocks,
+                                   quantize_levels, tiny_safe_div, unit_multipliers)
 
 from .base import Compressor, Option, expect, meta_int, positive_int, seed_option, tensor_spec, work_dtype
 from .registry import register
 
 _LEVELS = 127
+_FP32_MAX = torch.finfo(torch.float32).max
 
 
 @register("int8")
@@ -44,12 +50,17 @@ class Int8(Compressor):
 
     def _scales(self, x):
         """The fp32 wire scales ``max |x| / 127`` of ``x``'s blocks."""
-        return fp32_scales(x, div_scalar(block_absmax(x, self.block_size), _LEVELS), self.block_size)
+        top = block_absmax(x, self.block_size)
+        scale = fp32_scales(x, tiny_safe_div(top, _LEVELS), self.block_size, self.name)
+        if x.dtype == torch.float32 and scale.numel() and float(scale.amax()) * _LEVELS > _FP32_MAX:
+            # 127 * scale would round past float32's max: one ulp lower, 127 then costs that ulp
+            over = torch.isfinite(scale) & (scale.double() * _LEVELS > _FP32_MAX)
+            scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+        return scale
 
     def _levels(self, x, scale32, u):
-        scale_x = scale32.to(x.dtype)
-        mult = torch.where(scale_x > 0, 1.0 / scale_x, torch.zeros_like(scale_x))
-        return quantize_levels(x, mult, self.block_size, _LEVELS, u, overwrite_u=True)
+        xs, mult = unit_multipliers(x, scale32.to(x.dtype), self.block_size)
+        return quantize_levels(xs, mult, self.block_size, _LEVELS, u, overwrite_u=True)
 
     def _compress_residual(self, flat, key, step):
         """One pass over ``flat`` (the fp32/fp64 accumulator) in cache-sized runs of whole

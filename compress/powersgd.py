@@ -16,6 +16,15 @@ The collective layer drives the averaging through :meth:`PowerSGD.rounds`; ``com
 one-process form (the average of one rank is itself) and its payload decodes to ``P Q^T``.
 A non-finite ``Q`` is not kept for the next step, so one NaN gradient (a step that AMP's loss
 scaler skips) does not poison the warm start.
+
+Finite input gives finite output at every magnitude. A factor can overflow where the matrix
+does not (``P = M Q`` sums ``m`` products): when the average of ``P`` (the sum of its entries)
+or of ``Q`` comes back non-finite, which every rank sees alike, that round is repeated once
+with the other factor, ``Q`` or ``P``, scaled by powers of two, per column, to an l1 norm of
+at most 2**-24, so that neither the products nor a sum over ranks can overflow; the scale is
+exact and taken out of ``P`` again, and NaN/Inf input stays non-finite through the repeat.
+Entries of ``P Q^T`` beyond the largest finite value of the gradient's dtype (an fp16 matrix
+near 65504, say) saturate to it.
 """
 from __future__ import annotations
 
@@ -80,29 +89,44 @@ class PowerSGD(Compressor):
             _expect_like(avg, tensor, "the dense tensor")
             return _deliver(avg.to(tensor.dtype).reshape(tensor.shape), out)
         n, m, r = plan
-        p, q = yield from self._factors(tensor.detach().reshape(n, m), skey, r)
-        if out is not None and out.dtype == p.dtype:
-            return torch.mm(p, q.T, out=out.view(n, m)).view(tensor.shape)  # no new memory to fault in
+        p, q, p_top = yield from self._factors(tensor.detach().reshape(n, m), skey, r)
+        if out is not None and out.dtype == p.dtype:  # no new memory to fault in
+            return _product(p, q, tensor.dtype, out.view(n, m), p_top).view(tensor.shape)
         # a numpy-backed buffer: no page-fault cost on CPU
-        approx = torch.mm(p, q.T, out=empty(n * m, p.dtype, p.device).view(n, m))
+        approx = _product(p, q, tensor.dtype, empty(n * m, p.dtype, p.device).view(n, m), p_top)
         return _deliver(approx.reshape(tensor.shape).to(tensor.dtype), out)
 
     def _factors(self, mat: torch.Tensor, key: str, r: int) -> Generator:
-        """One power iteration on ``mat`` with the averaging done by the caller; returns (P, Q)."""
+        """One power iteration on ``mat`` with the averaging done by the caller; returns
+        ``(P, Q, max |P|)``, the last 1 for orthonormal ``P`` (``_product`` needs no pass)."""
         mat = mat.to(work_dtype(mat.dtype))
         q = self._start(key, mat.shape[1], r, mat.device, mat.dtype)
         # = mat @ q; on CPU this form is ~2x faster (MKL at small rank), on GPUs the plain one is the norm
         p = mat @ q if mat.is_cuda else (q.T @ mat.T).T.contiguous()
         p_avg = yield p
         _expect_like(p_avg, p, "P")
+        if not math.isfinite(float(p_avg.sum())):  # an overflow somewhere, or NaN/Inf input
+            p = mat @ _fit(q)[0]
+            p_avg = yield p
+            _expect_like(p_avg, p, "P")
         p = orthonormalize(p_avg, self.orthogonalize)
+        p_top = 1.0  # orthonormal columns: no entry above 1
         q = (p.T @ mat).T.contiguous()  # = mat.T @ p, but streams mat by rows: ~6x faster on CPU
         q_avg = yield q
         _expect_like(q_avg, q, "Q")
-        if bool(torch.isfinite(q_avg).all()):
+        finite = bool(torch.isfinite(q_avg).all())
+        if not finite:
+            small, lift = _fit(p)
+            q = (small.T @ mat).T.contiguous()
+            q_avg = yield q
+            _expect_like(q_avg, q, "Q")
+            p = p * lift  # P Q^T unchanged: Q came out smaller by exactly this factor
+            p_top = float(lift.amax())
+            finite = bool(torch.isfinite(q_avg).all())
+        if finite:
             replace(self._q, key)  # an open transaction may have to undo it
             self._q[key] = q_avg.detach().clone()
-        return p, q_avg
+        return p, q_avg, p_top
 
     def _start(self, key: str, m: int, r: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The warm-start ``Q`` of ``key``; zero columns (left by a zero gradient) are drawn anew,
@@ -130,14 +154,14 @@ class PowerSGD(Compressor):
         plan = self.plan(shape)  # the matrix view needs the original shape
         if plan is None:
             return [flat.clone()], {"dense": True}, None
-        p, q = _local(self._factors(flat.reshape(plan[0], plan[1]), key, plan[2]))
-        return [p, q], {"dense": False}, (p @ q.T).reshape(-1) if want_decoded else None
+        p, q, p_top = _local(self._factors(flat.reshape(plan[0], plan[1]), key, plan[2]))
+        return [p, q], {"dense": False}, _product(p, q, flat.dtype, None, p_top).reshape(-1) if want_decoded else None
 
     def _decompress(self, payload):
         if payload.meta["dense"]:
             return payload.tensors[0]
         p, q = payload.tensors
-        return (p @ q.T).reshape(-1)
+        return _product(p, q, payload.dtype).reshape(-1)
 
     def _wire_bytes(self, numel):
         """Estimate for a square matrix of ``numel`` elements in fp32 (the real size depends on
@@ -175,6 +199,43 @@ class PowerSGD(Compressor):
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         super().load_state_dict(state)
         self._q = {k: v.clone() for k, v in state.get("q", {}).items()}
+
+
+_HEADROOM = -24  # exponent of the l1 norm a repeated round gives each factor column
+
+
+def _fit(f: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(f / lift, lift)`` with ``lift`` a power of two per column that brings every column's
+    l1 norm to at most 2**-24: ``|M (f / lift)|`` then stays 2**24 below the largest ``|M|``."""
+    _, exp = torch.frexp(f.double().abs().sum(dim=0))  # l1 < 2**exp
+    lift = torch.ldexp(torch.ones_like(exp, dtype=f.dtype), exp - _HEADROOM)
+    return f / lift, lift
+
+
+def _product(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None,
+             p_top: Optional[float] = None) -> torch.Tensor:
+    """``P Q^T`` in the factors' dtype (into ``out`` if given); entries of finite factors beyond
+    ``dtype``'s largest finite value saturate to it. The bound ``r max|P| max|Q|`` on the
+    entries (``p_top``: max |P| when known) rules that out without a pass over the result,
+    except near that value."""
+    res = torch.mm(p, q.T, out=out)
+    top = torch.finfo(dtype).max
+    if not res.numel():
+        return res
+    bound = p.shape[1] * (_absmax(p) if p_top is None else p_top) * _absmax(q)
+    if bound * (1 + 2.0 ** -10) < top:  # the rounding of a rank-r dot product stays far below 2**-10
+        return res
+    if bool(torch.isfinite(p).all()) and bool(torch.isfinite(q).all()):
+        exact = torch.mm(p.double(), q.double().T) if p.dtype != torch.float64 else res
+        res.copy_(exact.clamp(-top, top))
+    return res
+
+
+def _absmax(t: torch.Tensor) -> float:
+    """``max |t|`` in one pass (NaN when ``t`` holds NaN)."""
+    lo, hi = torch.aminmax(t)
+    lo, hi = float(lo), float(hi)
+    return math.nan if math.isnan(lo) or math.isnan(hi) else max(hi, -lo)
 
 
 def _check_out(out: Optional[torch.Tensor], tensor: torch.Tensor) -> None:

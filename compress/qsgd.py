@@ -6,6 +6,13 @@ level ``l`` in ``[-s, s]``, rounded stochastically from ``x * s / norm`` so that
 one int8 per element, smaller ``s`` as ``l + s`` packed into 2 bits (``s = 1``) or 4 bits
 (``s <= 7``); ``s`` between 8 and 126 still costs 8 bits. The variance per bucket is at most
 ``min(d / s**2, sqrt(d) / s) * norm**2`` for ``d = bucket_size``.
+
+Levels count units of the step ``norm / s`` exactly as the receiver computes it, so the
+decoding is unbiased at every magnitude: where that step would be a float32 subnormal (norms
+below ``s * 2**-126``) the wire norm is rounded up until the step is at least ``norm / s``
+(never 0), and the levels are computed on the block scaled up exactly (see
+``kernels.quant.unit_multipliers``). A decoded value beyond the largest finite value of the
+gradient's dtype (fp16: within one step of 65504) saturates to it, never to inf.
 """
 from __future__ import annotations
 
@@ -14,8 +21,9 @@ import math
 import torch
 
 from gradcomp.kernels.bits import pack_codes, packed_nbytes, unpack_codes
-from gradcomp.kernels.quant import (bucket_norms, dequantize_levels, div_scalar, fp32_scales,
-                                   num_blocks, quantize_levels)
+from gradcomp.kernels.quant import (SMALLEST_NORMAL32, bucket_norms, clamp_blocks_, dequantize_levels,
+                                   div_scalar, fp32_ceil, fp32_scales, num_blocks, quantize_levels,
+                                   tiny_safe_div, unit_multipliers)
 
 from .base import Compressor, Option, expect, meta_int, positive_int, seed_option, tensor_spec, work_dtype
 from .registry import register
@@ -45,11 +53,10 @@ class QSGD(Compressor):
     def _compress(self, flat, key, step):
         x = flat.to(work_dtype(flat.dtype))
         s, bs = self.levels, self.bucket_size
-        norms = fp32_scales(x, bucket_norms(x, bs), bs)
-        norms_x = norms.to(x.dtype)
-        mult = torch.where(norms_x > 0, s / norms_x, torch.zeros_like(norms_x))
+        norms = _wire_norms(fp32_scales(x, bucket_norms(x, bs), bs, self.name, flat.dtype), s, x.dtype)
+        xs, mult = unit_multipliers(x, div_scalar(norms.to(x.dtype), s), bs)  # the receiver's step
         u = self._uniform(x.numel(), key, step, x.device)
-        levels = quantize_levels(x, mult, bs, s, u, overwrite_u=True)
+        levels = quantize_levels(xs, mult, bs, s, u, overwrite_u=True)
         bits = code_bits(s)
         if bits == 8:
             codes = levels  # one int8 per element is already packed
@@ -70,7 +77,12 @@ class QSGD(Compressor):
         else:
             levels = unpack_codes(codes[a * bits // 8:packed_nbytes(b, bits)], b - a, bits).view(torch.int8).sub_(s)
         wd = work_dtype(payload.dtype)
-        return dequantize_levels(levels, div_scalar(norms[a // bs:num_blocks(b, bs)].to(wd), s), bs, wd)
+        steps = div_scalar(norms[a // bs:num_blocks(b, bs)].to(wd), s)
+        out = dequantize_levels(levels, steps, bs, wd)
+        top = torch.finfo(payload.dtype).max
+        if wd == torch.float32 and steps.numel() and float(steps.amax()) * s > top:  # the top of the range only
+            clamp_blocks_(out, steps.double() * s, top, bs)
+        return out
 
     def _decompress_into(self, payload, out, alpha, accumulate):
         # runs of whole buckets that start on a byte of the packed codes
@@ -89,3 +101,16 @@ class QSGD(Compressor):
         tensor_spec(payload, [(torch.float32, num_blocks(n, bs)),
                               (torch.int8 if bits == 8 else torch.uint8, packed_nbytes(n, bits))], cls.name)
         expect(set(payload.meta) == {"levels", "bucket_size"}, cls.name, "meta must hold levels and bucket_size")
+
+
+def _wire_norms(norms: torch.Tensor, s: int, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 wire norms, raised where the float32 step ``norm / s`` would be subnormal:
+    to ``fp32_ceil(step * s)`` with ``step = norm / s`` rounded up, so the receiver's step (of
+    the raised norm, rounded once) is at least ``norm / s`` and ``|x| / step <= s`` holds."""
+    if work_dtype(dtype) != torch.float32:
+        return norms  # float64 steps of float32 norms are never subnormal
+    tiny = (norms > 0) & (norms < s * SMALLEST_NORMAL32)
+    if not bool(tiny.any()):
+        return norms
+    up = fp32_ceil(tiny_safe_div(norms, s).double() * s)
+    return torch.where(tiny, up, norms)

@@ -17,7 +17,11 @@ replacement, two elements of one stratum are never both chosen; that changes cov
 the per-element unbiasedness.
 
 Non-finite input cannot be carried by a random subset, so it poisons the payload: if the
-tensor holds NaN or Inf, every sent value is NaN.
+tensor holds NaN or Inf, every sent value is NaN. The rescale is computed in fp32 (fp64 for
+fp64) and decoded to the tensor's dtype; a kept value whose rescaled value that dtype cannot
+hold (fp16: ``|x| * numel / k >= 65520``, i.e. ``|x| > 655`` at ratio 0.01) makes decoding a
+``ValueError`` (the same on every rank, which decode the same averaged values), never an inf
+nor a silently clipped, biased value.
 """
 from __future__ import annotations
 
@@ -86,7 +90,7 @@ class RandomK(Compressor):
         if n and not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
             values.fill_(math.nan)
         meta = {"k": k, "seed": self.seed, "key": key, "step": step, "rescale": self.rescale}
-        decoded = _decode(idx, values, n, self.rescale) if want_decoded else None
+        decoded = _decode(idx, values, n, self.rescale, flat.dtype) if want_decoded else None
         return [values], meta, decoded
 
     def _decompress(self, payload):
@@ -94,13 +98,14 @@ class RandomK(Compressor):
         n = numel_of(payload)
         values = payload.tensors[0]
         idx = positions(n, m["k"], m["seed"], m["key"], m["step"], values.device)
-        return _decode(idx, values, n, m["rescale"])
+        return _decode(idx, values, n, m["rescale"], payload.dtype)
 
     def _decompress_into(self, payload, out, alpha, accumulate):
         m, n = payload.meta, payload.numel
         values = payload.tensors[0]
         idx = positions(n, m["k"], m["seed"], m["key"], m["step"], values.device)
-        scatter_into(out, idx, _scaled(values, n, idx.numel(), m["rescale"]), payload.dtype, alpha, accumulate)
+        scaled = _scaled(values, n, idx.numel(), m["rescale"], payload.dtype)
+        scatter_into(out, idx, scaled, payload.dtype, alpha, accumulate)
 
     def _wire_bytes(self, numel):
         return 4.0 * self._k(numel)
@@ -124,10 +129,20 @@ class RandomK(Compressor):
                f"values have shape {tuple(values.shape)}, expected ({k},)")
 
 
-def _decode(idx: torch.Tensor, values: torch.Tensor, numel: int, rescale: bool) -> torch.Tensor:
-    return densify(idx, _scaled(values, numel, idx.numel(), rescale), numel, work_dtype(values.dtype))
+def _decode(idx: torch.Tensor, values: torch.Tensor, numel: int, rescale: bool, dtype: torch.dtype) -> torch.Tensor:
+    return densify(idx, _scaled(values, numel, idx.numel(), rescale, dtype), numel, work_dtype(values.dtype))
 
 
-def _scaled(values: torch.Tensor, numel: int, k: int, rescale: bool) -> torch.Tensor:
+def _scaled(values: torch.Tensor, numel: int, k: int, rescale: bool, dtype: torch.dtype) -> torch.Tensor:
+    """The decoded values in the work dtype: ``values * numel / k`` with ``rescale``;
+    ``ValueError`` if one is finite but beyond what the gradient's ``dtype`` holds."""
     wd = work_dtype(values.dtype)
-    return values.to(wd) * (numel / k) if rescale and numel else values.to(wd)
+    if not (rescale and numel):
+        return values.to(wd)
+    scaled = values.to(wd) * (numel / k)
+    if bool(torch.isinf(scaled.to(dtype)).any()) and bool(torch.isfinite(values).all()):
+        top = torch.finfo(dtype).max
+        raise ValueError(f"randomk: a kept value times numel/k = {numel / k:.4g} exceeds the largest finite "
+                         f"{dtype} ({top:.6g}): with rescale=True |x| must stay below {top * k / numel:.4g} "
+                         f"for this tensor; use rescale=False, a larger ratio or a wider dtype")
+    return scaled

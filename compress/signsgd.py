@@ -29,7 +29,8 @@ class SignCompressor(Compressor):
 
     With one value ``v`` the decode is ``+v`` / ``-v``; with two it is ``values[0]`` where the
     bit is set and ``values[1]`` elsewhere. Subclasses choose the sums ``sign_pack`` computes
-    (``stats``) and turn them into the values (``_values``).
+    (``stats``) and turn them into the values (``_values``). Values of finite input are finite
+    (the sums are overflow-safe) or, beyond the fp32 wire's range, a ``ValueError``.
     """
 
     n_values: ClassVar[int] = 1
@@ -49,6 +50,9 @@ class SignCompressor(Compressor):
         bits, sums = sign_pack(x, "none" if nonfinite else self.stats)
         values = [math.nan] * self.n_values if nonfinite else self._values(x, sums, bits)
         wire = torch.tensor(values, dtype=torch.float32)
+        if not nonfinite and not bool(torch.isfinite(wire).all()) and bool(torch.isfinite(x).all()):
+            raise ValueError(f"{self.name}: a decode value of this {x.dtype} tensor exceeds the float32 range "
+                             f"of the wire (3.4e38); scale the tensor down")
         decoded = self._decode(bits, wire, flat.numel(), flat.dtype) if want_decoded else None
         return [bits, wire.to(flat.device)], {}, decoded
 

@@ -17,7 +17,7 @@ import torch
 
 from gradcomp.kernels.bits import pack_codes, packed_nbytes, unpack_codes
 from gradcomp.kernels.quant import (block_absmax, dequantize_levels, fp32_scales, num_blocks,
-                                   quantize_levels)
+                                   quantize_levels, unit_multipliers)
 
 from .base import Compressor, Option, expect, meta_int, seed_option, tensor_spec, work_dtype
 from .registry import register
@@ -54,11 +54,11 @@ class TernGrad(Compressor):
             limit = self.clip * x.std()
             if float(limit) != 0:  # a constant tensor is not clipped to zero; NaN propagates
                 scale = torch.minimum(scale, limit)
-        scale32 = fp32_scales(x, scale, bs)
-        scale_x = scale32.to(x.dtype)
-        mult = torch.where(scale_x > 0, 1.0 / scale_x, torch.zeros_like(scale_x))
+        scale32 = fp32_scales(x, scale, bs, self.name, flat.dtype)
+        # a subnormal scale has no finite float32 reciprocal: such blocks are scaled up exactly
+        xs, mult = unit_multipliers(x, scale32.to(x.dtype), bs)
         u = self._uniform(x.numel(), key, step, x.device)
-        levels = quantize_levels(x, mult, bs, 1, u, overwrite_u=True)  # clipped values saturate
+        levels = quantize_levels(xs, mult, bs, 1, u, overwrite_u=True)  # clipped values saturate
         codes = pack_codes(levels.add_(1).view(torch.uint8), 2)
         return [scale32, codes], {"bucket_size": self.bucket_size}
 

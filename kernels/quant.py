@@ -33,6 +33,8 @@ NATURAL_INF = 126  # magnitude field of +-inf
 NATURAL_NAN = 127  # magnitude field of NaN
 _CHUNK = 1 << 18  # elements per chunk on CPU: a chunk's fp32 temporaries fit in a 1-2 MiB L2 cache
 _POW2_STEP = {torch.float32: 100, torch.float64: 1000}  # largest safe exponent per multiply
+SMALLEST_NORMAL32 = 2.0 ** -126  # below it a float32 step is subnormal: few bits, no finite reciprocal
+_LIFT = 2.0 ** 64  # lifts every nonzero subnormal float32 step (>= 2**-149) into the normals
 
 
 def num_blocks(numel: int, block_size: int) -> int:
@@ -162,18 +164,67 @@ def fp32_ceil(t: torch.Tensor) -> torch.Tensor:
     return t32
 
 
-def fp32_scales(x: torch.Tensor, scales: torch.Tensor, block_size: int) -> torch.Tensor:
+def fp32_scales(x: torch.Tensor, scales: torch.Tensor, block_size: int, owner: str = "",
+                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Per-block ``scales`` of ``x`` as float32 for the wire, rounded up (:func:`fp32_ceil`).
 
-    ``ValueError`` if a block of finite values has a scale beyond the float32 range; a block
+    ``ValueError`` (naming ``owner``, the caller, and ``dtype``, the gradient's dtype, by
+    default ``x``'s) if a block of finite values has a scale beyond the float32 range; a block
     holding inf keeps its inf scale, which carries the inf to the receiver.
     """
     s32 = fp32_ceil(scales)
     inf = torch.isinf(s32)
     if bool(inf.any()) and bool((inf & torch.isfinite(block_absmax(x, block_size))).any()):
-        raise ValueError("a block's scale exceeds the float32 range of the wire (3.4e38); "
-                         "scale the tensor down")
+        raise ValueError(f"{owner + ': ' if owner else ''}a block's scale of this {dtype or x.dtype} tensor exceeds "
+                         f"the float32 range of the wire (3.4e38); scale the tensor down")
     return s32
+
+
+def tiny_safe_div(top: torch.Tensor, divisor: float) -> torch.Tensor:
+    """``top / divisor`` rounded once (:func:`div_scalar`), except that a float32 quotient
+    below the smallest normal (2**-126) is rounded up instead: a subnormal step keeps few
+    significant bits, and rounding it down (or to 0) would push ``|x| / step`` past
+    ``divisor`` for ``|x| <= top``. Other dtypes and quotients are rounded to nearest."""
+    q = div_scalar(top, divisor)
+    if q.dtype != torch.float32:
+        return q
+    tiny = (q < SMALLEST_NORMAL32) & (top > 0)
+    if bool(tiny.any()):
+        q = torch.where(tiny, fp32_ceil(top.double() / divisor), q)
+    return q
+
+
+def unit_multipliers(x: torch.Tensor, step: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(xs, mult)`` for :func:`quantize_levels` counting ``x`` in units of ``step`` (one
+    entry per block, ``x``'s dtype): ``mult = 1 / step`` (0 where the step is not > 0).
+
+    A float32 step below 2**-126 has no finite reciprocal (or none of full precision): such a
+    block and its step are first multiplied by 2**64, which is exact, so ``xs`` is a new
+    tensor with those blocks scaled; otherwise ``xs`` is ``x`` and no pass is spent.
+    """
+    mult = torch.where(step > 0, 1.0 / step, torch.zeros_like(step))
+    if x.dtype != torch.float32:
+        return x, mult
+    tiny = (step > 0) & (step < SMALLEST_NORMAL32)
+    if not bool(tiny.any()):
+        return x, mult
+    lift = torch.where(tiny, _LIFT, 1.0).to(x.dtype)
+    lifted = step * lift
+    mult = torch.where(step > 0, 1.0 / lifted, torch.zeros_like(step))
+    xs = torch.empty_like(x)
+    _broadcast_op(xs, lambda d, xb, fb: torch.mul(xb, fb, out=d), x, lift, block_size)
+    return xs, mult
+
+
+def clamp_blocks_(out: torch.Tensor, reach: torch.Tensor, limit: float, block_size: int) -> torch.Tensor:
+    """Saturate the decoded blocks of ``out`` whose ``reach`` (largest decodable magnitude,
+    one entry per block) is finite and above ``limit`` to ``[-limit, limit]``, in place; NaN
+    and the values of blocks with a non-finite reach stay as they are."""
+    over = torch.isfinite(reach) & (reach > limit)
+    if bool(over.any()):
+        bound = torch.where(over, limit, math.inf).to(out.dtype)
+        _broadcast_op(out, lambda d, _, b: torch.clamp_(d, -b, b), out, bound, block_size)
+    return out
 
 
 def div_scalar(t: torch.Tensor, v: float) -> torch.Tensor:
