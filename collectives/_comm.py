@@ -144,6 +144,17 @@ class Comm:
         self.record.bytes_recv += _nbytes(t)
         return t
 
+    def mean_(self, t: torch.Tensor, *, count: bool = True) -> torch.Tensor:
+        """Average ``t`` over the group in place, by gradcomp's one rule: scaled by ``1 / w``
+        before the sum, rounded as PyTorch rounds it — ``div_`` for 16-bit tensors (its
+        fp16/bf16 hooks; a sum can overflow 16 bits where the mean does not) and a
+        multiplication by ``1/w`` otherwise (DDP's reducer). So ``allreduce(t, "none")``, the
+        ``none`` hook and plain DDP give the same bits, for any world size."""
+        if self.size > 1 and t.numel():
+            scale_(t, self.size)
+            self.all_reduce_(t, count=count)
+        return t
+
     def exchange(self, values: List[int]) -> torch.Tensor:
         """All-gather a small int64 vector: ``(w, len(values))`` on the CPU."""
         row = torch.tensor(values, dtype=torch.int64, device=self.device)
@@ -163,6 +174,11 @@ class Comm:
         said = " ".join(str(exc).split())[:300]
         return (f"{self.op}: {what} failed on rank {self.rank} of a group of {self.size}: a peer died, "
                 f"did not answer {within}, or called a different collective (backend: {said})")
+
+
+def scale_(t: torch.Tensor, world: int) -> torch.Tensor:
+    """``t / world`` in place, rounded as PyTorch rounds it (see :meth:`Comm.mean_`)."""
+    return t.div_(world) if t.dtype in (torch.float16, torch.bfloat16) else t.mul_(1.0 / world)
 
 
 def _nbytes(t: torch.Tensor) -> int:

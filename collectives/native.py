@@ -1,14 +1,12 @@
 """``native``: allreduce the compressed representation itself.
 
 For compressors that declare ``native`` (fp16, bf16, shared-seed random-k): ``tensors[0]`` of
-every rank's payload is summed by the backend's allreduce and divided by the world size;
+every rank's payload is averaged by the backend's allreduce (``Comm.mean_``: the one rule,
+scaled before the sum as PyTorch does);
 everything else in the payload (metadata, index tensors) must be the same on every rank. The
 header compares a hash of the metadata on every call (``verify=True`` hashes the index tensors
 too), so ranks whose seeds or steps drifted apart get an error, not a wrong average.
 
-fp16 payloads are divided by the world size before the sum, since a sum can overflow fp16's
-65504 where the mean does not (as PyTorch's ``fp16_compress_hook``); other dtypes are divided
-after, which for fp32 makes ``none`` equal to a dense ``all_reduce`` mean bit for bit.
 """
 from __future__ import annotations
 
@@ -49,14 +47,7 @@ class Native(Algorithm):
         return _check_hash(payload, self.verify), []
 
     def run(self, table):
-        summed, w = self.summed, self.comm.size
-        if w > 1:
-            before = summed.dtype == torch.float16
-            if before:
-                summed.div_(w)
-            self.comm.all_reduce_(summed)
-            if not before:
-                summed.div_(w)
+        summed = self.comm.mean_(self.summed)
         p = self.payload
         with self.rec.timing("decompress"):
             # decoded into a numpy-backed buffer: no page-fault cost for a large tensor on CPU

@@ -1,8 +1,7 @@
 """``rounds``: drive a multi-round compressor (PowerSGD: allreduce P, orthonormalise,
 allreduce Q) through its ``rounds()`` generator.
 
-Every tensor it yields is averaged over the group (summed by the backend, divided by the
-world size: averaged, never summed) and sent back; its return value is the result, which is
+Every tensor it yields is averaged over the group (``Comm.mean_``: averaged, never summed) and sent back; its return value is the result, which is
 what error feedback keeps the difference to. Per-key state such as PowerSGD's warm start
 lives in the compressor. After each local step the ranks exchange a three-number status
 (next size, finished, failed), so a failure or a disagreement on one rank raises everywhere.
@@ -37,13 +36,7 @@ class Rounds(Algorithm):
         while self.y is not None:
             y = fresh(self.y.contiguous(), self.acc)
             self.payload_bytes += y.numel() * y.element_size()
-            if w > 1:
-                before = y.dtype == torch.float16  # a sum can overflow fp16 where the mean cannot
-                if before:
-                    y.div_(w)
-                comm.all_reduce_(y)
-                if not before:
-                    y.div_(w)
+            comm.mean_(y)
             with self.rec.timing("compress"):
                 self._step(y)
             status = comm.exchange([self._size(), int(self.error is not None)])

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import allreduce, allreduce_fused
-from gradcomp.collectives._comm import Comm
+from gradcomp.collectives._comm import Comm, scale_
 from gradcomp.collectives._telemetry import Record, commit, measure_error_default
 from gradcomp.compress import Compressor, Payload
 from gradcomp.compress.fp16 import CastCompressor
@@ -112,7 +112,7 @@ def exchange_hierarchical(items: Sequence[Item], hier: Any, owners: Sequence[int
                 continue
             flat = torch.cat([items[i][1].detach().reshape(-1) for i in mine])
             rec.dense_bytes += _nbytes(flat)
-            _scale_(flat, L)
+            scale_(flat, L)
             _backend(hier.intra, rec, f"reduce onto local rank {o}", lambda: dist.reduce(flat, group=hier.intra, group_dst=o))
             if o != hier.local_rank:
                 rec.bytes_sent += _nbytes(flat)
@@ -207,29 +207,15 @@ def _advance(i: int, gen: Generator, value: Optional[torch.Tensor], pending: Dic
 
 
 def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
-    """Average ``flat`` over the group in place, scaled before the sum (a sum can overflow
-    where the mean does not) exactly as PyTorch does it: ``div_`` for 16-bit tensors, like its
-    fp16/bf16 hooks, and a multiplication by ``1/w`` otherwise, like DDP's own reducer. So the
-    ``none`` and 16-bit cast hooks give the same bits as those, for any world size."""
-    if world == 1 or flat.numel() == 0:
-        return flat
-    _scale_(flat, world)
-    _backend(group, rec, "all_reduce of a bucket", lambda: dist.all_reduce(flat, group=group))
-    moved = _nbytes(flat) * 2 * (world - 1) // world  # what a ring allreduce moves per rank
-    rec.bytes_sent += moved
-    rec.bytes_recv += moved
-    return flat
+    """Average ``flat`` over the group in place by the collectives' one rule (``Comm.mean_``),
+    so the ``none`` and 16-bit cast hooks give the bits of DDP and of PyTorch's hooks."""
+    return flat if world == 1 else Comm(group, rec, "training exchange").mean_(flat)
 
 
 def _backend(group, rec: Record, what: str, call) -> Any:
     """Run one ``torch.distributed`` call: a backend failure (a dead peer, a timeout) becomes the
     collectives' ``CommunicationError`` naming this rank and the call; time counts as comm."""
     return Comm(group, rec, "training exchange")._run(what, call)
-
-
-def _scale_(flat: torch.Tensor, world: int) -> torch.Tensor:
-    """``flat / world`` in place, rounded as PyTorch rounds it (see :func:`_mean_`)."""
-    return flat.div_(world) if flat.dtype in (torch.float16, torch.bfloat16) else flat.mul_(1.0 / world)
 
 
 def _dense(grad: torch.Tensor) -> Generator:
