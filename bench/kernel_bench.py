@@ -6,7 +6,7 @@ device's measured copy bandwidth, and top-k against ``torch.topk``.
 prints a markdown table. GB/s counts the bytes a kernel reads plus the bytes it writes
 (every pass of a multi-pass kernel counted); "% copy" divides by the same figure for a
 device-to-device ``copy_`` of N fp32 elements. The torch column times the torch path of the
-same primitive on the same tensors (``_dispatch.torch_only()``). Targets: elementwise
+same primitive on the same tensors (``_launch.torch_only()``). Targets: elementwise
 compression kernels at >= 60% of copy; top-k of 1% at least 3x faster than ``torch.topk``.
 """
 from __future__ import annotations
@@ -21,7 +21,13 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
-from gradcomp.kernels import _cupy, _dispatch, rng, select
+from gradcomp.kernels import _cupy, _launch, bits, quant, rng, select, sign, sparse
+from gradcomp.kernels import _launch_bits as bits_k
+from gradcomp.kernels import _launch_quant as quant_k
+from gradcomp.kernels import _launch_rng as rng_k
+from gradcomp.kernels import _launch_select as select_k
+from gradcomp.kernels import _launch_sign as sign_k
+from gradcomp.kernels import _launch_sparse as sparse_k
 
 COPY_TARGET = 0.60  # elementwise kernels: fraction of the measured copy bandwidth
 TOPK_TARGET = 3.0  # speed-up of top-k (1%) over torch.topk
@@ -88,76 +94,62 @@ def run(numel: int, reps: int, device: Optional[torch.device] = None) -> List[st
         t_ms = None
         if ref is not None:
             try:
-                with _dispatch.torch_only():
+                with _launch.torch_only():
                     t_ms = time_ms(ref, max(3, reps // 4), warmup=1)
             except Exception as exc:
                 note = (note + f"; torch path failed: {type(exc).__name__}").strip("; ")
         rows.append(Row(name, nbytes, k_ms, t_ms, target, note))
 
-    from gradcomp.kernels import bits, quant, sign, sparse
-
     key = rng.stream_key(0, "bench", 1)
-    bench("uniform (Philox4x64)", 4 * n, lambda: _dispatch.uniform(n, key, dev), lambda: rng.uniform(n, key, dev),
+    bench("uniform (Philox4x64)", 4 * n, lambda: rng_k.launch_uniform(n, key, dev), lambda: rng.uniform(n, key, dev),
           False, "writes only; one Philox4x64-10 call per 8 numbers")
-    bench("sign_pack, sum |x|", 4 * n + n / 8, lambda: _dispatch.sign_pack(x, "abs"),
+    bench("sign_pack, sum |x|", 4 * n + n / 8, lambda: sign_k.launch_sign_pack(x, "abs"),
           lambda: sign.sign_pack(x, "abs"), True)
-    res = torch.zeros(n, device=dev)
-    bench("sign + error feedback (efsignsgd)", 20 * n + n / 8, lambda: _dispatch.sign_ef(x, res, "efsignsgd"),
-          lambda: _dispatch.sign_ef_torch(x, res, "efsignsgd"), True, "2 passes: x, residual read twice")
     packed = torch.randint(0, 256, ((n + 7) // 8,), device=dev, dtype=torch.uint8)
     out = torch.empty(n, device=dev)
-    bench("sign_unpack to fp32", n / 8 + 4 * n, lambda: _dispatch.sign_unpack(packed, n, 0.5, -0.5, out, False),
+    bench("sign_unpack to fp32", n / 8 + 4 * n, lambda: sign_k.launch_sign_unpack(packed, n, 0.5, -0.5, out, False),
           lambda: sign.sign_unpack(packed, n, 0.5, -0.5, out=out), True)
-    ranks = 8
-    rbits = torch.randint(0, 256, (ranks, (n + 7) // 8), device=dev, dtype=torch.uint8)
-    rvals = torch.rand(ranks, 1, device=dev)
-    bench(f"sign_unpack_sum, {ranks} ranks", ranks * n / 8 + 4 * n,
-          lambda: _dispatch.sign_unpack_sum(rbits, rvals, n, out, 1.0 / ranks),
-          lambda: _dispatch.sign_unpack_sum_torch(rbits, rvals, n, out, 1.0 / ranks), True)
     codes = torch.randint(0, 4, (n,), device=dev, dtype=torch.uint8)
-    bench("pack_codes 2-bit", n + n / 4, lambda: _dispatch.pack_codes(codes, 2), lambda: bits.pack_codes(codes, 2),
+    bench("pack_codes 2-bit", n + n / 4, lambda: bits_k.launch_pack_codes(codes, 2), lambda: bits.pack_codes(codes, 2),
           True)
-    p2 = _dispatch.pack_codes(codes, 2)
-    bench("unpack_codes 2-bit", n / 4 + n, lambda: _dispatch.unpack_codes(p2, n, 2),
+    p2 = bits_k.launch_pack_codes(codes, 2)
+    bench("unpack_codes 2-bit", n / 4 + n, lambda: bits_k.launch_unpack_codes(p2, n, 2),
           lambda: bits.unpack_codes(p2, n, 2), True)
-    bench("block_absmax (512)", 4 * n, lambda: _dispatch.block_absmax(x, 512), lambda: quant.block_absmax(x, 512),
+    bench("block_absmax (512)", 4 * n, lambda: quant_k.launch_block_absmax(x, 512), lambda: quant.block_absmax(x, 512),
           True)
-    bench("bucket_norms (512)", 4 * n, lambda: _dispatch.bucket_norms(x, 512), lambda: quant.bucket_norms(x, 512),
+    bench("bucket_norms (512)", 4 * n, lambda: quant_k.launch_bucket_norms(x, 512), lambda: quant.bucket_norms(x, 512),
           True)
     nb = -(-n // 512)
     mult = torch.full((nb,), 127 / 4.0, device=dev)
-    u = _dispatch.uniform(n, key, dev)
-    bench("quantize_levels (given draws)", 9 * n, lambda: _dispatch.quantize_levels(x, mult, 512, 127, u),
+    u = rng_k.launch_uniform(n, key, dev)
+    bench("quantize_levels (given draws)", 9 * n, lambda: quant_k.launch_quantize_levels(x, mult, 512, 127, u),
           lambda: quant.quantize_levels(x, mult, 512, 127, u), True)
-    bench("quantize_codes 8-bit, draws in-kernel", 5 * n, lambda: _dispatch.quantize_codes(x, mult, 512, 127, key, 8),
-          lambda: _dispatch.quantize_codes_torch(x, mult, 512, 127, key, 8), True, "Philox in registers")
-    bench("quantize_codes 4-bit, draws in-kernel", 4.5 * n, lambda: _dispatch.quantize_codes(x, mult, 512, 7, key, 4),
-          lambda: _dispatch.quantize_codes_torch(x, mult, 512, 7, key, 4), True, "Philox in registers")
-    q8 = _dispatch.quantize_codes(x, mult, 512, 127, None, 8)
+    q8 = quant_k.launch_quantize_levels(x, mult, 512, 127, None)
     scales = torch.rand(1, nb, device=dev)
     bench("dequantize int8 to fp32", n + 4 * n,
-          lambda: _dispatch.dequantize_sum(q8.view(1, -1), 8, 0, scales, 512, out),
+          lambda: quant_k.launch_dequantize_sum(q8.view(1, -1), 8, 0, scales, 512, out),
           lambda: quant.dequantize_levels(q8, scales[0], 512), True)
+    ranks = 8
     rcodes = torch.randint(0, 256, (ranks, (2 * n + 7) // 8), device=dev, dtype=torch.uint8)
     rscales = torch.rand(ranks, nb, device=dev)
     bench(f"dequantize_sum 2-bit, {ranks} ranks", ranks * n / 4 + 4 * n,
-          lambda: _dispatch.dequantize_sum(rcodes, 2, 1, rscales, 512, out, 1.0 / ranks),
-          lambda: _dispatch.dequantize_sum_torch(rcodes, 2, 1, rscales, 512, out, 1.0 / ranks), True)
+          lambda: quant_k.launch_dequantize_sum(rcodes, 2, 1, rscales, 512, out, 1.0 / ranks),
+          lambda: quant.dequantize_sum_reference(rcodes, 2, 1, rscales, 512, out, 1.0 / ranks), True)
     y = (x * 0.01).clamp_(-0.2, 0.2)
-    bench("natural_codes, draws in-kernel", 5 * n, lambda: _dispatch.natural_codes(y, None, key),
+    bench("natural_codes, draws in-kernel", 5 * n, lambda: quant_k.launch_natural_codes(y, None, key),
           lambda: quant.natural_codes(y, u), True, "torch column: with given draws")
-    ncodes = _dispatch.natural_codes(y, u)
+    ncodes = quant_k.launch_natural_codes(y, u)
     ntable = quant.natural_table(-3, torch.float32).reshape(1, 256).to(dev)
-    bench("natural_decode to fp32", 5 * n, lambda: _dispatch.natural_decode_sum(ncodes.view(1, -1), ntable, out),
+    bench("natural_decode to fp32", 5 * n, lambda: quant_k.launch_natural_decode_sum(ncodes.view(1, -1), ntable, out),
           lambda: quant.natural_decode(ncodes, -3), True)
     m = n // 100
     idx = torch.randint(0, n, (m,), device=dev)
     vals = torch.randn(m, device=dev)
     bench("scatter_add_checked, 1% random", 8 * m + 4 * m + 8 * m,
-          lambda: _dispatch.scatter_add_checked(out, idx, vals), lambda: sparse.scatter_add_checked(out, idx, vals),
-          False, "random access; includes the range read-back")
+          lambda: sparse_k.launch_scatter_add_checked(out, idx, vals),
+          lambda: sparse.scatter_add_checked(out, idx, vals), False, "random access; includes the range read-back")
     xa = x.abs()
-    bench("threshold_indices (~1%)", 4 * n + 8 * m, lambda: _dispatch.threshold_indices(xa, 2.576),
+    bench("threshold_indices (~1%)", 4 * n + 8 * m, lambda: select_k.launch_threshold_indices(xa, 2.576),
           lambda: select.threshold_indices(xa, 2.576), False, "includes the count read-back")
 
     lines += results_table(rows, copy_gbs)
@@ -193,7 +185,7 @@ def topk_section(xa: torch.Tensor, reps: int) -> List[str]:
              "| method | ms | vs gradcomp kernel |", "|---|---:|---:|"]
     results = {}
     for name, fn in (
-        ("gradcomp kernel (exact set, ascending indices)", lambda: _dispatch.topk_indices(xa, k)),
+        ("gradcomp kernel (exact set, ascending indices)", lambda: select_k.launch_topk_indices(xa, k)),
         ("torch.topk (sorted)", lambda: torch.topk(xa, k)),
         ("torch.topk (sorted=False)", lambda: torch.topk(xa, k, sorted=False)),
         ("gradcomp torch path (sampled threshold)", lambda: _torch_path_topk(xa, k)),
@@ -210,7 +202,7 @@ def topk_section(xa: torch.Tensor, reps: int) -> List[str]:
             lines.append(f"| {name} | {ms:.3f} | {ms / ours:.1f}x |" if ours else f"| {name} | {ms:.3f} | - |")
     same = None
     try:
-        got = _dispatch.topk_indices(xa, k)
+        got = select_k.launch_topk_indices(xa, k)
         same = torch.equal(xa[got].sort().values, torch.topk(xa, k).values.sort().values)
     except Exception:
         traceback.print_exc()
@@ -223,7 +215,7 @@ def topk_section(xa: torch.Tensor, reps: int) -> List[str]:
 
 
 def _torch_path_topk(xa: torch.Tensor, k: int) -> torch.Tensor:
-    with _dispatch.torch_only():
+    with _launch.torch_only():
         return select.topk_indices(xa, k)
 
 

@@ -2,8 +2,10 @@
 quantisation helpers.
 
 Each primitive has a vectorised torch (or numpy C routine) implementation that runs on any
-device and serves as the oracle for the CUDA kernels in ``kernels/cuda``. ``gradcomp.kernels``
-imports nothing else of gradcomp.
+device and serves as the oracle for the CUDA kernels in ``kernels/cuda``. On CUDA tensors a
+primitive calls the ``launch_<op>`` of its family's launcher module (``kernels/cuda/sign.cu``
+-> ``_launch_sign.py``; shared switch and geometry in ``_launch.py``, the torch <-> CuPy
+bridge in ``_cupy.py``). ``gradcomp.kernels`` imports nothing else of gradcomp.
 """
 from .bits import pack_bits, unpack_bits, pack_codes, unpack_codes, packed_nbytes
 from .rng import stream_key, uniform

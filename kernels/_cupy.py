@@ -14,6 +14,7 @@ NVRTC or a GPU :func:`available` is false.
 """
 from __future__ import annotations
 
+import ast
 import functools
 import hashlib
 import json
@@ -33,6 +34,13 @@ CUDA_DIR = Path(__file__).with_name("cuda")
 # results exactly.
 COMPILE_OPTIONS = ("--std=c++17", "--fmad=false", "--ftz=false", "--prec-div=true", "--prec-sqrt=true")
 _INCLUDE = re.compile(r'^[ \t]*#include[ \t]+"([^"]+)"[ \t]*$', re.M)
+# object-like macros (a function-like one has "(" right after its name) and enumerators
+_DEFINE = re.compile(r"^[ \t]*#define[ \t]+([A-Za-z_]\w*)[ \t]+(.+?)[ \t]*(?://.*)?$", re.M)
+_ENUM = re.compile(r"\benum\s+\w+\s*\{([^}]*)\}")
+_C_INT = re.compile(r"\b(0[xX][0-9a-fA-F]+|\d+)[uUlL]*\b")
+_C_OPS = {ast.Add: int.__add__, ast.Sub: int.__sub__, ast.Mult: int.__mul__, ast.Div: int.__floordiv__,
+          ast.FloorDiv: int.__floordiv__, ast.LShift: int.__lshift__, ast.RShift: int.__rshift__,
+          ast.BitOr: int.__or__, ast.BitAnd: int.__and__}
 # dtypes that DLPack consumers may not know: the kernels only need the bytes.
 _DLPACK_AS = {torch.bfloat16: torch.int16, torch.bool: torch.uint8}
 
@@ -46,8 +54,9 @@ def families() -> list:
 def source(family: str) -> str:
     """The source of ``kernels/cuda/<family>.cu`` with its local headers inlined (each once).
 
-    Inlining (rather than an include path) keeps CuPy's on-disk cache key exact: it hashes
-    the source text, so a changed header recompiles.
+    Inlining (rather than an include path) keeps the disk cache key exact: :func:`binary`
+    hashes this text (with the options, architecture and NVRTC version), so a changed header
+    recompiles.
     """
     path = CUDA_DIR / f"{family}.cu"
     if not path.is_file():
@@ -65,6 +74,53 @@ def source(family: str) -> str:
         return _INCLUDE.sub(include, text)
 
     return expand(path.read_text())
+
+
+@functools.lru_cache(maxsize=None)
+def constants(family: str) -> Dict[str, int]:
+    """The integer constants of ``kernels/cuda/<family>.cu`` and its headers: each ``#define``
+    whose value is an integer expression of numbers and earlier constants, and each enumerator
+    with an explicit value. The launchers take their block sizes, workspace layouts and mode
+    numbers from here, so the ``.cu`` file is the one place each is set."""
+    text = source(family)
+    found: Dict[str, int] = {}
+    pairs = [(m.start(), m.group(1), m.group(2)) for m in _DEFINE.finditer(text)]
+    for m in _ENUM.finditer(text):
+        offset = m.start(1)
+        for item in m.group(1).split(","):
+            name, eq, value = item.partition("=")
+            if eq:
+                pairs.append((offset, name.strip(), value))
+            offset += len(item) + 1
+    for _, name, value in sorted(pairs):
+        number = _c_int(value, found)
+        if number is not None:
+            found[name] = number
+    return found
+
+
+def _c_int(expr: str, known: Dict[str, int]) -> Optional[int]:
+    """The value of a C integer expression (numbers, known names, + - * / << >> | &), or None."""
+    try:
+        tree = ast.parse(_C_INT.sub(lambda m: str(int(m.group(1), 0)), expr.strip()), mode="eval").body
+    except SyntaxError:
+        return None
+
+    def value(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.Name) and node.id in known:
+            return known[node.id]
+        if isinstance(node, ast.BinOp) and type(node.op) in _C_OPS:
+            return _C_OPS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -value(node.operand)
+        raise ValueError(ast.dump(node))
+
+    try:
+        return value(tree)
+    except (ValueError, ZeroDivisionError):
+        return None
 
 
 @functools.lru_cache(maxsize=None)

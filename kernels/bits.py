@@ -2,7 +2,8 @@
 
 Element ``i`` of a ``b``-bit code stream lives in byte ``i * b // 8`` at bit offset
 ``(i * b) % 8``. The CPU path uses numpy's C routines (``packbits`` is ~50x faster than torch
-arithmetic); other devices use torch shifts. Both give the same bytes.
+arithmetic), CUDA tensors the kernels of ``kernels/cuda/bits.cu`` (``_launch_bits``), and other
+devices torch shifts (``*_reference``, also the kernels' oracle). All give the same bytes.
 """
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import sys
 import numpy as np
 import torch
 
-from . import _dispatch
+from ._launch import kernels_apply
+from ._launch_bits import KERNEL_BITS, launch_pack_codes, launch_unpack_codes
 
 _ALLOWED_BITS = (1, 2, 4, 8)
 # CPU packing of 2- and 4-bit codes by one integer multiply per word: the codes of a
@@ -32,7 +34,7 @@ def pack_bits(mask: torch.Tensor) -> torch.Tensor:
         flat = flat != 0
     if flat.device.type == "cpu":
         return torch.from_numpy(np.packbits(flat.numpy(), bitorder="little"))
-    return _pack_torch(flat.to(torch.uint8), 1)
+    return _pack_device(flat.to(torch.uint8), 1)
 
 
 def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
@@ -41,7 +43,7 @@ def unpack_bits(packed: torch.Tensor, numel: int) -> torch.Tensor:
     if packed.device.type == "cpu":
         bits = np.unpackbits(packed.numpy(), count=numel, bitorder="little")
         return torch.from_numpy(bits.view(np.bool_))
-    return _unpack_torch(packed, numel, 1).bool()
+    return _unpack_device(packed, numel, 1).bool()
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -55,7 +57,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return pack_bits(flat)
     if flat.device.type == "cpu" and _FAST_CPU:
         return torch.from_numpy(_pack_numpy(flat.contiguous().numpy(), bits))
-    return _pack_torch(flat, bits)
+    return _pack_device(flat, bits)
 
 
 def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
@@ -69,7 +71,7 @@ def unpack_codes(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
         return unpack_bits(packed, numel).to(torch.uint8)
     if packed.device.type == "cpu" and _FAST_CPU:
         return torch.from_numpy(_unpack_numpy(packed.numpy(), numel, bits))
-    return _unpack_torch(packed, numel, bits)
+    return _unpack_device(packed, numel, bits)
 
 
 def _check_packed(packed: torch.Tensor, numel: int, bits: int) -> None:
@@ -102,10 +104,22 @@ def _unpack_numpy(packed: np.ndarray, numel: int, bits: int) -> np.ndarray:
     return np.take(table.view(word).reshape(-1), packed).view(np.uint8)[:numel]
 
 
-def _pack_torch(flat: torch.Tensor, bits: int) -> torch.Tensor:
-    packed = _dispatch.cuda_pack_codes(flat, bits)
-    if packed is not None:
-        return packed
+def _pack_device(flat: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packing of flat uint8 codes off the fast CPU path: the kernel, else the reference."""
+    if kernels_apply(flat) and bits in KERNEL_BITS:
+        return launch_pack_codes(flat, bits)
+    return pack_codes_reference(flat, bits)
+
+
+def _unpack_device(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """Unpacking off the fast CPU path: the kernel, else the reference."""
+    if kernels_apply(packed) and bits in KERNEL_BITS:
+        return launch_unpack_codes(packed, numel, bits)
+    return unpack_codes_reference(packed, numel, bits)
+
+
+def pack_codes_reference(flat: torch.Tensor, bits: int) -> torch.Tensor:
+    """Reference of the packing of flat uint8 codes into ``bits``-bit fields, in torch shifts."""
     per_byte = 8 // bits
     n = flat.numel()
     pad = (-n) % per_byte
@@ -116,10 +130,8 @@ def _pack_torch(flat: torch.Tensor, bits: int) -> torch.Tensor:
     return (groups << shifts).sum(dim=1, dtype=torch.int32).to(torch.uint8)
 
 
-def _unpack_torch(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
-    codes = _dispatch.cuda_unpack_codes(packed, numel, bits)
-    if codes is not None:
-        return codes
+def unpack_codes_reference(packed: torch.Tensor, numel: int, bits: int) -> torch.Tensor:
+    """Reference of :func:`unpack_codes` (a checked size), in torch shifts."""
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.int32)
     mask = (1 << bits) - 1
     codes = (packed.to(torch.int32).unsqueeze(1) >> shifts) & mask

@@ -26,7 +26,10 @@ from typing import Callable, Iterator, Optional, Tuple
 import numpy as np
 import torch
 
-from . import _dispatch
+from ._launch import FLOAT_SUFFIX, kernels_apply
+from ._launch_quant import (launch_block_absmax, launch_bucket_norms, launch_dequantize_sum, launch_natural_codes,
+                            launch_natural_decode_sum, launch_quantize_levels)
+from .bits import unpack_codes
 
 NATURAL_TOP = 125  # natural codes: magnitudes 2**(m - 125 + E) for m in 1..125
 NATURAL_INF = 126  # magnitude field of +-inf
@@ -109,10 +112,8 @@ def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     """``max |x|`` of each block, in ``x``'s dtype; a block holding NaN gives NaN."""
     if x.numel() == 0:
         return x.new_empty(0)
-    if x.is_cuda:
-        out = _dispatch.cuda_block_absmax(x, block_size)
-        if out is not None:
-            return out
+    if kernels_apply(x) and x.dtype in FLOAT_SUFFIX:
+        return launch_block_absmax(x, block_size)
     # amax and amin read x without the |x| temporary; maximum() propagates NaN
     return _per_block(lambda b: torch.maximum(b.amax(dim=1), b.amin(dim=1).neg()), block_size, x)
 
@@ -127,10 +128,8 @@ def bucket_norms(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
     """
     if x.numel() == 0:
         return x.new_empty(0)
-    if x.is_cuda:
-        out = _dispatch.cuda_bucket_norms(x, bucket_size)
-        if out is not None:
-            return out
+    if kernels_apply(x) and x.dtype in FLOAT_SUFFIX:
+        return launch_bucket_norms(x, bucket_size)
     norms = _per_block(lambda b: torch.linalg.vector_norm(b, dim=1), bucket_size, x)
     suspect = (norms == 0) | torch.isinf(norms)
     if bool(suspect.any()):  # all-zero buckets are common; a second look is cheap
@@ -250,10 +249,9 @@ def quantize_levels(x: torch.Tensor, mult: torch.Tensor, block_size: int, levels
     """
     if not 1 <= levels <= 127:
         raise ValueError(f"levels must be in [1, 127] to fit int8, got {levels}")
-    if x.is_cuda:
-        out = _dispatch.cuda_quantize_levels(x, mult, block_size, levels, u)
-        if out is not None:
-            return out
+    tensors = (x, mult) if u is None else (x, mult, u)
+    if kernels_apply(*tensors) and all(t.dtype == torch.float32 for t in tensors):
+        return launch_quantize_levels(x, mult, block_size, levels, u).view(x.shape)
     q = torch.empty(x.shape, dtype=torch.int8, device=x.device)
     scratch = None
     for a, b, blk, cbs in _chunks(x.numel(), block_size, x.device):
@@ -276,14 +274,44 @@ def quantize_levels(x: torch.Tensor, mult: torch.Tensor, block_size: int, levels
 def dequantize_levels(q: torch.Tensor, scale: torch.Tensor, block_size: int,
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``q * scale[block]`` as a new tensor of ``dtype``: one rounding per element."""
-    if q.is_cuda:
-        res = _dispatch.cuda_dequantize_levels(q, scale, block_size, dtype)
-        if res is not None:
-            return res
     out = torch.empty(q.shape, dtype=dtype, device=q.device)
+    if (kernels_apply(q, scale) and dtype in FLOAT_SUFFIX and q.dtype == torch.int8
+            and scale.dtype in (torch.float32, torch.float64)):
+        launch_dequantize_sum(q.reshape(1, -1), 8, 0, scale.reshape(1, -1), block_size, out.reshape(-1))
+        return out
     out.copy_(q)  # no temporaries here, so chunks would not save anything
     _broadcast_op(out, lambda d, _, s: d.mul_(s), out, scale.to(dtype), block_size)
     return out
+
+
+def dequantize_sum_reference(codes: torch.Tensor, bits: int, offset: int, scales: torch.Tensor, block_size: int,
+                             out: torch.Tensor, weight: float = 1.0, accumulate: bool = False) -> torch.Tensor:
+    """Reference of the kernel behind :func:`dequantize_levels` in its general form, which
+    decodes many ranks' payloads into ``out``: ``weight * ((out if accumulate) + sum_r
+    level_r * scale_r[block])`` in fp32, rank order, rounded once to ``out``'s dtype.
+
+    ``codes[r]``: rank r's int8 levels (``bits=8``) or packed ``level + offset`` fields;
+    ``scales[r]``: its per-block scales. One rank, weight 1 and no accumulation give exactly
+    :func:`dequantize_levels`, the only form the library calls today.
+    """
+    n = out.numel()
+
+    def decode(r: int) -> torch.Tensor:
+        if bits == 8:
+            q = codes[r].view(torch.int8)
+        else:
+            q = unpack_codes(codes[r], n, bits).view(torch.int8).sub_(offset)
+        s = scales[r].to(out.dtype).to(torch.float32)  # each rank's scale rounded to out's dtype
+        return dequantize_levels(q, s, block_size, torch.float32)
+
+    acc = decode(0)  # the first rank's values as they are (a sum starting at +0 would lose -0)
+    for r in range(1, codes.shape[0]):
+        acc.add_(decode(r))
+    if accumulate:
+        acc = out.float().add_(acc)
+    if weight != 1.0:
+        acc.mul_(float(np.float32(weight)))  # the kernel's fp32 weight
+    return out.copy_(acc)
 
 
 # ---- natural (power-of-two) rounding ---------------------------------------------------------
@@ -337,10 +365,9 @@ def natural_codes(y: torch.Tensor, u: torch.Tensor, *, overwrite_u: bool = False
     """
     if y.dtype != torch.float32 or u.dtype != torch.float32 or u.shape != y.shape:
         raise ValueError("natural_codes expects float32 y and u of the same shape")
-    if y.is_cuda:
-        codes = _dispatch.cuda_natural_codes(y, u, out)
-        if codes is not None:
-            return codes
+    tensors = (y, u) if out is None else (y, u, out)
+    if kernels_apply(*tensors) and (out is None or out.is_contiguous()):
+        return launch_natural_codes(y, u, out=out)
     r = u if overwrite_u else u.clone()
     r.mul_(float(1 << 23))
     r = r.view(torch.int32).copy_(r)  # floor(u * 2**23), converted in place
@@ -397,5 +424,8 @@ def natural_decode(codes: torch.Tensor, exp: int, dtype: torch.dtype = torch.flo
     table = natural_table(exp, dtype, limit_dtype).to(codes.device)
     if codes.device.type == "cpu":
         return torch.from_numpy(np.take(table.numpy(), codes.numpy()))
-    out = _dispatch.cuda_natural_decode(codes, table, dtype)
-    return out if out is not None else table[codes.long()]
+    if kernels_apply(codes) and dtype in FLOAT_SUFFIX:
+        out = torch.empty(codes.numel(), dtype=dtype, device=codes.device)
+        tables = table.to(torch.float32).reshape(1, 256)
+        return launch_natural_decode_sum(codes.reshape(1, -1), tables, out).view(codes.shape)
+    return table[codes.long()]

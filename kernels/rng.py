@@ -6,7 +6,8 @@ derived from ``(seed, key, step)``, so two ranks with the same arguments draw id
 
 The stream is numpy's Philox4x64-10 with ``counter = 0`` and the derived key: uniform float32
 number ``j`` is ``(u32[j] >> 8) * 2**-24`` where ``u32`` are the 64-bit Philox outputs split
-low half first. The CUDA kernel (``kernels/cuda/rng.cu``) reproduces this stream bit for bit.
+low half first. The CUDA kernel (``kernels/cuda/rng.cu``, run for CUDA devices) reproduces this
+stream bit for bit.
 """
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import hashlib
 
 import numpy as np
 import torch
+
+from ._launch import device_applies  # CuPy itself is imported on the first CUDA call (_cupy)
+from ._launch_rng import launch_uniform
 
 
 def stream_key(seed: int, key: object, step: int) -> int:
@@ -25,12 +29,8 @@ def stream_key(seed: int, key: object, step: int) -> int:
 def uniform(numel: int, key128: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """``numel`` float32 numbers uniform in [0, 1) from the stream ``key128``."""
     device = torch.device(device)
-    if device.type == "cuda":
-        from . import _dispatch  # lazy: CuPy is optional
-
-        out = _dispatch.cuda_uniform(numel, key128, device)
-        if out is not None:
-            return out
+    if device_applies(device):
+        return launch_uniform(numel, key128, device)
     gen = np.random.Generator(np.random.Philox(key=key128))
     values = torch.from_numpy(gen.random(numel, dtype=np.float32))
     return values if device.type == "cpu" else values.to(device)

@@ -29,7 +29,8 @@ from typing import Optional
 import numpy as np
 import torch
 
-from . import _dispatch
+from ._launch import FLOAT_SUFFIX, kernels_apply
+from ._launch_select import launch_threshold_indices, launch_topk_indices
 
 _SAMPLE = 1 << 17  # strided sample size used when the caller gives none
 _SAMPLE_STRIDE = 16  # at least: a sample of at most 1/16 of the tensor
@@ -57,10 +58,8 @@ def topk_indices(x_abs: torch.Tensor, k: int, sample: Optional[torch.Tensor] = N
         return torch.empty(0, dtype=torch.int64, device=x_abs.device)
     if k == n:
         return torch.arange(n, device=x_abs.device)
-    if x_abs.is_cuda:
-        idx = _dispatch.cuda_topk_indices(x_abs, k)
-        if idx is not None:
-            return idx
+    if kernels_apply(x_abs) and x_abs.dtype in FLOAT_SUFFIX:
+        return launch_topk_indices(x_abs, k)
     return _topk(x_abs, k, sample, signed=False)
 
 
@@ -110,10 +109,8 @@ def threshold_indices(x: torch.Tensor, tau: float) -> torch.Tensor:
     """Indices (int64, ascending) of the elements of 1-D ``x`` with ``|x| >= tau``, and of NaN."""
     if x.dim() != 1:
         raise ValueError(f"threshold_indices expects a 1-D tensor, got shape {tuple(x.shape)}")
-    if x.is_cuda:
-        idx = _dispatch.cuda_threshold_indices(x, _round_up(float(tau), x.dtype, "cpu"))
-        if idx is not None:
-            return idx
+    if kernels_apply(x) and x.dtype in FLOAT_SUFFIX:
+        return launch_threshold_indices(x, float(_round_up(float(tau), x.dtype, torch.device("cpu"))))
     return _at_least(x, _round_up(float(tau), x.dtype, x.device), signed=True)
 
 

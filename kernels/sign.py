@@ -16,9 +16,9 @@ On CPU both run over cache-sized chunks with numpy's C routines, so the input is
 the output written once (each extra pass over 100 MB costs 20-60 ms). A chunk is summed in its
 own dtype (torch's pairwise sum; a float64 sum costs 10-20x more), the chunk sums are added in
 float64, and a chunk whose sum overflows is summed again in float64: a sum of finite values is
-finite whenever float64 holds it. The ``*_torch`` functions are the reference for other devices
-and for a CUDA kernel (sums in float64); the results agree bit for bit, the sums up to float
-rounding.
+finite whenever float64 holds it. On CUDA the kernels of ``kernels/cuda/sign.cu`` run
+(``_launch_sign``); the ``*_reference`` functions are what runs on other devices and the
+kernels' oracle (sums in float64); the results agree bit for bit, the sums up to float rounding.
 """
 from __future__ import annotations
 
@@ -28,7 +28,8 @@ from typing import Optional, Tuple
 import numpy as np
 import torch
 
-from . import _dispatch
+from ._launch import FLOAT_SUFFIX, kernels_apply
+from ._launch_sign import launch_count_set, launch_sign_pack, launch_sign_unpack
 from .bits import pack_bits, packed_nbytes, unpack_bits
 from .memory import empty
 
@@ -48,10 +49,11 @@ def sign_pack(x: torch.Tensor, stats: str = "none") -> Tuple[torch.Tensor, torch
         raise ValueError(f"stats={stats!r} is not allowed; use one of {STATS}")
     if x.dim() != 1 or not x.is_contiguous() or not x.is_floating_point():
         raise ValueError(f"sign_pack expects a 1-D contiguous float tensor, got {x.dtype} {tuple(x.shape)}")
-    if x.device.type != "cpu":
-        out = _dispatch.cuda_sign_pack(x, stats)
-        return out if out is not None else sign_pack_torch(x, stats)
-    return _pack_cpu(x, stats)
+    if x.device.type == "cpu":
+        return _pack_cpu(x, stats)
+    if kernels_apply(x) and x.dtype in FLOAT_SUFFIX:
+        return launch_sign_pack(x, stats)
+    return sign_pack_reference(x, stats)
 
 
 def sign_unpack(bits: torch.Tensor, numel: int, pos_value: float, neg_value: float, *,
@@ -73,26 +75,24 @@ def sign_unpack(bits: torch.Tensor, numel: int, pos_value: float, neg_value: flo
     elif out.dim() != 1 or not out.is_contiguous() or out.numel() != numel or not out.is_floating_point():
         raise ValueError(f"sign_unpack: out must be a 1-D contiguous float tensor of {numel} elements, "
                          f"got {out.dtype} {tuple(out.shape)}")
-    if bits.device.type != "cpu" or out.device.type != "cpu":
-        res = _dispatch.cuda_sign_unpack(bits, numel, pos_value, neg_value, out, accumulate)
-        if res is not None:
-            return res
-        return sign_unpack_torch(bits, numel, pos_value, neg_value, out=out, accumulate=accumulate)
-    return _unpack_cpu(bits, numel, float(pos_value), float(neg_value), out, accumulate)
+    if bits.device.type == "cpu" and out.device.type == "cpu":
+        return _unpack_cpu(bits, numel, float(pos_value), float(neg_value), out, accumulate)
+    if kernels_apply(bits, out) and out.dtype in FLOAT_SUFFIX:
+        return launch_sign_unpack(bits, numel, pos_value, neg_value, out, accumulate)
+    return sign_unpack_reference(bits, numel, pos_value, neg_value, out=out, accumulate=accumulate)
 
 
 def count_set(bits: torch.Tensor) -> int:
     """Number of set bits in a uint8 tensor (pad bits of :func:`sign_pack` are zero)."""
     if bits.device.type == "cpu":
         return int(np.bitwise_count(bits.numpy()).sum(dtype=np.int64))
-    n = _dispatch.cuda_count_set(bits)
-    if n is not None:
-        return n
+    if kernels_apply(bits):
+        return launch_count_set(bits)
     return int(unpack_bits(bits, bits.numel() * 8).sum())
 
 
 # ---- torch reference ---------------------------------------------------------------------
-def sign_pack_torch(x: torch.Tensor, stats: str = "none") -> Tuple[torch.Tensor, torch.Tensor]:
+def sign_pack_reference(x: torch.Tensor, stats: str = "none") -> Tuple[torch.Tensor, torch.Tensor]:
     """Reference of :func:`sign_pack` in plain torch ops (sums accumulated in float64)."""
     bits = pack_bits(x >= 0)
     xd = x.to(torch.float64)
@@ -107,8 +107,8 @@ def sign_pack_torch(x: torch.Tensor, stats: str = "none") -> Tuple[torch.Tensor,
     return bits, sums
 
 
-def sign_unpack_torch(bits: torch.Tensor, numel: int, pos_value: float, neg_value: float, *,
-                      out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
+def sign_unpack_reference(bits: torch.Tensor, numel: int, pos_value: float, neg_value: float, *,
+                          out: torch.Tensor, accumulate: bool = False) -> torch.Tensor:
     """Reference of :func:`sign_unpack` in plain torch ops."""
     mask = unpack_bits(bits, numel).to(out.device)
     values = torch.as_tensor([pos_value, neg_value], dtype=torch.float64).to(out.dtype).to(out.device)

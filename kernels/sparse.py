@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from . import _dispatch
+from ._launch import kernels_apply
+from ._launch_sparse import INDEX_SUFFIX, SCATTER_SUFFIX, launch_scatter_add_checked
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -41,10 +42,9 @@ def scatter_add_checked(out_flat: torch.Tensor, indices: torch.Tensor, values: t
     if values.dim() != 1 or values.numel() != indices.numel():
         raise ValueError(f"values must be 1-D with one value per index: {indices.numel()} indices, "
                          f"values of shape {tuple(values.shape)}")
-    if out_flat.is_cuda:
-        out = _dispatch.cuda_scatter_add_checked(out_flat, indices, values)
-        if out is not None:
-            return out
+    if (kernels_apply(out_flat, values) and out_flat.dtype in SCATTER_SUFFIX and out_flat.is_contiguous()
+            and indices.dtype in INDEX_SUFFIX and indices.dim() == 1):
+        return launch_scatter_add_checked(out_flat, indices, values)
     check_indices(indices, out_flat.numel())
     return out_flat.index_add_(0, indices.to(out_flat.device), values.to(out_flat.dtype))
 

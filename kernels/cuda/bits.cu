@@ -17,8 +17,8 @@ __device__ __forceinline__ u64 load_codes(const u8* p, int count, bool aligned) 
   return v;
 }
 
-extern "C" __global__ void __launch_bounds__(256) pack_codes(const u8* __restrict__ codes, i64 n, int bits,
-                                                             u8* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(BLOCK) pack_codes(const u8* __restrict__ codes, i64 n, int bits,
+                                                               u8* __restrict__ out) {
   const int per = 8 / bits;
   const i64 nbytes = (n * bits + 7) >> 3;
   const bool aligned = (reinterpret_cast<u64>(codes) & (u64)(per - 1)) == 0;
@@ -35,8 +35,8 @@ extern "C" __global__ void __launch_bounds__(256) pack_codes(const u8* __restric
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256) unpack_codes(const u8* __restrict__ packed, i64 n, int bits,
-                                                               u8* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(BLOCK) unpack_codes(const u8* __restrict__ packed, i64 n, int bits,
+                                                                 u8* __restrict__ out) {
   const int per = 8 / bits;
   const u32 mask = (1u << bits) - 1u;
   const i64 nbytes = (n * bits + 7) >> 3;

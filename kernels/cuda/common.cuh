@@ -5,6 +5,10 @@
 #ifndef GRADCOMP_COMMON_CUH
 #define GRADCOMP_COMMON_CUH
 
+// Threads per block of every kernel (but the one-block kernels of select.cu): each declares
+// it in __launch_bounds__, and the launchers (kernels/_launch_*.py) read it from here.
+#define BLOCK 256
+
 typedef long long i64;
 typedef unsigned long long u64;
 typedef unsigned int u32;

@@ -1,13 +1,13 @@
 // Quantisation (reference: gradcomp/kernels/quant.py and bits.py): per-block absmax and
-// sums of squares, integer levels with stochastic or nearest rounding (uniform draws read
-// from memory or made in the kernel from the Philox stream of gradcomp.kernels.rng, then
-// packed to 2/4/8-bit codes), natural (power-of-two) codes, and decoding of many ranks'
-// payloads into one output.
+// sums of squares, int8 levels with stochastic (uniform draws read from memory) or nearest
+// rounding, natural (power-of-two) codes (draws read from memory or made in the kernel from
+// the Philox stream of gradcomp.kernels.rng), and decoding of many ranks' payloads (int8
+// levels or 2/4-bit codes) into one output.
 //
 // The rounding follows quant.py exactly: levels are clamp(floor(fma(x, mult_b, u)), -L, L)
 // (stochastic) or clamp(rint(x * mult_b), -L, L); a natural code adds floor(u * 2**23) to
 // the bits of y and keeps sign and exponent field. Element i of a b-bit code stream is in
-// byte i*b/8 at bit (i*b)%8; a thread that handles 8 elements writes exactly b bytes.
+// byte i*b/8 at bit (i*b)%8; a thread that handles 8 elements reads exactly b bytes.
 #include "philox.cuh"
 
 #define SEGMENT 1024  // elements a warp reduces at most (a block longer is split in segments)
@@ -98,9 +98,9 @@ __device__ __forceinline__ void levels8(const float* __restrict__ x, const float
 }
 
 // Levels as int8 from given uniforms u (or nearest rounding): quant.quantize_levels.
-extern "C" __global__ void __launch_bounds__(256) quantize_levels(const float* __restrict__ x, const float* __restrict__ mult,
-                                                                  i64 n, i64 bs, int levels, const float* __restrict__ u,
-                                                                  int stochastic, i8* __restrict__ q) {
+extern "C" __global__ void __launch_bounds__(BLOCK) quantize_levels(const float* __restrict__ x, const float* __restrict__ mult,
+                                                                    i64 n, i64 bs, int levels, const float* __restrict__ u,
+                                                                    int stochastic, i8* __restrict__ q) {
   const i64 groups = (n + 7) >> 3;
   const bool vec = aligned16(x) && aligned16(u);
   for (i64 g = thread_index(); g < groups; g += thread_count()) {
@@ -120,39 +120,10 @@ extern "C" __global__ void __launch_bounds__(256) quantize_levels(const float* _
   }
 }
 
-// Levels with uniforms made here from the stream (k0, k1) (number i for element i), packed:
-// bits 8 -> the int8 level; bits 2 or 4 -> level + levels in b-bit fields, so a group's
-// codes are exactly `bits` bytes.
-extern "C" __global__ void __launch_bounds__(256) quantize_codes(const float* __restrict__ x, const float* __restrict__ mult,
-                                                                 i64 n, i64 bs, int levels, u64 k0, u64 k1, int stochastic,
-                                                                 int bits, u8* __restrict__ out) {
-  const i64 groups = (n + 7) >> 3, nbytes = (n * bits + 7) >> 3;
-  const bool vec = aligned16(x);
-  for (i64 g = thread_index(); g < groups; g += thread_count()) {
-    float u[8];
-    if (stochastic) uniform8((u64)g, k0, k1, u);
-    int l[8];
-    levels8(x, mult, g, n, bs, levels, u, stochastic, vec, l);
-    u64 packed = 0;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      if ((g << 3) + j < n) packed |= (bits == 8 ? (u64)(u8)(i8)l[j] : (u64)(l[j] + levels)) << (j * bits);
-    }
-    const i64 first = g * bits;  // this group's first byte; out is a fresh (aligned) allocation
-    if (first + bits <= nbytes) {
-      if (bits == 8) *reinterpret_cast<u64*>(out + first) = packed;
-      else if (bits == 4) *reinterpret_cast<u32*>(out + first) = (u32)packed;
-      else *reinterpret_cast<u16*>(out + first) = (u16)packed;
-    } else {
-      for (int j = 0; first + j < nbytes; ++j) out[first + j] = (u8)(packed >> (8 * j));
-    }
-  }
-}
-
 // Natural codes sign << 7 | field of fp32 y rounded to a power of two (quant.natural_codes),
 // with uniforms from memory (keyed == 0) or from the stream (k0, k1).
-extern "C" __global__ void __launch_bounds__(256) natural_codes(const float* __restrict__ y, const float* __restrict__ u,
-                                                                i64 n, u64 k0, u64 k1, int keyed, u8* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(BLOCK) natural_codes(const float* __restrict__ y, const float* __restrict__ u,
+                                                                  i64 n, u64 k0, u64 k1, int keyed, u8* __restrict__ out) {
   const i64 groups = (n + 7) >> 3;
   const bool vec = aligned16(y) && (keyed || aligned16(u));
   for (i64 g = thread_index(); g < groups; g += thread_count()) {
@@ -277,23 +248,23 @@ __device__ void natural_decode_impl(const u8* __restrict__ codes, i64 n, int row
 }
 
 #define QUANT_KERNELS(T, S)                                                                                  \
-  extern "C" __global__ void __launch_bounds__(256) block_absmax_##S(const T* __restrict__ x, i64 n, i64 bs,  \
-                                                                     i64 spb, i64 nseg, u32* __restrict__ p) { \
+  extern "C" __global__ void __launch_bounds__(BLOCK) block_absmax_##S(const T* __restrict__ x, i64 n, i64 bs,  \
+                                                                       i64 spb, i64 nseg, u32* __restrict__ p) { \
     absmax_impl<T>(x, n, bs, spb, nseg, p);                                                                  \
   }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) block_sumsq_##S(const T* __restrict__ x, i64 n, i64 bs,   \
-                                                                    i64 spb, i64 nseg,                       \
-                                                                    double* __restrict__ p) {                \
+  extern "C" __global__ void __launch_bounds__(BLOCK) block_sumsq_##S(const T* __restrict__ x, i64 n, i64 bs, \
+                                                                      i64 spb, i64 nseg,                     \
+                                                                      double* __restrict__ p) {              \
     sumsq_impl<T>(x, n, bs, spb, nseg, p);                                                                   \
   }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) dequantize_sum_##S(                                       \
+  extern "C" __global__ void __launch_bounds__(BLOCK) dequantize_sum_##S(                                     \
       const u8* __restrict__ codes, i64 row_bytes, int rows, int bits, int offset,                           \
       const float* __restrict__ scales, i64 row_scales, i64 bs, i64 n, T* __restrict__ out, float weight,    \
       int accumulate) {                                                                                      \
     dequantize_impl<T>(codes, row_bytes, rows, bits, offset, scales, row_scales, bs, n, out, weight,         \
                        accumulate);                                                                          \
   }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) natural_decode_sum_##S(                                  \
+  extern "C" __global__ void __launch_bounds__(BLOCK) natural_decode_sum_##S(                                \
       const u8* __restrict__ codes, i64 n, int rows, const float* __restrict__ tables, T* __restrict__ out,  \
       float weight, int accumulate) {                                                                        \
     natural_decode_impl<T>(codes, n, rows, tables, out, weight, accumulate);                                 \

@@ -2,7 +2,7 @@
 // Philox4x64-10, bit for bit). Each thread makes one Philox block: 8 consecutive numbers.
 #include "philox.cuh"
 
-extern "C" __global__ void __launch_bounds__(256) philox_uniform(float* __restrict__ out, i64 n, u64 k0, u64 k1) {
+extern "C" __global__ void __launch_bounds__(BLOCK) philox_uniform(float* __restrict__ out, i64 n, u64 k0, u64 k1) {
   i64 blocks = (n + 7) >> 3;
   for (i64 b = thread_index(); b < blocks; b += thread_count()) {
     float u[8];

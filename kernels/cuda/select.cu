@@ -34,9 +34,10 @@
 #define NBINS 2048
 #define WS_COUNTS (WS_HIST + 3 * NBINS)  // sure and tie bit counts of each chunk
 #define SAMPLE 8192    // sample size of topk_sample (keys kept in shared memory)
-#define CHUNK_WORDS 2048  // bitmap words per block of topk_count / topk_write (256 x 8)
+#define CHUNK_WORDS 2048  // bitmap words per block of topk_count / topk_write (BLOCK x 8)
 #define PASS_WORDS 8   // words a warp handles per step of topk_pass
 #define HIST_MIN 16384  // fewest keys a block of topk_hist histograms
+#define WIDE_BLOCK 1024  // threads of the one-block kernels topk_sample and topk_scan
 
 __device__ __forceinline__ u32 key_of(float v) {
   u32 b = __float_as_uint(v);
@@ -287,28 +288,28 @@ __device__ void threshold_impl(const T* __restrict__ x, i64 n, float t, u32* __r
 }
 
 #define SELECT_KERNELS(T, S)                                                                                    \
-  extern "C" __global__ void __launch_bounds__(1024) topk_sample_##S(const T* __restrict__ x, i64 n, i64 r_hi,  \
-                                                                     i64 r_lo, i64* __restrict__ ws) {          \
+  extern "C" __global__ void __launch_bounds__(WIDE_BLOCK) topk_sample_##S(const T* __restrict__ x, i64 n, i64 r_hi,  \
+                                                                           i64 r_lo, i64* __restrict__ ws) {    \
     sample_impl<T>(x, n, r_hi, r_lo, ws);                                                                       \
   }                                                                                                             \
-  extern "C" __global__ void __launch_bounds__(256) topk_pass_##S(const T* __restrict__ x, i64 n,               \
-                                                                  i64* __restrict__ ws, u32* __restrict__ bm,   \
-                                                                  i64 words, i64* __restrict__ cidx,            \
-                                                                  u32* __restrict__ ckey, i64 cw) {             \
+  extern "C" __global__ void __launch_bounds__(BLOCK) topk_pass_##S(const T* __restrict__ x, i64 n,             \
+                                                                    i64* __restrict__ ws, u32* __restrict__ bm, \
+                                                                    i64 words, i64* __restrict__ cidx,          \
+                                                                    u32* __restrict__ ckey, i64 cw) {           \
     pass_impl<T>(x, n, ws, bm, words, cidx, ckey, cw);                                                          \
   }                                                                                                             \
-  extern "C" __global__ void __launch_bounds__(256) topk_hist_##S(const T* __restrict__ x, i64 n,               \
-                                                                  i64* __restrict__ ws, i64 k, i64 cw,          \
-                                                                  const u32* __restrict__ ckey, int round) {    \
+  extern "C" __global__ void __launch_bounds__(BLOCK) topk_hist_##S(const T* __restrict__ x, i64 n,             \
+                                                                    i64* __restrict__ ws, i64 k, i64 cw,        \
+                                                                    const u32* __restrict__ ckey, int round) {  \
     hist_impl<T>(x, n, ws, k, cw, ckey, round);                                                                 \
   }                                                                                                             \
-  extern "C" __global__ void __launch_bounds__(256) topk_mark_##S(                                              \
+  extern "C" __global__ void __launch_bounds__(BLOCK) topk_mark_##S(                                            \
       const T* __restrict__ x, i64 n, i64* __restrict__ ws, i64 k, i64 cw, const i64* __restrict__ cidx,        \
       const u32* __restrict__ ckey, u32* __restrict__ bm, i64 words) {                                          \
     mark_impl<T>(x, n, ws, k, cw, cidx, ckey, bm, words);                                                       \
   }                                                                                                             \
-  extern "C" __global__ void __launch_bounds__(256) threshold_mark_##S(const T* __restrict__ x, i64 n, float t, \
-                                                                       u32* __restrict__ bm, i64 words) {       \
+  extern "C" __global__ void __launch_bounds__(BLOCK) threshold_mark_##S(const T* __restrict__ x, i64 n, float t, \
+                                                                         u32* __restrict__ bm, i64 words) {     \
     threshold_impl<T>(x, n, t, bm, words);                                                                      \
   }
 
@@ -317,11 +318,11 @@ SELECT_KERNELS(f16, f16)
 SELECT_KERNELS(bf16, bf16)
 
 // Set bits of the sure and tie bitmaps in each chunk of CHUNK_WORDS words.
-extern "C" __global__ void __launch_bounds__(256) topk_count(const u32* __restrict__ bm, i64 words, i64* __restrict__ ws) {
+extern "C" __global__ void __launch_bounds__(BLOCK) topk_count(const u32* __restrict__ bm, i64 words, i64* __restrict__ ws) {
   __shared__ i64 scratch[32];
-  const i64 w0 = (i64)blockIdx.x * CHUNK_WORDS + (i64)threadIdx.x * (CHUNK_WORDS / 256);
+  const i64 w0 = (i64)blockIdx.x * CHUNK_WORDS + (i64)threadIdx.x * (CHUNK_WORDS / BLOCK);
   i64 s = 0, t = 0;
-  for (int j = 0; j < CHUNK_WORDS / 256; ++j) {
+  for (int j = 0; j < CHUNK_WORDS / BLOCK; ++j) {
     i64 w = w0 + j;
     if (w < words) {
       s += __popc(bm[w]);
@@ -337,7 +338,7 @@ extern "C" __global__ void __launch_bounds__(256) topk_count(const u32* __restri
 }
 
 // Exclusive prefix sums of the chunk counts, in place (one block; the total is appended).
-extern "C" __global__ void __launch_bounds__(1024) topk_scan(i64* __restrict__ ws, i64 chunks) {
+extern "C" __global__ void __launch_bounds__(WIDE_BLOCK) topk_scan(i64* __restrict__ ws, i64 chunks) {
   __shared__ i64 scratch[33];
   i64* c = ws + WS_COUNTS;
   i64 carry_s = 0, carry_t = 0;
@@ -358,16 +359,16 @@ extern "C" __global__ void __launch_bounds__(1024) topk_scan(i64* __restrict__ w
 
 // Ascending indices of the sure bits and of the first `need` tie bits (need: ws[WS_NEED],
 // or all tie bits when need < 0). Writes at most k indices.
-extern "C" __global__ void __launch_bounds__(256) topk_write(const u32* __restrict__ bm, i64 words,
-                                                             const i64* __restrict__ ws, i64 use_need, i64 k,
-                                                             i64* __restrict__ out) {
+extern "C" __global__ void __launch_bounds__(BLOCK) topk_write(const u32* __restrict__ bm, i64 words,
+                                                               const i64* __restrict__ ws, i64 use_need, i64 k,
+                                                               i64* __restrict__ out) {
   __shared__ i64 scratch[33];
   const i64 need = use_need ? ws[WS_NEED] : 0x7fffffffffffffffll;
   const i64 sure_before = ws[WS_COUNTS + 2 * (i64)blockIdx.x];
   const i64 tie_before = ws[WS_COUNTS + 2 * (i64)blockIdx.x + 1];
-  const int per = CHUNK_WORDS / 256;
+  const int per = CHUNK_WORDS / BLOCK;
   const i64 w0 = (i64)blockIdx.x * CHUNK_WORDS + (i64)threadIdx.x * per;
-  u32 s[CHUNK_WORDS / 256], t[CHUNK_WORDS / 256];
+  u32 s[CHUNK_WORDS / BLOCK], t[CHUNK_WORDS / BLOCK];
   i64 ns = 0, nt = 0;
   for (int j = 0; j < per; ++j) {
     i64 w = w0 + j;

@@ -1,6 +1,5 @@
 // Sign compression (reference: gradcomp/kernels/sign.py): pack the bits x >= 0 with the sums
-// a compressor needs, decode bits to two values (optionally adding into an output and
-// summing many ranks' payloads), and the error-feedback form that also updates the residual.
+// a compressor needs, and decode bits to two values (optionally adding into an output).
 //
 // Bit i lives in byte i/8 at bit i%8; a warp packs 32 consecutive elements into one 32-bit
 // word with __ballot_sync (lane j -> bit j, little-endian bytes). Sums are accumulated in
@@ -9,11 +8,10 @@
 // on scheduling. Zero counts as positive and NaN as negative, as in the reference.
 #include "common.cuh"
 
-#define NSUMS 4  // per block: s0, s1, count of x >= 0, count of non-finite x
+#define NSUMS 2  // partial sums per block: s0, s1
 #define WORDS_PER_STEP 4  // 32-bit words a warp packs per loop step: 4 loads in flight per lane
 
 enum Stats { STATS_NONE = 0, STATS_SUM = 1, STATS_ABS = 2, STATS_SPLIT = 3 };
-enum EfMode { EF_SIGNSGD = 0, EF_EFSIGNSGD = 1, EF_ONEBIT = 2 };
 
 __device__ __forceinline__ void store_word(u8* bits, i64 nbytes, i64 w, u32 word) {
   i64 byte = w << 2;
@@ -24,17 +22,12 @@ __device__ __forceinline__ void store_word(u8* bits, i64 nbytes, i64 w, u32 word
   }
 }
 
-// What error feedback sends for the accumulated acc = x + residual (fp32): acc rounded to
-// x's dtype, as ErrorFeedback casts it before compressing. The rounding can turn a tiny
-// negative into -0 (bit set) or a large value into inf, so bits and sums use this value.
-template <class T> __device__ __forceinline__ float sent(float acc) { return to_f32(from_f32<T>(acc)); }
-
-// x (+ residual when EF) -> bits and per-block partial sums (NSUMS doubles per block).
-template <class T, bool EF>
-__device__ void pack_impl(const T* __restrict__ x, const float* __restrict__ res, i64 n, u8* __restrict__ bits,
-                          double* __restrict__ partial, int stats) {
+// x -> bits and per-block partial sums (NSUMS doubles per block).
+template <class T>
+__device__ void pack_impl(const T* __restrict__ x, i64 n, u8* __restrict__ bits, double* __restrict__ partial,
+                          int stats) {
   __shared__ double scratch[32];
-  double s0 = 0.0, s1 = 0.0, npos = 0.0, nbad = 0.0;
+  double s0 = 0.0, s1 = 0.0;
   const i64 words = (n + 31) >> 5, nbytes = (n + 7) >> 3;
   const u32 lane = lane_id();
   const i64 nwarps = thread_count() >> 5;
@@ -44,7 +37,7 @@ __device__ void pack_impl(const T* __restrict__ x, const float* __restrict__ res
     for (int u = 0; u < WORDS_PER_STEP; ++u) {
       i64 i = ((w0 + u) << 5) + lane;
       v[u] = 0.0f;
-      if (i < n) v[u] = EF ? sent<T>(to_f32(x[i]) + res[i]) : to_f32(x[i]);
+      if (i < n) v[u] = to_f32(x[i]);
     }
     u32 mine = 0;
 #pragma unroll
@@ -60,24 +53,16 @@ __device__ void pack_impl(const T* __restrict__ x, const float* __restrict__ res
           s0 += d < 0.0 ? 0.0 : d;  // clamp(min=0) and clamp(max=0) keep NaN
           s1 += d > 0.0 ? 0.0 : d;
         }
-        if (EF) {
-          npos += v[u] >= 0.0f ? 1.0 : 0.0;
-          nbad += is_finite(v[u]) ? 0.0 : 1.0;
-        }
       }
     }
     if (lane < WORDS_PER_STEP && w0 + lane < words) store_word(bits, nbytes, w0 + lane, mine);
   }
   s0 = block_sum(s0, scratch);
   s1 = block_sum(s1, scratch);
-  npos = block_sum(npos, scratch);
-  nbad = block_sum(nbad, scratch);
   if (threadIdx.x == 0) {
     double* p = partial + (i64)blockIdx.x * NSUMS;
     p[0] = s0;
     p[1] = s1;
-    p[2] = npos;
-    p[3] = nbad;
   }
 }
 
@@ -92,49 +77,12 @@ __device__ void reduce_partials(const double* __restrict__ partial, int nparts, 
   }
 }
 
-extern "C" __global__ void __launch_bounds__(256) sign_reduce(const double* __restrict__ partial, int nparts,
-                                                              double* __restrict__ sums, int nsums) {
+extern "C" __global__ void __launch_bounds__(BLOCK) sign_reduce(const double* __restrict__ partial, int nparts,
+                                                                double* __restrict__ sums, int nsums) {
   double tot[NSUMS];
   reduce_partials(partial, nparts, tot);
   if (threadIdx.x == 0)
     for (int j = 0; j < nsums; ++j) sums[j] = tot[j];
-}
-
-// EF update: decode values from the sums (the compressor's rule), the wire values (block 0),
-// then residual = (x + residual) - decoded, with the decoded value in x's dtype (the
-// compressor decodes in the dtype it was given).
-template <class T>
-__device__ void ef_update_impl(const T* __restrict__ x, float* __restrict__ res, i64 n,
-                               const double* __restrict__ partial, int nparts, int mode, float* __restrict__ values) {
-  __shared__ float dec[2];
-  double tot[NSUMS];
-  reduce_partials(partial, nparts, tot);
-  if (threadIdx.x == 0) {
-    float pos, neg;
-    if (mode == EF_SIGNSGD) {
-      pos = tot[3] > 0.0 ? __uint_as_float(0x7fc00000u) : 1.0f;  // NaN/Inf in x: decode to NaN
-      neg = -pos;
-    } else if (mode == EF_EFSIGNSGD) {
-      pos = __double2float_rn(tot[0] / (double)n);
-      neg = -pos;
-    } else {
-      double npos = tot[2], nneg = (double)n - npos;
-      pos = npos > 0.0 ? __double2float_rn(tot[0] / npos) : 0.0f;
-      neg = nneg > 0.0 ? __double2float_rn(tot[1] / nneg) : 0.0f;
-    }
-    if (blockIdx.x == 0) {
-      values[0] = pos;
-      if (mode == EF_ONEBIT) values[1] = neg;
-    }
-    dec[0] = to_f32(from_f32<T>(pos));
-    dec[1] = to_f32(from_f32<T>(neg));
-  }
-  __syncthreads();
-  const float dp = dec[0], dn = dec[1];
-  for (i64 i = thread_index(); i < n; i += thread_count()) {
-    float acc = to_f32(x[i]) + res[i];
-    res[i] = acc - (sent<T>(acc) >= 0.0f ? dp : dn);
-  }
 }
 
 // bits -> pos/neg per element, written or added (in fp32, rounded once) into out. A thread
@@ -157,57 +105,15 @@ __device__ void unpack_impl(const u8* __restrict__ bits, i64 n, T* __restrict__ 
   }
 }
 
-// Many ranks' payloads at once: out = (out if accumulate else 0) + sum_r decode_r, times
-// weight; fp32 sums in rank order, one rounding to out's dtype. values: rows x nvalues fp32
-// (nvalues 1: +-v; 2: set / clear values). Reads each payload once, writes out once.
-template <class T>
-__device__ void unpack_sum_impl(const u8* __restrict__ bits, i64 row_bytes, int rows, const float* __restrict__ values,
-                                int nvalues, i64 n, T* __restrict__ out, float weight, int accumulate) {
-  const i64 groups = (n + 7) >> 3;
-  const bool vec = aligned16(out);
-  for (i64 g = thread_index(); g < groups; g += thread_count()) {
-    const i64 i0 = g << 3;
-    float acc[8];
-    if (accumulate) load8(out, i0, n, vec, acc);
-    else
-      for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-    for (int r = 0; r < rows; ++r) {
-      const u32 byte = bits[(i64)r * row_bytes + g];
-      const float p = values[r * nvalues];
-      const float q = nvalues == 2 ? values[r * nvalues + 1] : -p;
-#pragma unroll
-      for (int j = 0; j < 8; ++j) acc[j] = acc[j] + ((byte >> j) & 1u ? p : q);
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] = acc[j] * weight;
-    store8(out, i0, n, vec, acc);
-  }
-}
-
 #define SIGN_KERNELS(T, S)                                                                                   \
-  extern "C" __global__ void __launch_bounds__(256) sign_pack_##S(const T* __restrict__ x, i64 n,            \
-                                                                  u8* __restrict__ bits,                     \
-                                                                  double* __restrict__ partial, int stats) { \
-    pack_impl<T, false>(x, nullptr, n, bits, partial, stats);                                                \
+  extern "C" __global__ void __launch_bounds__(BLOCK) sign_pack_##S(const T* __restrict__ x, i64 n,          \
+                                                                    u8* __restrict__ bits,                   \
+                                                                    double* __restrict__ partial, int stats) { \
+    pack_impl<T>(x, n, bits, partial, stats);                                                                \
   }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) sign_ef_pack_##S(                                        \
-      const T* __restrict__ x, const float* __restrict__ res, i64 n, u8* __restrict__ bits,                  \
-      double* __restrict__ partial, int stats) {                                                             \
-    pack_impl<T, true>(x, res, n, bits, partial, stats);                                                     \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) sign_ef_update_##S(                                      \
-      const T* __restrict__ x, float* __restrict__ res, i64 n, const double* __restrict__ partial,           \
-      int nparts, int mode, float* __restrict__ values) {                                                    \
-    ef_update_impl<T>(x, res, n, partial, nparts, mode, values);                                             \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) sign_unpack_##S(                                         \
+  extern "C" __global__ void __launch_bounds__(BLOCK) sign_unpack_##S(                                       \
       const u8* __restrict__ bits, i64 n, T* __restrict__ out, float pos, float neg, int accumulate) {       \
     unpack_impl<T>(bits, n, out, pos, neg, accumulate);                                                      \
-  }                                                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) sign_unpack_sum_##S(                                     \
-      const u8* __restrict__ bits, i64 row_bytes, int rows, const float* __restrict__ values, int nvalues,   \
-      i64 n, T* __restrict__ out, float weight, int accumulate) {                                            \
-    unpack_sum_impl<T>(bits, row_bytes, rows, values, nvalues, n, out, weight, accumulate);                  \
   }
 
 SIGN_KERNELS(float, f32)
@@ -215,7 +121,7 @@ SIGN_KERNELS(f16, f16)
 SIGN_KERNELS(bf16, bf16)
 
 // Number of set bits of a byte array (onebit's count of x >= 0).
-extern "C" __global__ void __launch_bounds__(256) count_set_bits(const u8* __restrict__ bits, i64 nbytes, i64* __restrict__ total) {
+extern "C" __global__ void __launch_bounds__(BLOCK) count_set_bits(const u8* __restrict__ bits, i64 nbytes, i64* __restrict__ total) {
   __shared__ i64 scratch[32];
   i64 c = 0;
   for (i64 i = thread_index(); i < nbytes; i += thread_count()) c += __popc((u32)bits[i]);

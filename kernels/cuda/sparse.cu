@@ -63,7 +63,7 @@ __device__ void scatter_impl(T* __restrict__ out, i64 n, const I* __restrict__ i
 }
 
 #define SCATTER(T, S, I, SI)                                                                              \
-  extern "C" __global__ void __launch_bounds__(256) scatter_add_##S##_##SI(                               \
+  extern "C" __global__ void __launch_bounds__(BLOCK) scatter_add_##S##_##SI(                               \
       T* __restrict__ out, i64 n, const I* __restrict__ idx, const T* __restrict__ val, i64 m,            \
       const i64* __restrict__ range) {                                                                    \
     scatter_impl<T, I>(out, n, idx, val, m, range);                                                       \
@@ -73,7 +73,7 @@ __device__ void scatter_impl(T* __restrict__ out, i64 n, const I* __restrict__ i
   SCATTER(double, f64, I, SI) \
   SCATTER(f16, f16, I, SI)    \
   SCATTER(bf16, bf16, I, SI)  \
-  extern "C" __global__ void __launch_bounds__(256) scatter_range_##SI(const I* __restrict__ idx, i64 m, i64* __restrict__ range) { \
+  extern "C" __global__ void __launch_bounds__(BLOCK) scatter_range_##SI(const I* __restrict__ idx, i64 m, i64* __restrict__ range) { \
     range_impl<I>(idx, m, range);                                                                         \
   }
 

@@ -20,8 +20,8 @@ def _emulator(tmp_path_factory):
 
 @pytest.fixture
 def emu(_emulator, monkeypatch):
-    """While a test runs, ``_cupy.launcher`` is the CPU emulation: call the kernel-path
-    functions of ``_dispatch`` (those without the ``cuda_`` prefix) on CPU tensors."""
+    """While a test runs, ``_cupy.launcher`` is the CPU emulation: call the ``launch_<op>``
+    functions of ``kernels/_launch_<family>.py`` on CPU tensors."""
     monkeypatch.setattr(_cupy, "launcher", lambda device: EmulatedLauncher(_emulator, device))
     _emulator.launches.clear()
     return _emulator

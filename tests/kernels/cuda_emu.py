@@ -4,8 +4,11 @@
 :class:`Emulator` stands in for ``gradcomp.kernels._cupy.launcher``, so the dispatch code
 (grid sizes, buffers, argument types, kernel order) runs unchanged on CPU tensors. Every
 launch checks what a real launch would not: each argument against the kernel's parameter
-type (a tensor's dtype against the pointee type, a numpy scalar against the C type), and
-writes past the end of any tensor argument (each storage is copied between guard bytes).
+type (a tensor's dtype against the pointee type, a numpy scalar against the C type), the
+block size against the kernel's ``__launch_bounds__`` (every gradcomp kernel is written for
+exactly that many threads), and writes past the end of any tensor argument (each storage is
+copied between guard bytes). :meth:`Emulator.constant` evaluates a constant of a family as
+the compiler does, for the test that the launchers' values are the ``.cu`` files'.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from gradcomp.kernels import _cupy
 
 HEADER = Path(__file__).with_name("cuda_emu.h")
 GUARD = 256  # bytes checked on each side of every tensor argument
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\([^)]*\)\s*)?(\w+)\s*\(([^)]*)\)')
+_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+__launch_bounds__\s*\(\s*(\d+)\s*\)\s*(\w+)\s*\(([^)]*)\)')
 _POINTEE = {
     "float": (torch.float32,), "double": (torch.float64,), "f16": (torch.float16,),
     "bf16": (torch.bfloat16,), "u8": (torch.uint8, torch.bool), "i8": (torch.int8,), "u16": (torch.int16,),
@@ -52,7 +55,7 @@ class Emulator:
 
     def __init__(self, build_dir: Path) -> None:
         self.build_dir = Path(build_dir)
-        self._libs: Dict[str, Tuple[ctypes.CDLL, Dict[str, list]]] = {}
+        self._libs: Dict[str, Tuple[ctypes.CDLL, Dict[str, Tuple[int, list]]]] = {}
         self.launches: List[str] = []  # kernel names, in launch order
 
     def library(self, family: str):
@@ -60,11 +63,15 @@ class Emulator:
             src = self.build_dir / f"{family}.cu"
             src.write_text(_cupy.source(family))
             pre = subprocess.run(["g++", "-E", "-P", "-x", "c++", str(src)], capture_output=True, text=True, check=True)
-            kernels = {m.group(1): _params(m.group(2)) for m in _KERNEL.finditer(pre.stdout)}
+            kernels = {m.group(2): (int(m.group(1)), _params(m.group(3))) for m in _KERNEL.finditer(pre.stdout)}
+            if len(kernels) != len(re.findall(r"__global__", pre.stdout)):
+                raise AssertionError(f"{family}.cu: every kernel needs __launch_bounds__ and an extern \"C\" name")
             glue = [f'#include "{HEADER}"', f'#include "{src}"']
             for name in kernels:
                 glue.append(f'extern "C" const char* emu_{name}(unsigned g, unsigned b, void** a) '
                             f'{{ return emu::launch({name}, g, b, a); }}')
+            for name in _cupy.constants(family):
+                glue.append(f'extern "C" long long emu_const_{name}() {{ return (long long)({name}); }}')
             cpp = self.build_dir / f"{family}_emu.cpp"
             cpp.write_text("\n".join(glue) + "\n")
             lib = self.build_dir / f"{family}_emu.so"
@@ -77,14 +84,25 @@ class Emulator:
                 fn = getattr(dll, f"emu_{name}")
                 fn.restype = ctypes.c_char_p
                 fn.argtypes = [ctypes.c_uint, ctypes.c_uint, ctypes.c_void_p]
+            for name in _cupy.constants(family):
+                getattr(dll, f"emu_const_{name}").restype = ctypes.c_longlong
             self._libs[family] = (dll, kernels)
         return self._libs[family]
+
+    def constant(self, family: str, name: str) -> int:
+        """The value of ``name`` (a constant that ``_cupy.constants`` found) as the C++
+        compiler evaluates it in ``family``'s source."""
+        dll, _ = self.library(family)
+        return int(getattr(dll, f"emu_const_{name}")())
 
     def launch(self, family: str, kernel: str, grid: int, block: int, args: tuple) -> None:
         dll, kernels = self.library(family)
         if kernel not in kernels:
             raise AssertionError(f"{family}.cu has no kernel {kernel!r}")
-        params = kernels[kernel]
+        bound, params = kernels[kernel]
+        if block != bound:
+            raise AssertionError(f"{kernel}: launched with {block} threads per block, written for "
+                                 f"__launch_bounds__({bound})")
         if len(params) != len(args):
             raise AssertionError(f"{kernel}: {len(args)} arguments for {len(params)} parameters")
         if not (1 <= grid < 2**31 and 32 <= block <= 1024 and block % 32 == 0):

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from gradcomp.kernels import sign
-from gradcomp.kernels.sign import (STATS, count_set, sign_pack, sign_pack_torch, sign_unpack,
-                                   sign_unpack_torch)
+from gradcomp.kernels.sign import (STATS, count_set, sign_pack, sign_pack_reference, sign_unpack,
+                                   sign_unpack_reference)
 
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
@@ -31,7 +31,7 @@ def test_pack_matches_reference(small_chunks, dtype, n):
     x = torch.randn(n, dtype=torch.float64).to(dtype)
     for stats in STATS:
         bits, sums = sign_pack(x, stats)
-        ref_bits, ref_sums = sign_pack_torch(x, stats)
+        ref_bits, ref_sums = sign_pack_reference(x, stats)
         assert bits.dtype == torch.uint8 and bits.numel() == (n + 7) // 8
         assert torch.equal(bits, ref_bits)
         expected = torch.tensor([float(s) for s in _reference_sums(x, stats)], dtype=torch.float64)
@@ -68,7 +68,7 @@ def test_unpack_is_exact_and_matches_reference(small_chunks, dtype):
     for pos, neg in [(0.1, -0.3), (1.0, -1.0), (-5e-3, 7e4), (0.0, -0.0), (float("nan"), 2.0)]:
         want = torch.where(mask, torch.tensor(pos, dtype=dtype), torch.tensor(neg, dtype=dtype))
         got = sign_unpack(bits, n, pos, neg, dtype=dtype)
-        ref = sign_unpack_torch(bits, n, pos, neg, out=torch.empty(n, dtype=dtype))
+        ref = sign_unpack_reference(bits, n, pos, neg, out=torch.empty(n, dtype=dtype))
         assert got.dtype == dtype and got.shape == (n,)
         # compare bit patterns: exact, and -0.0 / NaN included
         assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), (pos, neg)
@@ -85,7 +85,7 @@ def test_unpack_into_out_and_accumulate(small_chunks, dtype):
     assert sign_unpack(bits, n, 0.25, -0.75, out=out) is out and torch.equal(out, decoded)
     acc = sign_unpack(bits, n, 0.25, -0.75, out=base.clone(), accumulate=True)
     assert torch.equal(acc, base + decoded)
-    ref = sign_unpack_torch(bits, n, 0.25, -0.75, out=base.clone(), accumulate=True)
+    ref = sign_unpack_reference(bits, n, 0.25, -0.75, out=base.clone(), accumulate=True)
     assert torch.equal(acc, ref)
 
 
@@ -114,7 +114,7 @@ def test_default_chunk_keeps_bytes_aligned():
     """Each chunk must start on a byte of the packed output."""
     assert sign._CHUNK % 8 == 0
     x = torch.randn(sign._CHUNK + 13)
-    assert torch.equal(sign_pack(x)[0], sign_pack_torch(x)[0])
+    assert torch.equal(sign_pack(x)[0], sign_pack_reference(x)[0])
 
 
 @pytest.mark.gpu

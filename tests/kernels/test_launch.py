@@ -1,8 +1,8 @@
-"""Dispatch plumbing and the kernels' logic, checked without a GPU.
+"""Launcher plumbing and the kernels' logic, checked without a GPU.
 
-The kernel-path functions of ``_dispatch`` run here on CPU tensors through the CUDA emulation
-(``emu`` fixture): the same kernels, grid sizes and buffers as on a GPU, compared with the
-torch references of ``gradcomp.kernels``.
+The ``launch_<op>`` functions of ``kernels/_launch_<family>.py`` run here on CPU tensors
+through the CUDA emulation (``emu`` fixture): the same kernels, grid sizes and buffers as on a
+GPU, compared with the torch references of ``gradcomp.kernels``.
 """
 import types
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from gradcomp.compress import ErrorFeedback, get_compressor
-from gradcomp.kernels import _cupy, _dispatch, quant, rng, select, sign, sparse
+from gradcomp.kernels import (_cupy, _launch, _launch_bits, _launch_quant, _launch_rng, _launch_select,
+                              _launch_sign, _launch_sparse, quant, rng, select, sign, sparse)
 from gradcomp.kernels import bits as bits_ref
 
 from kernel_checks import same  # beside this file (conftest puts it on the path)
@@ -21,35 +21,81 @@ FLOATS = [torch.float32, torch.float16, torch.bfloat16]
 
 # ---- plumbing ------------------------------------------------------------------------------
 
-def test_cpu_tensors_take_the_torch_path():
-    """Every dispatch entry declines CPU tensors, so the references run (and importing the
-    kernels never needs CuPy)."""
+def test_cpu_tensors_take_the_torch_path(monkeypatch):
+    """No primitive launches a kernel for CPU tensors, so the references run (and importing
+    the kernels never needs CuPy), even where CuPy would be available."""
+    monkeypatch.setattr(_cupy, "available", lambda: True)
+
+    def refuse(device):
+        raise AssertionError(f"a kernel was launched for {device}")
+
+    monkeypatch.setattr(_cupy, "launcher", refuse)
     x, b = torch.randn(100), torch.zeros(13, dtype=torch.uint8)
-    calls = [
-        lambda: _dispatch.cuda_uniform(10, 1, torch.device("cpu")),
-        lambda: _dispatch.cuda_sign_pack(x, "abs"),
-        lambda: _dispatch.cuda_sign_unpack(b, 100, 1.0, -1.0, x, False),
-        lambda: _dispatch.cuda_sign_ef(x, x.clone(), "onebit"),
-        lambda: _dispatch.cuda_count_set(b),
-        lambda: _dispatch.cuda_topk_indices(x, 5),
-        lambda: _dispatch.cuda_threshold_indices(x, torch.tensor(0.5)),
-        lambda: _dispatch.cuda_pack_codes(b, 2),
-        lambda: _dispatch.cuda_scatter_add_checked(x, torch.arange(3), x[:3]),
-        lambda: _dispatch.cuda_block_absmax(x, 8),
-        lambda: _dispatch.cuda_quantize_levels(x, torch.ones(13), 8, 7, None),
-        lambda: _dispatch.cuda_natural_codes(x, x, None),
-    ]
-    assert all(call() is None for call in calls)
+    assert not _launch.kernels_apply(x) and not _launch.device_applies(torch.device("cpu"))
+    rng.uniform(10, 1)
+    sign.sign_pack(x, "abs")
+    sign.sign_unpack(b, 100, 1.0, -1.0, out=x.clone())
+    sign.count_set(b)
+    select.topk_indices(x.abs(), 5)
+    select.threshold_indices(x, 0.5)
+    bits_ref.pack_codes(b % 4, 2)
+    bits_ref.unpack_codes(b, 52, 2)
+    sparse.scatter_add_checked(x.clone(), torch.arange(3), x[:3])
+    quant.block_absmax(x, 8)
+    quant.bucket_norms(x, 8)
+    quant.quantize_levels(x, torch.ones(13), 8, 7)
+    quant.dequantize_levels(torch.zeros(100, dtype=torch.int8), torch.ones(13), 8)
+    quant.natural_codes(x * 0.01, torch.rand(100))
+    quant.natural_decode(b, 0)
 
 
-def test_torch_only_switches_the_kernels_off_and_back():
-    assert _dispatch._enabled
-    with _dispatch.torch_only():
-        assert not _dispatch.kernels_apply(torch.zeros(1))
-        with _dispatch.torch_only():
+def test_torch_only_switches_the_kernels_off_and_back(monkeypatch):
+    monkeypatch.setattr(_cupy, "available", lambda: True)
+    meta = torch.zeros(1, device="meta")
+    assert _launch.enabled() and not _launch.kernels_apply(meta)  # meta: not a CUDA device
+    with _launch.torch_only():
+        assert not _launch.kernels_apply(torch.zeros(1))
+        assert not _launch.device_applies(torch.device("cuda"))
+        with _launch.torch_only():
             pass
-        assert not _dispatch._enabled
-    assert _dispatch._enabled
+        assert not _launch.enabled()
+    assert _launch.enabled() and _launch.device_applies(torch.device("cuda"))
+
+
+def test_primitives_route_to_their_launchers(emu, monkeypatch):
+    """With the kernels taken to apply (as they do for a CUDA tensor), each primitive that has
+    no CPU fast path in front launches its family's kernels and returns what its torch code
+    returns: the guard conditions and arguments of the dispatch, without a GPU."""
+    x = torch.randn(5000)
+    x[7] = float("nan")
+    mult, u = torch.rand(20) * 200, rng.uniform(5000, 3)
+    q, scale = torch.randint(-127, 128, (5000,), dtype=torch.int8), torch.rand(20)
+    idx, vals = torch.randint(0, 5000, (300,)), torch.randn(300)
+    y = (torch.randn(5000) * 0.05).clamp(-0.24, 0.24)
+    calls = {
+        "philox_uniform": lambda: rng.uniform(1000, 7),
+        "topk_write": lambda: select.topk_indices(x.abs(), 50),
+        "threshold_mark_f32": lambda: select.threshold_indices(x, 1.0),
+        "scatter_add_f32_i64": lambda: sparse.scatter_add_checked(torch.zeros(5000), idx, vals),
+        "block_absmax_f32": lambda: quant.block_absmax(x, 256),
+        "block_sumsq_f32": lambda: quant.bucket_norms(x, 256),
+        "quantize_levels": lambda: quant.quantize_levels(x.nan_to_num(), mult, 256, 127, u),
+        "dequantize_sum_f32": lambda: quant.dequantize_levels(q, scale, 256),
+        "natural_codes": lambda: quant.natural_codes(y, u),
+    }
+    expected = {name: call() for name, call in calls.items()}
+    monkeypatch.setattr(rng, "device_applies", lambda device: True)
+    for module in (select, sparse, quant):
+        monkeypatch.setattr(module, "kernels_apply", lambda *tensors: True)
+    for name, call in calls.items():
+        emu.launches.clear()
+        got = call()
+        assert name in emu.launches, f"{name} was not launched"
+        if name in ("scatter_add_f32_i64", "block_sumsq_f32"):  # sums: any order
+            assert torch.allclose(got, expected[name], rtol=1e-5, atol=1e-6, equal_nan=True), name
+        else:
+            assert same(got, expected[name], zero_sign=False) if got.is_floating_point() else \
+                torch.equal(got, expected[name]), name
 
 
 def test_sources_are_self_contained():
@@ -85,7 +131,7 @@ def test_launcher_refuses_python_numbers():
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 1000, 4097])
 def test_uniform_kernel_is_numpys_philox_stream(emu, n):
     for key in (0, 1, rng.stream_key(3, "layer.w", 17), 2**128 - 1):
-        got = _dispatch.uniform(n, key, torch.device("cpu"))
+        got = _launch_rng.launch_uniform(n, key, torch.device("cpu"))
         ref = np.random.Generator(np.random.Philox(key=key)).random(n, dtype=np.float32)
         assert np.array_equal(got.numpy(), ref), (n, key)
     assert emu.launches.count("philox_uniform") == (4 if n else 0)
@@ -111,8 +157,8 @@ def _signal(n, dtype, special=True):
 def test_sign_pack_kernel(emu, dtype, n):
     x = _signal(n, dtype)
     for stats in sign.STATS:
-        bits, sums = _dispatch.sign_pack(x, stats)
-        rbits, rsums = sign.sign_pack_torch(x, stats)
+        bits, sums = _launch_sign.launch_sign_pack(x, stats)
+        rbits, rsums = sign.sign_pack_reference(x, stats)
         assert torch.equal(bits, rbits), stats
         assert torch.allclose(sums, rsums, rtol=1e-12, atol=1e-9, equal_nan=True), (stats, sums, rsums)
 
@@ -125,59 +171,21 @@ def test_sign_unpack_kernel(emu, dtype, n):
         base = torch.randn(n).to(dtype)
         if pos < 1e-30:  # subnormal sums: kept, not flushed to zero
             base = (base * 1e-39).to(dtype)
-        got = _dispatch.sign_unpack(bits, n, pos, neg, base.clone(), acc)
-        ref = sign.sign_unpack_torch(bits, n, pos, neg, out=base.clone(), accumulate=acc)
+        got = _launch_sign.launch_sign_unpack(bits, n, pos, neg, base.clone(), acc)
+        ref = sign.sign_unpack_reference(bits, n, pos, neg, out=base.clone(), accumulate=acc)
         assert same(got, ref), (pos, neg, acc)
         unaligned = torch.cat([base[:1], base])[1:]  # a view one element off: scalar stores
-        assert same(_dispatch.sign_unpack(bits, n, pos, neg, unaligned, acc), ref)
-
-
-@pytest.mark.parametrize("dtype", FLOATS, ids=str)
-@pytest.mark.parametrize("nvalues", [1, 2])
-def test_sign_unpack_sum_kernel_matches_its_reference(emu, dtype, nvalues):
-    n, ranks = 3001, 3
-    bits = torch.randint(0, 256, (ranks, (n + 7) // 8), dtype=torch.uint8)
-    values = torch.randn(ranks, nvalues)
-    for acc, weight in ((False, 1.0 / ranks), (True, 0.5)):
-        base = torch.randn(n).to(dtype)
-        got = _dispatch.sign_unpack_sum(bits, values, n, base.clone(), weight, acc)
-        ref = _dispatch.sign_unpack_sum_torch(bits, values, n, base.clone(), weight, acc)
-        assert torch.equal(got, ref)
-
-
-@pytest.mark.parametrize("mode", ["signsgd", "efsignsgd", "onebit"])
-@pytest.mark.parametrize("dtype", FLOATS, ids=str)
-def test_sign_ef_kernel_is_error_feedback_of_the_compressor(emu, mode, dtype):
-    """Two steps of the fused kernel against ErrorFeedback(get_compressor(mode)) on CPU."""
-    n = 5000
-    ef = ErrorFeedback(get_compressor(mode))
-    residual = torch.zeros(n)
-    for step in range(2):
-        x = _signal(n, dtype, special=False)
-        p = ef.compress(x, key="w")
-        bits, values = _dispatch.sign_ef(x, residual, mode)
-        assert torch.equal(bits, p.tensors[0]), step
-        # the CPU path of sign_pack sums chunks in fp32: agreement to ~1e-6, not bit for bit
-        assert torch.allclose(values, p.tensors[1], rtol=1e-5), (values, p.tensors[1])
-        assert torch.allclose(residual, ef.residual("w"), rtol=1e-5, atol=1e-6)
-    # the torch composition used as the GPU oracle (float64 sums), with NaN/Inf in x
-    x = _signal(n, dtype)
-    res_a, res_b = residual.clone(), residual.clone()
-    bits_a, vals_a = _dispatch.sign_ef(x, res_a, mode)
-    bits_b, vals_b = _dispatch.sign_ef_torch(x, res_b, mode)
-    assert torch.equal(bits_a, bits_b)
-    assert torch.allclose(vals_a, vals_b, rtol=1e-6, equal_nan=True)
-    assert torch.allclose(res_a, res_b, rtol=1e-5, atol=1e-6, equal_nan=True)
+        assert same(_launch_sign.launch_sign_unpack(bits, n, pos, neg, unaligned, acc), ref)
 
 
 def test_count_set_kernel(emu):
     for n in (0, 1, 1001):
         bits = torch.randint(0, 256, (n,), dtype=torch.uint8)
-        assert _dispatch.count_set(bits) == sign.count_set(bits)
+        assert _launch_sign.launch_count_set(bits) == sign.count_set(bits)
 
 
 # ---- select --------------------------------------------------------------------------------
-SAMPLED_N = _dispatch._FULL_N + 7001  # above the whole-tensor size: sample, window, candidates
+SAMPLED_N = _launch_select.FULL_N + 7001  # above the whole-tensor size: sample, window, candidates
 
 
 def _magnitudes(n, dtype, kind):
@@ -207,7 +215,7 @@ def test_topk_kernel_is_the_reference_set(emu, dtype, kind, n):
     x = _magnitudes(n, dtype, kind)
     ks = (0, 1, max(1, n // 100), n // 3, n - 1, n) if n < SAMPLED_N else (1, n // 100)
     for k in sorted(set(ks)):
-        got = _dispatch.topk_indices(x, k)
+        got = _launch_select.launch_topk_indices(x, k)
         ref = select.topk_indices(x, k)
         assert got.dtype == torch.int64 and torch.equal(got, ref), (kind, n, k)
 
@@ -216,7 +224,7 @@ def test_topk_kernel_takes_the_window_path(emu):
     """With a usable sample window no kernel reads the whole tensor after the first pass."""
     x = torch.randn(SAMPLED_N)
     k = SAMPLED_N // 100
-    got = _dispatch.topk_indices(x, k)
+    got = _launch_select.launch_topk_indices(x, k)
     assert torch.equal(got, select.topk_indices(x, k))
     assert "topk_pass_f32" in emu.launches
 
@@ -227,7 +235,7 @@ def test_threshold_kernel(emu, dtype, n):
     x = _magnitudes(n, dtype, "special") if n else torch.empty(0, dtype=dtype)
     for tau in (0.0, 0.5, 1.7, 1e6):
         t = select._round_up(tau, dtype, "cpu")
-        assert torch.equal(_dispatch.threshold_indices(x, float(t)), select.threshold_indices(x, tau)), tau
+        assert torch.equal(_launch_select.launch_threshold_indices(x, float(t)), select.threshold_indices(x, tau)), tau
 
 
 # ---- bits, sparse --------------------------------------------------------------------------
@@ -237,9 +245,9 @@ def test_threshold_kernel(emu, dtype, n):
 def test_pack_and_unpack_codes_kernels(emu, bits, n):
     codes = torch.randint(0, 1 << bits, (n + 1,), dtype=torch.uint8)
     for c in (codes[:n], codes[1:]):  # aligned, and a view one byte off
-        packed = _dispatch.pack_codes(c, bits)
-        assert torch.equal(packed, bits_ref._pack_torch(c, bits) if bits > 1 else bits_ref.pack_bits(c))
-        assert torch.equal(_dispatch.unpack_codes(packed, n, bits), c)
+        packed = _launch_bits.launch_pack_codes(c, bits)
+        assert torch.equal(packed, bits_ref.pack_codes_reference(c, bits) if bits > 1 else bits_ref.pack_bits(c))
+        assert torch.equal(_launch_bits.launch_unpack_codes(packed, n, bits), c)
 
 
 @pytest.mark.parametrize("dtype", FLOATS + [torch.float64], ids=str)
@@ -249,11 +257,11 @@ def test_scatter_add_kernel(emu, dtype, index_dtype):
     idx = torch.randint(0, n, (m,), dtype=index_dtype)
     idx[:3] = torch.tensor([0, n - 1, n - 1])  # first and last element (16-bit: both word halves)
     vals = torch.randn(m).to(dtype)
-    got = _dispatch.scatter_add_checked(torch.zeros(n, dtype=dtype), idx, vals)
+    got = _launch_sparse.launch_scatter_add_checked(torch.zeros(n, dtype=dtype), idx, vals)
     ref = sparse.scatter_add_checked(torch.zeros(n, dtype=dtype), idx, vals)
     tol = 1e-5 if dtype in (torch.float32, torch.float64) else 3e-2
     assert torch.allclose(got.double(), ref.double(), rtol=tol, atol=tol)
-    assert torch.equal(_dispatch.scatter_add_checked(torch.ones(n, dtype=dtype), idx[:0], vals[:0]),
+    assert torch.equal(_launch_sparse.launch_scatter_add_checked(torch.ones(n, dtype=dtype), idx[:0], vals[:0]),
                        torch.ones(n, dtype=dtype))
 
 
@@ -263,7 +271,7 @@ def test_scatter_add_kernel_rejects_bad_indices_and_writes_nothing(emu, bad):
     idx = torch.tensor([3, bad, 5], dtype=torch.int64)
     out = torch.zeros(n)
     with pytest.raises(ValueError, match=r"indices must lie in \[0, 1001\)"):
-        _dispatch.scatter_add_checked(out, idx, torch.ones(3))
+        _launch_sparse.launch_scatter_add_checked(out, idx, torch.ones(3))
     assert not out.any()
 
 
@@ -276,28 +284,25 @@ def test_block_absmax_and_norm_kernels(emu, dtype, n, block):
     if n > 10:
         x[5] = float("nan")
         x[n - 2] = float("-inf")
-    assert same(_dispatch.block_absmax(x, block), quant.block_absmax(x, block), zero_sign=False)
+    assert same(_launch_quant.launch_block_absmax(x, block), quant.block_absmax(x, block), zero_sign=False)
     y = (torch.randn(n) * 1e20).to(torch.float32) if dtype == torch.float32 else torch.randn(n).to(dtype)
-    got, ref = _dispatch.bucket_norms(y, block), quant.bucket_norms(y, block)
+    got, ref = _launch_quant.launch_bucket_norms(y, block), quant.bucket_norms(y, block)
     rtol = 1e-5 if dtype == torch.float32 else 1e-2
     assert got.dtype == ref.dtype and torch.allclose(got.double(), ref.double(), rtol=rtol)
 
 
-@pytest.mark.parametrize("levels,bits", [(1, 2), (7, 4), (127, 8), (3, 8)])
+@pytest.mark.parametrize("levels", [1, 3, 7, 127])
 @pytest.mark.parametrize("n,block", [(1, 1), (9, 4), (20_003, 512)])
 @pytest.mark.parametrize("offset", [0, 1])  # 1: x is a view off the 32-byte alignment
-def test_quantize_kernels_match_the_reference_bit_for_bit(emu, levels, bits, n, block, offset):
+def test_quantize_kernel_matches_the_reference_bit_for_bit(emu, levels, n, block, offset):
     x = torch.randn(n + offset)[offset:]
     mult = torch.rand(-(-n // block)) * levels * 2  # some products beyond +-levels saturate
     key = rng.stream_key(7, "w", 3)
     u = rng.uniform(n, key)
-    assert torch.equal(_dispatch.quantize_levels(x, mult, block, levels, u),
+    assert torch.equal(_launch_quant.launch_quantize_levels(x, mult, block, levels, u),
                        quant.quantize_levels(x, mult, block, levels, u))
-    assert torch.equal(_dispatch.quantize_levels(x, mult, block, levels, None),
+    assert torch.equal(_launch_quant.launch_quantize_levels(x, mult, block, levels, None),
                        quant.quantize_levels(x, mult, block, levels))
-    for k in (key, None):
-        assert torch.equal(_dispatch.quantize_codes(x, mult, block, levels, k, bits),
-                           _dispatch.quantize_codes_torch(x, mult, block, levels, k, bits)), k
 
 
 @pytest.mark.parametrize("dtype", FLOATS, ids=str)
@@ -313,11 +318,11 @@ def test_dequantize_sum_kernel(emu, dtype, bits, offset, n):
     scales = torch.rand(ranks, nb) * 10
     for acc, weight in ((False, 1.0), (True, 1.0 / ranks)):
         base = torch.randn(n).to(dtype)
-        got = _dispatch.dequantize_sum(codes, bits, offset, scales, block, base.clone(), weight, acc)
-        ref = _dispatch.dequantize_sum_torch(codes, bits, offset, scales, block, base.clone(), weight, acc)
+        got = _launch_quant.launch_dequantize_sum(codes, bits, offset, scales, block, base.clone(), weight, acc)
+        ref = quant.dequantize_sum_reference(codes, bits, offset, scales, block, base.clone(), weight, acc)
         assert torch.equal(got, ref)
     q = codes[0] if bits == 8 else torch.randint(-127, 128, (n,), dtype=torch.int8)
-    one = _dispatch.dequantize_sum(q.reshape(1, -1), 8, 0, scales[:1], block, torch.empty(n, dtype=dtype))
+    one = _launch_quant.launch_dequantize_sum(q.reshape(1, -1), 8, 0, scales[:1], block, torch.empty(n, dtype=dtype))
     assert torch.equal(one, quant.dequantize_levels(q, scales[0], block, dtype))
 
 
@@ -330,12 +335,13 @@ def test_natural_kernels(emu, n):
     key = rng.stream_key(1, "nat", 9)
     u = rng.uniform(n, key)
     ref = quant.natural_codes(y, u)
-    assert torch.equal(_dispatch.natural_codes(y, u), ref)
-    assert torch.equal(_dispatch.natural_codes(y, None, key), ref)
+    assert torch.equal(_launch_quant.launch_natural_codes(y, u), ref)
+    assert torch.equal(_launch_quant.launch_natural_codes(y, None, key), ref)
     codes = torch.randint(0, 256, (2, n), dtype=torch.uint8)
     for dtype in FLOATS:
         table = quant.natural_table(-3, dtype)
-        got = _dispatch.natural_decode_sum(codes[:1], table.float().reshape(1, 256), torch.empty(n, dtype=dtype))
+        got = _launch_quant.launch_natural_decode_sum(codes[:1], table.float().reshape(1, 256),
+                                                      torch.empty(n, dtype=dtype))
         ref = table[codes[0].long()]  # natural_decode itself makes fp32/fp64 only
         if dtype == torch.float32:
             assert same(ref, quant.natural_decode(codes[0], -3, dtype))
