@@ -14,12 +14,12 @@ wrappers (``ErrorFeedback``, ``EF21``, ``DGCMomentum``: anything with ``compress
 (whole, in chunks or in rounds), as ``ErrorFeedback.compress`` does; ``update(key, acc,
 sent)`` with what this rank's payload decoded to; ``combine`` finishes.
 
-When the wrapper can keep its residual in place (``fuses(tensor)``: ``ErrorFeedback`` around
-a compressor with an in-place path, gradient in the residual's dtype) and the algorithm
-compresses without a dtype cast (``allgather``, ``scatter-reduce``), the same arithmetic takes
-fewer passes: ``accumulate_in_place`` adds the tensor to the residual, the algorithm compresses
-the residual with ``compress_residual``, which leaves the compression error there, and no
-decoded copy of this rank's payload is made.
+When the wrapper can keep its residual in place (``keeps_residual_in_place(tensor)``:
+``ErrorFeedback`` around a compressor that ``compresses_in_place``, gradient in the residual's
+dtype) and the algorithm compresses without a dtype cast (``allgather``, ``scatter-reduce``),
+the same arithmetic takes fewer passes: ``accumulate_in_place`` adds the tensor to the
+residual, the algorithm compresses the residual with ``compress_residual``, which leaves the
+compression error there, and no decoded copy of this rank's payload is made.
 """
 from __future__ import annotations
 
@@ -114,7 +114,8 @@ def reduce(tensor: Any, spec: Spec, comm: Comm, *, key: str, feedback: Any, part
         if tensor.numel():
             with rec.timing("compress"):
                 acc = tensor.detach()
-                if feedback is not None and getattr(algo, "takes_residual", False) and _fuses(feedback, tensor):
+                if (feedback is not None and getattr(algo, "takes_residual", False)
+                        and _keeps_residual_in_place(feedback, tensor)):
                     algo.want_sent, algo.in_place = False, True
                     acc = feedback.accumulate_in_place(acc, key)
                 elif feedback is not None:
@@ -138,9 +139,9 @@ def reduce(tensor: Any, spec: Spec, comm: Comm, *, key: str, feedback: Any, part
         return fresh(avg.reshape(tensor.shape).to(tensor.dtype), tensor, acc)
 
 
-def _fuses(feedback: Any, tensor: torch.Tensor) -> bool:
-    fuses = getattr(feedback, "fuses", None)
-    return callable(fuses) and callable(getattr(feedback, "accumulate_in_place", None)) and bool(fuses(tensor))
+def _keeps_residual_in_place(feedback: Any, tensor: torch.Tensor) -> bool:
+    keeps = getattr(feedback, "keeps_residual_in_place", None)
+    return callable(keeps) and callable(getattr(feedback, "accumulate_in_place", None)) and bool(keeps(tensor))
 
 
 def check_input(tensor: Any) -> None:

@@ -125,7 +125,7 @@ class ScatterReduce(Algorithm):
         key = chunk_key(self.key, self.comm.rank) + "/server"
         if self.server is None:
             return self.comp.compress(as_dtype(mine, self.wire_dtype), key)
-        if mine.dtype == self.wire_dtype and self.server.fuses(mine):
+        if mine.dtype == self.wire_dtype and self.server.keeps_residual_in_place(mine):
             return self.comp.compress_residual(self.server.accumulate_in_place(mine, key), key)
         acc = self.server.accumulate(mine, key)
         payload, sent = self.comp.compress_decoded(as_dtype(acc, self.wire_dtype), key)

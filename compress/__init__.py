@@ -6,7 +6,7 @@ Every module in this package that defines a compressor registers it with
 import importlib as _importlib
 import pkgutil as _pkgutil
 
-from .base import Compressor, Option
+from .base import Capabilities, Compressor, CompressorConfig, Encoded, Option, option
 from .error_feedback import EF21, ErrorFeedback
 from .payload import Payload
 from .registry import available_compressors, compressor_class, get_compressor, register
@@ -18,6 +18,7 @@ for _mod in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
 from .dgc import DGCMomentum
 
 __all__ = [
-    "Compressor", "Option", "Payload", "ErrorFeedback", "EF21", "DGCMomentum",
+    "Capabilities", "Compressor", "CompressorConfig", "Encoded", "Option", "option",
+    "Payload", "ErrorFeedback", "EF21", "DGCMomentum",
     "available_compressors", "compressor_class", "get_compressor", "register",
 ]

@@ -1,32 +1,54 @@
-"""The compressor base class: validated keyword config, per-key step counters, dtype handling.
+"""The compressor contract, written down once: what a compressor declares, implements and may add.
 
-A compressor subclass declares ``options`` (name -> :class:`Option`) and implements
-``_compress(flat, key, step) -> (tensors, meta)`` on a flat contiguous tensor and
-``_decompress(payload) -> flat tensor``. The base class validates config and input, flattens,
-handles empty tensors, restores shape/dtype on the way back and keeps the step counter per
-key that seeds stochastic compressors. It never writes into its input.
+A compressor is one class in one file, registered with ``@register(name)``. It declares
 
-Two faster forms serve error feedback and the collectives, each with a generic default that
-a compressor may override with a single pass: ``decompress_into(payload, out)`` adds the
-decoding into an existing buffer (``_decompress_into``), and ``compress_residual(acc)``
-compresses ``acc`` and leaves ``acc - decoding`` in it (``_compress_residual``, declared by
-``_in_place``).
+- ``Config``: a frozen dataclass of its keyword options, one :func:`option` per field (default,
+  the trade-off, the allowed values), validated at construction and read as
+  ``self.config.ratio``. Options live in ``config`` only, never as attributes of the
+  compressor, and registration refuses one named like a capability, a method or an attribute;
+- ``capabilities``: a :class:`Capabilities` (how its payloads may travel), as a class attribute,
+  or as a property computed from ``config`` where an option decides one (``int8``'s
+  ``stochastic``, declared ``option(..., capability=True)``). ``c.native`` and the other four
+  read it; nothing else declares them;
 
-Class attributes tell the collectives how a payload may travel (they choose the algorithm from
-these, never from the name):
+and implements, on a flat contiguous tensor (the base validates the input, flattens, handles
+empty tensors, restores shape and dtype, and keeps the per-key step counter that seeds
+stochastic compressors; it never writes into its input):
 
-- ``native``: ``tensors[0]`` of payloads from many ranks may be averaged element-wise and the
-  result decodes to the average; any further tensors are identical on every rank;
-- ``fixed_size``: payload tensor sizes depend only on the number of elements;
-- ``multi_round``: the compressor needs communication between its steps (``rounds``);
-- ``unbiased``: ``E[decompress(compress(x))] == x``;
-- ``stochastic``: draws randomness (keyed by seed, key and step, never the global RNG).
+- ``_compress(flat, shape, key, step, want_decoded) -> Encoded``: the wire tensors and meta, and,
+  when ``want_decoded`` and it comes without an extra pass, the decoding (``None`` otherwise:
+  the base then decodes); ``shape`` is the input's, for a compressor that views it as a matrix;
+- ``_decompress(payload) -> flat tensor``, ``_wire_bytes(numel)``, ``_check_tensors(payload)``.
+
+Optional hooks, each a faster form with a generic default, used where overridden:
+
+- ``_compress_residual(flat, key, step) -> Encoded``: compress ``flat`` and leave
+  ``flat - decoding`` in it, one pass. Overriding it is what makes :attr:`compresses_in_place`
+  true, so error feedback keeps its residual in one buffer (``compress_residual``);
+- ``_decompress_into(payload, out, alpha, accumulate)``: add the decoding into a buffer;
+- ``_decode(payload, a, b)``: elements ``a:b`` of the decoding, so that ``_decompress_into`` can
+  decode in cache-sized runs with :meth:`_decode_runs_into`;
+- ``rounds(tensor, key)``: the multi-round form (``capabilities.multi_round``);
+- ``_post_init()``: runtime state (warm starts, momenta), kept apart from config.
+
+One word per concept. "Fused" used to mean four things; three have their own words now: the
+decoding that ``_compress`` hands back is :attr:`Encoded.decoded` (was the ``_fused`` flag that
+changed ``_compress``'s arity); a compressor that updates the residual in its own buffer
+:attr:`compresses_in_place` (was ``_in_place``), and error feedback that does so for a tensor
+``keeps_residual_in_place(tensor)`` (was ``ErrorFeedback.fuses`` and ``collectives._core._fuses``).
+"Fused" is left to ``allreduce_fused``: many tensors in one collective.
 """
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import math
+import typing
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+from types import MappingProxyType
+from typing import (Any, Callable, ClassVar, Dict, Generator, List, Mapping, NamedTuple, Optional, Tuple, Type, TypeVar,
+                    cast)
 
 import torch
 
@@ -37,18 +59,50 @@ from .payload import Payload, dtype_name
 from .transaction import replace
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_T = TypeVar("_T")
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """How a compressor's payloads may travel: the collectives choose the algorithm from these,
+    never from the name."""
+
+    # tensors[0] of payloads from many ranks may be averaged element-wise and the result
+    # decodes to the average; any further tensors are identical on every rank
+    native: bool = False
+    fixed_size: bool = True  # payload tensor sizes depend only on the number of elements
+    multi_round: bool = False  # needs communication between its steps (``rounds``)
+    unbiased: bool = False  # E[decompress(compress(x))] == x
+    stochastic: bool = False  # draws randomness (keyed by seed, key and step, never the global RNG)
+
+
+CAPABILITIES = tuple(f.name for f in dataclasses.fields(Capabilities))
+
+# The multi-round protocol (``Compressor.rounds``): yields tensors to average over the ranks,
+# is sent each average back, returns the result.
+Rounds = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class Encoded(NamedTuple):
+    """What ``_compress`` and ``_compress_residual`` return."""
+
+    tensors: List[torch.Tensor]  # what crosses the wire
+    meta: Dict[str, Any]  # what the receiver needs besides them (JSON-able)
+    # the flat decoding, when asked for and cheaper than a decode pass; None: the base decodes
+    decoded: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)
 class Option:
-    """One keyword of a compressor's config."""
+    """One keyword of a compressor's config, as :attr:`Compressor.options` lists it."""
 
     default: Any
-    kind: type | Tuple[type, ...]
+    kind: type | Tuple[type, ...]  # the field's annotated type
     doc: str  # what it does and which way the trade-off goes
     check: Optional[Callable[[Any], bool]] = None
     rule: str = ""  # the allowed values, in words, for the error message
     choices: Optional[Tuple[Any, ...]] = None
+    capability: bool = False  # the option is the capability of the same name (see ``option``)
 
     def validate(self, cname: str, name: str, value: Any) -> Any:
         kinds = self.kind if isinstance(self.kind, tuple) else (self.kind,)
@@ -65,52 +119,116 @@ class Option:
         return value
 
 
-def positive_int(doc: str, default: int) -> Option:
-    return Option(default, int, doc, lambda v: v >= 1, "an int >= 1")
+_SPEC = "gradcomp.option"  # the metadata key of an option's field
 
 
-def seed_option() -> Option:
-    return Option(0, int, "seed of the counter-based random streams; ranks that must agree share it",
+def option(default: _T, doc: str, check: Optional[Callable[[Any], bool]] = None, rule: str = "",
+           choices: Optional[Tuple[Any, ...]] = None, *, capability: bool = False) -> _T:
+    """A field of a compressor's ``Config``: its ``default``, what it does (``doc``: which way the
+    trade-off goes) and the values allowed (``check``, described by ``rule``, or ``choices``).
+    ``capability=True`` says the option is the capability of the same name, which the class's
+    ``capabilities`` property then reports (registration checks both values of the bool)."""
+    spec = {"doc": doc, "check": check, "rule": rule, "choices": choices, "capability": capability}
+    return dataclasses.field(default=default, metadata={_SPEC: spec})
+
+
+def positive_int(doc: str, default: int) -> int:
+    return option(default, doc, lambda v: v >= 1, "an int >= 1")
+
+
+def seed_option() -> int:
+    return option(0, "seed of the counter-based random streams; ranks that must agree share it",
                   lambda v: 0 <= v < 2**63, "an int in [0, 2**63)")
 
 
-class Compressor:
+@dataclass(frozen=True)
+class CompressorConfig:
+    """Base of every compressor's ``Config``: a frozen dataclass whose fields are :func:`option`\\ s."""
+
+    @classmethod
+    def options(cls) -> Dict[str, Option]:
+        """Field name -> :class:`Option`, in declaration order (the order of ``repr``)."""
+        hints = typing.get_type_hints(cls)
+        out = {}
+        for f in dataclasses.fields(cls):
+            spec = f.metadata.get(_SPEC)
+            if spec is None:
+                raise TypeError(f"{cls.__qualname__}.{f.name} must be declared with option(...)")
+            out[f.name] = Option(f.default, hints[f.name], **spec)
+        return out
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The options by name, in declaration order (what ``state_dict`` and ``repr`` show)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+class _ReadsCapabilities:
+    """``c.native``, ``c.fixed_size``, ...: read-only views of ``c.capabilities``, the one place
+    they are declared (shared by compressors and the error-feedback wrappers)."""
+
+    @property
+    def capabilities(self) -> Capabilities:
+        return Capabilities()
+
+    @property
+    def native(self) -> bool:
+        return self.capabilities.native
+
+    @property
+    def fixed_size(self) -> bool:
+        return self.capabilities.fixed_size
+
+    @property
+    def multi_round(self) -> bool:
+        return self.capabilities.multi_round
+
+    @property
+    def unbiased(self) -> bool:
+        return self.capabilities.unbiased
+
+    @property
+    def stochastic(self) -> bool:
+        return self.capabilities.stochastic
+
+
+class Compressor(_ReadsCapabilities, ABC):
     """Base class of every compressor; see the module docstring."""
 
     name: ClassVar[str] = "?"
-    options: ClassVar[Dict[str, Option]] = {}
-    native: ClassVar[bool] = False
-    fixed_size: ClassVar[bool] = True
-    multi_round: ClassVar[bool] = False
-    unbiased: ClassVar[bool] = False
-    stochastic: ClassVar[bool] = False
-    # True when ``_compress(flat, key, step, want_decoded)`` takes the 4th argument and then
-    # returns ``(tensors, meta, decoded_flat)``, saving error feedback a decode pass.
-    _fused: ClassVar[bool] = False
-    # True when ``_compress_residual(flat, key, step) -> (tensors, meta)`` exists: it compresses
-    # ``flat`` and subtracts the decoding from it in place, so error feedback keeps its residual
-    # in one buffer and never materialises the decoded tensor.
-    _in_place: ClassVar[bool] = False
+    Config: ClassVar[Type[CompressorConfig]] = CompressorConfig
+    config: CompressorConfig
+    # name -> Option, from Config (read by the policy and the benchmarks for allowed keywords)
+    options: ClassVar[Mapping[str, Option]] = MappingProxyType({})
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "options" in vars(cls):
+            raise TypeError(f"{cls.__qualname__}: declare options as fields of a Config dataclass "
+                            f"(name: type = option(...)); options is derived from it")
+        cls.options = MappingProxyType(cls.Config.options())
 
     def __init__(self, **options: Any) -> None:
         unknown = sorted(set(options) - set(self.options))
         if unknown:
             allowed = ", ".join(sorted(self.options)) or "none"
             raise ValueError(f"{self.name}: unknown option(s) {', '.join(unknown)}; allowed: {allowed}")
-        self.config: Dict[str, Any] = {}
-        for oname, opt in self.options.items():
-            value = opt.validate(self.name, oname, options.get(oname, opt.default))
-            self.config[oname] = value
-            setattr(self, oname, value)
+        self.config = self.Config(**{oname: opt.validate(self.name, oname, options.get(oname, opt.default))
+                                     for oname, opt in self.options.items()})
         self._steps: Dict[str, int] = {}
         self._post_init()
 
     def _post_init(self) -> None:
-        """Cross-option validation and derived fields; subclasses override."""
+        """Runtime state (warm starts, momenta) and cross-option checks; subclasses override."""
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in self.config.items())
+        args = ", ".join(f"{k}={v!r}" for k, v in self.config.as_dict().items())
         return f"get_compressor({self.name!r}{', ' if args else ''}{args})"
+
+    @property
+    def compresses_in_place(self) -> bool:
+        """Whether :meth:`compress_residual` is one in-place pass: the class overrides
+        ``_compress_residual`` (detected, never declared)."""
+        return type(self)._compress_residual is not Compressor._compress_residual
 
     # ---- public API -------------------------------------------------------------------
     def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
@@ -120,7 +238,7 @@ class Compressor:
     def compress_decoded(self, tensor: torch.Tensor, key: Optional[str] = None, *,
                          step: Optional[int] = None) -> Tuple[Payload, torch.Tensor]:
         """``(payload, decompress(payload))`` — what error feedback needs — in as few passes as
-        the compressor manages: ``_compress`` may return the decoded tensor as a third item."""
+        the compressor manages: ``_compress`` may hand back the decoding (``Encoded.decoded``)."""
         payload, decoded = self._run(tensor, key, step, want_decoded=True)
         if decoded is None:
             return payload, self.decompress(payload)
@@ -130,11 +248,12 @@ class Compressor:
                           step: Optional[int] = None) -> Payload:
         """Compress ``acc`` and leave the compression error in it: afterwards ``acc`` holds
         ``acc - decompress(payload)``, bit for bit up to the sign of a NaN. Changes ``acc``, which
-        must be contiguous; error feedback's residual update without a decoded temporary."""
+        must be contiguous; error feedback's residual update without a decoded temporary (one
+        pass where :attr:`compresses_in_place`)."""
         self._check_input(acc)
         if not acc.is_contiguous():
             raise ValueError(f"{self.name}: compress_residual needs a contiguous tensor to update in place")
-        if not self._in_place:
+        if not self.compresses_in_place:
             payload, decoded = self.compress_decoded(acc, key, step=step)
             # the payload must not see the subtraction below (a compressor may send views of acc)
             payload.tensors = [t.clone() if _shares(t, acc) else t for t in payload.tensors]
@@ -144,7 +263,7 @@ class Compressor:
         flat = acc.detach().view(-1)
         if not flat.numel():
             return self._run(acc, key, step, want_decoded=False)[0]
-        tensors, meta = self._compress_residual(flat, skey, step)
+        tensors, meta, _ = self._compress_residual(flat, skey, step)
         return Payload(self.name, tuple(acc.shape), acc.dtype, list(tensors), dict(meta))
 
     def _step(self, key: Optional[str], step: Optional[int]) -> Tuple[str, int]:
@@ -156,21 +275,16 @@ class Compressor:
             self._steps[skey] = step + 1
         return skey, int(step)
 
-    def _run(self, tensor, key, step, want_decoded):
+    def _run(self, tensor: torch.Tensor, key: Optional[str], step: Optional[int],
+             want_decoded: bool) -> Tuple[Payload, Optional[torch.Tensor]]:
         self._check_input(tensor)
         skey, step = self._step(key, step)
         flat = tensor.detach().reshape(-1)
         if not flat.is_contiguous():
             flat = flat.contiguous()
-        out = self._encode(flat, tuple(tensor.shape), skey, int(step), want_decoded)
-        tensors, meta = out[0], out[1]
-        decoded = out[2] if len(out) > 2 else None
-        return Payload(self.name, tuple(tensor.shape), tensor.dtype, list(tensors), dict(meta)), decoded
-
-    def _encode(self, flat: torch.Tensor, shape: Tuple[int, ...], key: str, step: int, want_decoded: bool):
-        """``_compress`` of the flat input; a compressor that needs the original ``shape`` (a
-        matrix view) overrides this instead."""
-        return self._compress(flat, key, step, want_decoded) if self._fused else self._compress(flat, key, step)
+        shape = tuple(tensor.shape)
+        tensors, meta, decoded = self._compress(flat, shape, skey, int(step), want_decoded)
+        return Payload(self.name, shape, tensor.dtype, list(tensors), dict(meta)), decoded
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         """The tensor a payload stands for: original shape, dtype and device."""
@@ -203,32 +317,20 @@ class Compressor:
             self._decompress_into(payload, flat, float(alpha), bool(accumulate))
         return out
 
-    def _decompress_into(self, payload: Payload, out: torch.Tensor, alpha: float, accumulate: bool) -> None:
-        """``decompress_into`` on a flat ``out``; subclasses override with a pass that needs no
-        temporary."""
-        add_into(out, self.decompress(payload).reshape(-1), alpha, accumulate)
-
-    def _decode_runs_into(self, payload: Payload, out: torch.Tensor, align: int, alpha: float,
-                          accumulate: bool) -> None:
-        """``_decompress_into`` in cache-sized runs whose starts are multiples of ``align``,
-        each decoded by the subclass's ``_decode(payload, a, b)`` (elements ``a:b``, work
-        dtype): the bits of the generic form without a full-size temporary."""
-        for a, b in block_runs(payload.numel, align, out.device):
-            add_into(out[a:b], self._decode(payload, a, b).to(payload.dtype), alpha, accumulate)
-
     def bits_per_element(self, numel: int = 1 << 20) -> float:
         """Theoretical wire bits per element for a tensor of ``numel`` elements."""
         return 8.0 * self._wire_bytes(numel) / max(numel, 1)
 
     def state_dict(self) -> Dict[str, Any]:
         """Runtime state (step counters and any warm-start data), keyed by tensor key."""
-        return {"name": self.name, "config": dict(self.config), "steps": dict(self._steps)}
+        return {"name": self.name, "config": self.config.as_dict(), "steps": dict(self._steps)}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("name") != self.name:
             raise ValueError(f"state_dict was saved by {state.get('name')!r}, not by {self.name!r}")
-        if state.get("config") != self.config:
-            raise ValueError(f"{self.name}: state_dict config {state.get('config')} differs from {self.config}")
+        config = self.config.as_dict()
+        if state.get("config") != config:
+            raise ValueError(f"{self.name}: state_dict config {state.get('config')} differs from {config}")
         self._steps = dict(state["steps"])
 
     @classmethod
@@ -241,8 +343,7 @@ class Compressor:
             raise ValueError(f"{cls.name}: payload dtype must be floating point, got {payload.dtype}")
         cls._check_tensors(payload)
 
-    # ---- for subclasses ---------------------------------------------------------------
-    def rounds(self, tensor: torch.Tensor, key: Optional[str] = None, *, out: Optional[torch.Tensor] = None):
+    def rounds(self, tensor: torch.Tensor, key: Optional[str] = None, *, out: Optional[torch.Tensor] = None) -> Rounds:
         """Multi-round form (``multi_round`` compressors only), a generator protocol.
 
         It yields tensors that the caller averages over all ranks and sends back with
@@ -254,25 +355,55 @@ class Compressor:
         """
         raise ValueError(f"{self.name} is not a multi-round compressor")
 
-    def _compress(self, flat: torch.Tensor, key: str, step: int) -> Tuple[List[torch.Tensor], Dict[str, Any]]:
-        raise NotImplementedError
+    # ---- what every compressor implements -------------------------------------------------
+    @abstractmethod
+    def _compress(self, flat: torch.Tensor, shape: Tuple[int, ...], key: str, step: int,
+                  want_decoded: bool) -> Encoded:
+        """Encode ``flat`` (the input of ``shape``, flattened and contiguous) for step ``step`` of
+        ``key``; with ``want_decoded``, also return the decoding if it costs no extra pass."""
 
-    def _compress_residual(self, flat: torch.Tensor, key: str, step: int) -> Tuple[List[torch.Tensor], Dict[str, Any]]:
-        raise NotImplementedError
-
+    @abstractmethod
     def _decompress(self, payload: Payload) -> torch.Tensor:
-        raise NotImplementedError
+        """The flat decoding of ``payload`` (any floating dtype; the base casts and reshapes)."""
 
+    @abstractmethod
     def _wire_bytes(self, numel: int) -> float:
-        raise NotImplementedError
+        """Theoretical payload bytes for ``numel`` elements."""
 
     @classmethod
+    @abstractmethod
     def _check_tensors(cls, payload: Payload) -> None:
-        raise NotImplementedError
+        """``ValueError`` (see :func:`expect`) unless tensors and meta are well formed."""
 
+    # ---- optional hooks: a faster form, used where overridden --------------------------------
+    def _compress_residual(self, flat: torch.Tensor, key: str, step: int) -> Encoded:
+        """Encode ``flat`` and subtract the decoding from it in place; overriding it makes
+        :attr:`compresses_in_place` true. Never called otherwise."""
+        raise NotImplementedError(f"{self.name}: _compress_residual is not overridden; call compress_residual")
+
+    def _decompress_into(self, payload: Payload, out: torch.Tensor, alpha: float, accumulate: bool) -> None:
+        """``decompress_into`` on a flat ``out``; subclasses override with a pass that needs no
+        temporary."""
+        add_into(out, self.decompress(payload).reshape(-1), alpha, accumulate)
+
+    def _decode(self, payload: Payload, a: int, b: int) -> torch.Tensor:
+        """Elements ``a:b`` of the decoding in the work dtype, for :meth:`_decode_runs_into`; a
+        compressor that decodes in runs overrides it."""
+        raise NotImplementedError(f"{self.name}: _decode_runs_into needs _decode(payload, a, b), which "
+                                  f"{type(self).__name__} does not override")
+
+    def _decode_runs_into(self, payload: Payload, out: torch.Tensor, align: int, alpha: float,
+                          accumulate: bool) -> None:
+        """``_decompress_into`` in cache-sized runs whose starts are multiples of ``align``,
+        each decoded by ``_decode(payload, a, b)``: the bits of the generic form without a
+        full-size temporary."""
+        for a, b in block_runs(payload.numel, align, out.device):
+            add_into(out[a:b], self._decode(payload, a, b).to(payload.dtype), alpha, accumulate)
+
+    # ---- helpers ----------------------------------------------------------------------
     def _uniform(self, numel: int, key: str, step: int, device: torch.device, salt: str = "") -> torch.Tensor:
         """Uniform [0, 1) float32 draws from the stream (seed, key, step)."""
-        seed = self.config.get("seed", 0)
+        seed = getattr(self.config, "seed", 0)
         return rng.uniform(numel, rng.stream_key(seed, f"{self.name}{salt}/{key}", step), device)
 
     def _check_input(self, tensor: torch.Tensor) -> None:
@@ -281,6 +412,59 @@ class Compressor:
         if tensor.dtype not in FLOAT_DTYPES:
             raise ValueError(f"{self.name}: tensor dtype {tensor.dtype} not supported; use one of "
                              f"{', '.join(dtype_name(d) for d in FLOAT_DTYPES)}")
+
+
+def check_contract(cls: Type[Compressor]) -> None:
+    """What ``@register`` checks of a class before admitting it (``TypeError`` naming the fix):
+    a frozen ``Config`` of options, capabilities declared only in ``capabilities``, no option
+    named like a capability (unless declared as that capability, and reported so), a method or
+    an attribute, and the one signature of each hook it overrides."""
+    where = f"compressor {cls.name!r} ({cls.__qualname__})"
+    params = vars(cls.Config).get("__dataclass_params__")  # set by @dataclass on the class itself
+    if not issubclass(cls.Config, CompressorConfig) or params is None or not params.frozen:
+        raise TypeError(f"{where}: Config must be a CompressorConfig decorated with @dataclass(frozen=True)")
+    own = cls.__mro__[:cls.__mro__.index(Compressor)]
+    if not any("capabilities" in vars(klass) for klass in own):
+        raise TypeError(f"{where}: declare its capabilities, capabilities = Capabilities(...) (the defaults "
+                        f"if none applies)")
+    if not isinstance(inspect.getattr_static(cls, "capabilities"), (Capabilities, property)):
+        raise TypeError(f"{where}: capabilities must be a Capabilities(...) or a property returning one")
+    for klass in own:
+        for cap in CAPABILITIES:
+            if cap in vars(klass):
+                raise TypeError(f"{where}: {klass.__name__} sets {cap!r} itself; declare it once, in "
+                                f"capabilities = Capabilities({cap}=...)")
+    for oname, opt in cls.options.items():
+        if oname in CAPABILITIES:
+            if not opt.capability:
+                raise TypeError(f"{where}: option {oname!r} is named like the capability {oname!r}; rename the "
+                                f"option, or declare it option(..., capability=True) and compute "
+                                f"capabilities from config")
+            _check_capability_option(cls, where, oname, opt)
+        elif opt.capability:
+            raise TypeError(f"{where}: option {oname!r} says capability=True, but there is no capability "
+                            f"{oname!r}; capabilities are {', '.join(CAPABILITIES)}")
+        elif hasattr(cls, oname):
+            raise TypeError(f"{where}: option {oname!r} is named like an attribute or method of the compressor; "
+                            f"rename the option (options are read as config.{oname})")
+    for hook in ("_compress", "_compress_residual", "_decode"):
+        mine, base = _signature(getattr(cls, hook)), _signature(getattr(Compressor, hook))
+        if mine != base:
+            raise TypeError(f"{where}: {hook}({', '.join(mine)}) must have the signature "
+                            f"{hook}({', '.join(base)})")
+
+
+def _check_capability_option(cls: Type[Compressor], where: str, oname: str, opt: Option) -> None:
+    if opt.kind is not bool or not isinstance(inspect.getattr_static(cls, "capabilities"), property):
+        raise TypeError(f"{where}: option {oname!r} (capability=True) must be a bool that a capabilities "
+                        f"property reports")
+    for value in (False, True):
+        if getattr(cls(**{oname: value}).capabilities, oname) is not value:
+            raise TypeError(f"{where}: with option {oname}={value} its capabilities must report {oname}={value}")
+
+
+def _signature(fn: Callable[..., Any]) -> Tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
 
 
 def add_into(out: torch.Tensor, decoded: torch.Tensor, alpha: float, accumulate: bool) -> None:
@@ -318,7 +502,7 @@ def meta_int(payload: Payload, name: str, cname: str, lo: int = 0, hi: int = 1 <
     v = payload.meta.get(name)
     expect(isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi, cname,
            f"meta {name}={v!r} must be an int in [{lo}, {hi}]")
-    return v
+    return cast(int, v)
 
 
 def work_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -25,13 +25,13 @@ class BFloat16(CastCompressor):
 
     wire_dtype = torch.bfloat16
 
-    def _compress(self, flat, key, step):
-        tensors, meta = super()._compress(flat, key, step)
-        if flat.dtype == torch.float16 and _reaches_fp16_overflow(tensors[0]):
-            wire = tensors[0]
+    def _compress(self, flat, shape, key, step, want_decoded):
+        encoded = super()._compress(flat, shape, key, step, want_decoded)
+        if flat.dtype == torch.float16 and _reaches_fp16_overflow(encoded.tensors[0]):
+            wire = encoded.tensors[0]
             over = wire.abs() == 2.0 ** 16  # inf and NaN compare unequal: they stay as they are
             wire[over] = torch.where(wire[over] > 0, _FP16_TOP, -_FP16_TOP).to(wire.dtype)
-        return tensors, meta
+        return encoded
 
 
 def _reaches_fp16_overflow(wire: torch.Tensor) -> bool:

@@ -11,13 +11,14 @@ whose payload format this shares; the sample only decides how fast it is found.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
 import torch
 
 from gradcomp.kernels.select import topk_abs_indices
 
-from .base import Compressor, Option, seed_option
+from .base import Capabilities, Compressor, option, seed_option
 from .error_feedback import _Feedback
 from .transaction import replace
 from .payload import Payload
@@ -31,18 +32,21 @@ _MIN_SAMPLE = 1024  # below this a quantile estimate is too noisy to save a retr
 class DGC(TopK):
     """Top-k with DGC's sampled threshold; default ratio 0.001 (99.9% sparsity, as in the paper)."""
 
-    options = {
-        "ratio": ratio_option(0.001),
-        "sample_ratio": Option(0.01, float, "fraction of elements sampled for the threshold; "
-                               "larger => costs more, but fewer threshold retries",
-                               lambda v: 0.0 < v <= 1.0, "a float in (0, 1]"),
-        "seed": seed_option(),
-    }
-    stochastic = True  # draws its sample, though the set it sends does not depend on it
+    @dataclass(frozen=True)
+    class Config(TopK.Config):
+        ratio: float = ratio_option(0.001)
+        sample_ratio: float = option(0.01, "fraction of elements sampled for the threshold; larger => "
+                                     "costs more, but fewer threshold retries",
+                                     lambda v: 0.0 < v <= 1.0, "a float in (0, 1]")
+        seed: int = seed_option()
+
+    config: Config
+    # draws its sample (stochastic), though the set it sends does not depend on it
+    capabilities = Capabilities(stochastic=True)
 
     def _select(self, flat, k, key, step):
         n = flat.numel()
-        s = min(n, max(_MIN_SAMPLE, math.ceil(self.sample_ratio * n)))
+        s = min(n, max(_MIN_SAMPLE, math.ceil(self.config.sample_ratio * n)))
         # float32 draws have 24 bits: above 2**24 elements the sample sits on a coarse grid,
         # which is harmless for a quantile estimate.
         pos = (self._uniform(s, key, step, flat.device).double() * n).long().clamp_(max=max(n - 1, 0))

@@ -10,20 +10,21 @@ is lost, only delayed. Residuals are fp32 (fp64 for fp64 gradients) even for fp1
 ``EF21(c)`` (Richtarik et al. 2021) compresses the change of a per-key gradient estimate; the
 receivers keep the aggregate estimate, so a collective finishes with :meth:`EF21.combine`.
 
-Both are accepted wherever a compressor is: they expose the wrapped compressor's capability
-flags and ``decompress``.
+Both are accepted wherever a compressor is: they expose the wrapped compressor's
+``capabilities`` (never ``unbiased``) and ``decompress``.
 """
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
-from typing import Any, Dict, Generator, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
 from gradcomp.kernels.memory import empty
 
-from .base import Compressor, work_dtype
+from .base import Capabilities, Compressor, Rounds, _ReadsCapabilities, work_dtype
 from .payload import Payload
 from .registry import compressor_class
 from . import transaction
@@ -90,24 +91,27 @@ def to_finite(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return src
 
 
-class _Feedback:
+class _Feedback(_ReadsCapabilities):
     """What both feedback kinds share: a wrapped compressor and fp32 state per key."""
 
     kind = "?"
 
     def __init__(self, compressor: Compressor | str) -> None:
         self.compressor = _as_compressor(compressor)
+        # the wrapped compressor's, so collectives treat us like it; feedback makes the sent
+        # value depend on the past, so never unbiased (config is frozen: computed once)
+        self._capabilities = dataclasses.replace(self.compressor.capabilities, unbiased=False)
         self._state: Dict[str, torch.Tensor] = {}
         # the other buffer of each key inside a transaction (see gradcomp.compress.transaction)
         self._spares: Dict[str, torch.Tensor] = {}
 
-    # capability flags of the wrapped compressor, so collectives treat us like it
-    name = property(lambda self: self.compressor.name)
-    native = property(lambda self: self.compressor.native)
-    fixed_size = property(lambda self: self.compressor.fixed_size)
-    multi_round = property(lambda self: self.compressor.multi_round)
-    stochastic = property(lambda self: self.compressor.stochastic)
-    unbiased = False  # feedback makes the sent value depend on the past
+    @property
+    def capabilities(self) -> Capabilities:
+        return self._capabilities
+
+    @property
+    def name(self) -> str:
+        return self.compressor.name
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.compressor!r})"
@@ -216,18 +220,18 @@ class ErrorFeedback(_Feedback):
         self._slot(skey, acc)
         torch.sub(acc, sent.to(work_dtype(acc.dtype)), out=self._writable(skey))
 
-    def fuses(self, tensor: torch.Tensor) -> bool:
-        """Whether the residual of a step on ``tensor`` can be kept in place: the compressor has
-        an in-place path (``compress_residual``) and ``tensor`` already has the residual's dtype,
+    def keeps_residual_in_place(self, tensor: torch.Tensor) -> bool:
+        """Whether the residual of a step on ``tensor`` can be kept in place: the compressor
+        :attr:`~Compressor.compresses_in_place` and ``tensor`` already has the residual's dtype,
         so no cast separates what is compressed from what is remembered."""
-        return bool(self.compressor._in_place) and tensor.dtype == work_dtype(tensor.dtype)
+        return self.compressor.compresses_in_place and tensor.dtype == work_dtype(tensor.dtype)
 
     def accumulate_in_place(self, tensor: torch.Tensor, key: Optional[str]) -> torch.Tensor:
         """Add ``tensor`` to the residual of ``key`` and return the residual itself: compress it
         with ``compressor.compress_residual`` (whole or in pieces), which leaves the new
-        residual there. Only when :meth:`fuses` says so."""
+        residual there. Only when :meth:`keeps_residual_in_place` says so."""
         self.compressor._check_input(tensor)
-        if not self.fuses(tensor):
+        if not self.keeps_residual_in_place(tensor):
             raise ValueError(f"ef: {self.compressor.name} on a {tensor.dtype} tensor cannot update its residual in "
                              f"place; use accumulate and update")
         skey = "" if key is None else str(key)
@@ -239,7 +243,7 @@ class ErrorFeedback(_Feedback):
 
     def _compress_step(self, tensor: torch.Tensor, key: Optional[str], step: Optional[int]) -> Payload:
         """Compress ``tensor + residual``; the residual becomes the new compression error."""
-        if isinstance(tensor, torch.Tensor) and self.fuses(tensor):
+        if isinstance(tensor, torch.Tensor) and self.keeps_residual_in_place(tensor):
             return self.compressor.compress_residual(self.accumulate_in_place(tensor, key), key, step=step)
         acc = self.accumulate(tensor, key)
         payload, decoded = self._send(acc, tensor.dtype, key, step)
@@ -247,7 +251,7 @@ class ErrorFeedback(_Feedback):
         return payload
 
     def rounds(self, tensor: torch.Tensor, key: Optional[str] = None, *,
-               out: Optional[torch.Tensor] = None) -> Generator:
+               out: Optional[torch.Tensor] = None) -> Rounds:
         """Multi-round form (PowerSGD): the residual is ``acc`` minus the agreed result.
 
         When the gradient already has the residual's dtype, ``acc`` is the residual buffer

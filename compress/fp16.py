@@ -5,23 +5,25 @@ PyTorch's ``fp16_compress_hook``, rather than being clipped silently.
 """
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 from gradcomp.kernels.memory import empty
 
-from .base import Compressor, tensor_spec
+from .base import Capabilities, Compressor, Encoded, tensor_spec
 from .registry import register
 
 
 class CastCompressor(Compressor):
     """Base of the 16-bit casts: the wire dtype is the only difference."""
 
-    wire_dtype: torch.dtype = torch.float16
-    native = True
+    wire_dtype: ClassVar[torch.dtype] = torch.float16
+    capabilities = Capabilities(native=True)
 
-    def _compress(self, flat, key, step):
+    def _compress(self, flat, shape, key, step, want_decoded):
         # a numpy-backed buffer: no page-fault cost for a large gradient on CPU
-        return [empty(flat.numel(), self.wire_dtype, flat.device).copy_(flat)], {}
+        return Encoded([empty(flat.numel(), self.wire_dtype, flat.device).copy_(flat)], {})
 
     def _decompress(self, payload):
         return payload.tensors[0]

@@ -12,12 +12,15 @@ input never decodes to inf (the largest element may then lose that ulp).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from gradcomp.kernels.quant import (block_absmax, block_runs, dequantize_levels, fp32_scales, num_blocks,
                                    quantize_levels, tiny_safe_div, unit_multipliers)
 
-from .base import Compressor, Option, expect, meta_int, positive_int, seed_option, tensor_spec, work_dtype
+from .base import (Capabilities, Compressor, CompressorConfig, Encoded, expect, meta_int, option, positive_int,
+                   seed_option, tensor_spec, work_dtype)
 from .registry import register
 
 _LEVELS = 127
@@ -28,30 +31,32 @@ _FP32_MAX = torch.finfo(torch.float32).max
 class Int8(Compressor):
     """Absmax int8 per block: 8 bits per element plus an fp32 scale per block."""
 
-    options = {
-        "block_size": positive_int("elements per fp32 scale; smaller blocks => smaller error next "
-                                   "to outliers, 32 more bits per block", 256),
-        "stochastic": Option(False, bool, "round stochastically: unbiased, but up to twice the "
-                             "error of rounding to nearest"),
-        "seed": seed_option(),
-    }
+    @dataclass(frozen=True)
+    class Config(CompressorConfig):
+        block_size: int = positive_int("elements per fp32 scale; smaller blocks => smaller error next to "
+                                       "outliers, 32 more bits per block", 256)
+        stochastic: bool = option(False, "round stochastically: unbiased, but up to twice the error of "
+                                  "rounding to nearest", capability=True)
+        seed: int = seed_option()
 
-    def _post_init(self):
-        # the option itself sets the instance's ``stochastic`` flag; unbiased goes with it
-        self.unbiased = self.stochastic
+    config: Config
 
-    _in_place = True
+    @property
+    def capabilities(self) -> Capabilities:
+        # the option decides: stochastic rounding draws randomness and is what makes int8 unbiased
+        return Capabilities(stochastic=self.config.stochastic, unbiased=self.config.stochastic)
 
-    def _compress(self, flat, key, step):
+    def _compress(self, flat, shape, key, step, want_decoded):
         x = flat.to(work_dtype(flat.dtype))
         scale32 = self._scales(x)
-        u = self._uniform(x.numel(), key, step, x.device) if self.stochastic else None
-        return [scale32, self._levels(x, scale32, u)], {"block_size": self.block_size}
+        u = self._uniform(x.numel(), key, step, x.device) if self.config.stochastic else None
+        return Encoded([scale32, self._levels(x, scale32, u)], {"block_size": self.config.block_size})
 
     def _scales(self, x):
         """The fp32 wire scales ``max |x| / 127`` of ``x``'s blocks."""
-        top = block_absmax(x, self.block_size)
-        scale = fp32_scales(x, tiny_safe_div(top, _LEVELS), self.block_size, self.name)
+        bs = self.config.block_size
+        top = block_absmax(x, bs)
+        scale = fp32_scales(x, tiny_safe_div(top, _LEVELS), bs, self.name)
         if x.dtype == torch.float32 and scale.numel() and float(scale.amax()) * _LEVELS > _FP32_MAX:
             # 127 * scale would round past float32's max: one ulp lower, 127 then costs that ulp
             over = torch.isfinite(scale) & (scale.double() * _LEVELS > _FP32_MAX)
@@ -59,19 +64,20 @@ class Int8(Compressor):
         return scale
 
     def _levels(self, x, scale32, u):
-        xs, mult = unit_multipliers(x, scale32.to(x.dtype), self.block_size)
-        return quantize_levels(xs, mult, self.block_size, _LEVELS, u, overwrite_u=True)
+        bs = self.config.block_size
+        xs, mult = unit_multipliers(x, scale32.to(x.dtype), bs)
+        return quantize_levels(xs, mult, bs, _LEVELS, u, overwrite_u=True)
 
     def _compress_residual(self, flat, key, step):
         """One pass over ``flat`` (the fp32/fp64 accumulator) in cache-sized runs of whole
         blocks: scales, levels, and ``flat -= levels * scale``, with the bits of ``_compress``
         followed by ``_decompress`` and a subtraction."""
-        bs, n = self.block_size, flat.numel()
+        bs, n = self.config.block_size, flat.numel()
         # fp64 scales can overflow the fp32 wire: found before anything is changed
         whole = self._scales(flat) if flat.dtype == torch.float64 else None
         scale32 = torch.empty(num_blocks(n, bs), dtype=torch.float32, device=flat.device)
         levels = torch.empty(n, dtype=torch.int8, device=flat.device)
-        u = self._uniform(n, key, step, flat.device) if self.stochastic else None
+        u = self._uniform(n, key, step, flat.device) if self.config.stochastic else None
         for a, b in block_runs(n, bs, flat.device):
             x, blocks = flat[a:b], slice(a // bs, num_blocks(b, bs))
             s = whole[blocks] if whole is not None else self._scales(x)
@@ -79,7 +85,7 @@ class Int8(Compressor):
             q = levels[a:b]
             q.copy_(self._levels(x, s, None if u is None else u[a:b]))
             x.sub_(dequantize_levels(q, s.to(x.dtype), bs, x.dtype))
-        return [scale32, levels], {"block_size": bs}
+        return Encoded([scale32, levels], {"block_size": bs})
 
     def _decompress(self, payload):
         return self._decode(payload, 0, payload.numel)
@@ -94,7 +100,7 @@ class Int8(Compressor):
         self._decode_runs_into(payload, out, payload.meta["block_size"], alpha, accumulate)
 
     def _wire_bytes(self, numel):
-        return 4.0 * num_blocks(numel, self.block_size) + numel
+        return 4.0 * num_blocks(numel, self.config.block_size) + numel
 
     @classmethod
     def _check_tensors(cls, payload):

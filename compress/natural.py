@@ -14,11 +14,13 @@ dtype saturate to it (fp16: values above 2**15 may be rounded down), never to in
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from gradcomp.kernels.quant import natural_decode, natural_encode
 
-from .base import Compressor, expect, seed_option, tensor_spec, work_dtype
+from .base import Capabilities, Compressor, CompressorConfig, Encoded, expect, seed_option, tensor_spec, work_dtype
 from .registry import register
 
 _EXP_RANGE = (-1074, 1024)  # frexp exponents of float64's smallest and largest magnitudes
@@ -28,14 +30,17 @@ _EXP_RANGE = (-1074, 1024)  # frexp exponents of float64's smallest and largest 
 class Natural(Compressor):
     """Unbiased rounding to a neighbouring power of two: 8 bits per element plus 32 per tensor."""
 
-    options = {"seed": seed_option()}
-    unbiased = True
-    stochastic = True
+    @dataclass(frozen=True)
+    class Config(CompressorConfig):
+        seed: int = seed_option()
 
-    def _compress(self, flat, key, step):
+    config: Config
+    capabilities = Capabilities(unbiased=True, stochastic=True)
+
+    def _compress(self, flat, shape, key, step, want_decoded):
         u = self._uniform(flat.numel(), key, step, flat.device)
         codes, exp = natural_encode(flat, u, overwrite_u=True)
-        return [codes, torch.tensor([exp], dtype=torch.int32, device=flat.device)], {}
+        return Encoded([codes, torch.tensor([exp], dtype=torch.int32, device=flat.device)], {})
 
     def _decompress(self, payload):
         return self._decode(payload, 0, payload.numel)

@@ -1,7 +1,7 @@
 """``none``: the identity. Sends the tensor as it is; the dense baseline."""
 from __future__ import annotations
 
-from .base import Compressor, tensor_spec
+from .base import Capabilities, Compressor, Encoded, tensor_spec
 from .registry import register
 
 
@@ -9,11 +9,10 @@ from .registry import register
 class NoCompression(Compressor):
     """Identity: 32 bits per fp32 element, exact."""
 
-    native = True
-    unbiased = True
+    capabilities = Capabilities(native=True, unbiased=True)
 
-    def _compress(self, flat, key, step):
-        return [flat.clone()], {}
+    def _compress(self, flat, shape, key, step, want_decoded):
+        return Encoded([flat.clone()], {})
 
     def _decompress(self, payload):
         return payload.tensors[0]

@@ -29,6 +29,7 @@ near 65504, say) saturate to it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Dict, Generator, Optional, Tuple
 
 import torch
@@ -36,7 +37,8 @@ import torch
 from gradcomp.kernels.memory import empty
 from gradcomp.kernels.linalg import METHODS, orthonormalize
 
-from .base import FLOAT_DTYPES, Compressor, Option, expect, numel_of, positive_int, seed_option, work_dtype
+from .base import (FLOAT_DTYPES, Capabilities, Compressor, CompressorConfig, Encoded, Rounds, expect, numel_of,
+                   option, positive_int, seed_option, work_dtype)
 from .registry import register
 from .transaction import replace
 
@@ -45,19 +47,21 @@ from .transaction import replace
 class PowerSGD(Compressor):
     """Low-rank ``P Q^T`` by a warm-started power iteration; multi-round; keeps ``Q`` per key."""
 
-    options = {
-        "rank": positive_int("rank of the approximation; lower => fewer bytes, larger error", 4),
-        "min_compression_rate": Option(
-            2.0, float, "send a tensor dense unless n*m / ((n+m)*rank) reaches this; higher => more "
-            "tensors sent exactly, more bytes", lambda v: 1.0 <= v < math.inf, "a finite float >= 1"),
-        "orthogonalize": Option("qr", str, "how P is orthonormalised: 'qr' (Householder, robust) or "
-                                "'gram_schmidt' (a loop over the rank; cheaper on GPUs for small rank)",
-                                choices=METHODS),
-        "seed": seed_option(),
-    }
-    multi_round = True
-    fixed_size = False  # the factor sizes depend on the matrix shape, not only on numel
-    stochastic = True  # the first Q is drawn from the seeded stream of each key
+    @dataclass(frozen=True)
+    class Config(CompressorConfig):
+        rank: int = positive_int("rank of the approximation; lower => fewer bytes, larger error", 4)
+        min_compression_rate: float = option(
+            2.0, "send a tensor dense unless n*m / ((n+m)*rank) reaches this; higher => more tensors "
+            "sent exactly, more bytes", lambda v: 1.0 <= v < math.inf, "a finite float >= 1")
+        orthogonalize: str = option("qr", "how P is orthonormalised: 'qr' (Householder, robust) or "
+                                    "'gram_schmidt' (a loop over the rank; cheaper on GPUs for small rank)",
+                                    choices=METHODS)
+        seed: int = seed_option()
+
+    config: Config
+    # the factor sizes depend on the matrix shape, not only on numel (fixed_size=False); the
+    # first Q is drawn from the seeded stream of each key (stochastic)
+    capabilities = Capabilities(multi_round=True, fixed_size=False, stochastic=True)
 
     def _post_init(self) -> None:
         self._q: Dict[str, torch.Tensor] = {}
@@ -68,13 +72,13 @@ class PowerSGD(Compressor):
         if len(shape) < 2:
             return None
         n, m = shape[0], math.prod(shape[1:])
-        r = min(self.rank, n, m)
-        if n * m == 0 or n * m < self.min_compression_rate * (n + m) * r:
+        r = min(self.config.rank, n, m)
+        if n * m == 0 or n * m < self.config.min_compression_rate * (n + m) * r:
             return None
         return n, m, r
 
     def rounds(self, tensor: torch.Tensor, key: Optional[str] = None, *,
-               out: Optional[torch.Tensor] = None) -> Generator:
+               out: Optional[torch.Tensor] = None) -> Rounds:
         """The multi-round form (see ``Compressor.rounds``): yields ``P``, then ``Q``, or the dense
         tensor once when it is sent uncompressed. Every yielded tensor is new, so the caller may
         average it in place; the averages it sends back must keep shape and dtype. ``out``
@@ -96,7 +100,8 @@ class PowerSGD(Compressor):
         approx = _product(p, q, tensor.dtype, empty(n * m, p.dtype, p.device).view(n, m), p_top)
         return _deliver(approx.reshape(tensor.shape).to(tensor.dtype), out)
 
-    def _factors(self, mat: torch.Tensor, key: str, r: int) -> Generator:
+    def _factors(self, mat: torch.Tensor, key: str, r: int
+                 ) -> Generator[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor, float]]:
         """One power iteration on ``mat`` with the averaging done by the caller; returns
         ``(P, Q, max |P|)``, the last 1 for orthonormal ``P`` (``_product`` needs no pass)."""
         mat = mat.to(work_dtype(mat.dtype))
@@ -109,7 +114,7 @@ class PowerSGD(Compressor):
             p = mat @ _fit(q)[0]
             p_avg = yield p
             _expect_like(p_avg, p, "P")
-        p = orthonormalize(p_avg, self.orthogonalize)
+        p = orthonormalize(p_avg, self.config.orthogonalize)
         p_top = 1.0  # orthonormal columns: no entry above 1
         q = (p.T @ mat).T.contiguous()  # = mat.T @ p, but streams mat by rows: ~6x faster on CPU
         q_avg = yield q
@@ -150,12 +155,13 @@ class PowerSGD(Compressor):
         return z.to(dtype)
 
     # ---- one-process compress / decompress ---------------------------------------------------
-    def _encode(self, flat, shape, key, step, want_decoded):
+    def _compress(self, flat, shape, key, step, want_decoded):
         plan = self.plan(shape)  # the matrix view needs the original shape
         if plan is None:
-            return [flat.clone()], {"dense": True}, None
+            return Encoded([flat.clone()], {"dense": True})
         p, q, p_top = _local(self._factors(flat.reshape(plan[0], plan[1]), key, plan[2]))
-        return [p, q], {"dense": False}, _product(p, q, flat.dtype, None, p_top).reshape(-1) if want_decoded else None
+        return Encoded([p, q], {"dense": False},
+                       _product(p, q, flat.dtype, None, p_top).reshape(-1) if want_decoded else None)
 
     def _decompress(self, payload):
         if payload.meta["dense"]:
@@ -169,7 +175,7 @@ class PowerSGD(Compressor):
         side = math.isqrt(numel)
         if self.plan((side, side)) is None or side * side != numel:
             return 4.0 * numel
-        return 4.0 * 2 * side * min(self.rank, side)
+        return 4.0 * 2 * side * min(self.config.rank, side)
 
     @classmethod
     def _check_tensors(cls, payload):
@@ -233,8 +239,8 @@ def _product(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, out: Optional
 
 def _absmax(t: torch.Tensor) -> float:
     """``max |t|`` in one pass (NaN when ``t`` holds NaN)."""
-    lo, hi = torch.aminmax(t)
-    lo, hi = float(lo), float(hi)
+    lo_t, hi_t = torch.aminmax(t)
+    lo, hi = float(lo_t), float(hi_t)
     return math.nan if math.isnan(lo) or math.isnan(hi) else max(hi, -lo)
 
 
@@ -249,7 +255,7 @@ def _deliver(result: torch.Tensor, out: Optional[torch.Tensor]) -> torch.Tensor:
     return result if out is None else out.copy_(result)
 
 
-def _local(gen: Generator) -> Any:
+def _local(gen: Generator[torch.Tensor, torch.Tensor, Any]) -> Any:
     """Run a rounds generator in one process, where the average of a tensor is itself."""
     try:
         sent = next(gen)

@@ -17,6 +17,7 @@ gradient's dtype (fp16: within one step of 65504) saturates to it, never to inf.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -25,7 +26,8 @@ from gradcomp.kernels.quant import (SMALLEST_NORMAL32, bucket_norms, clamp_block
                                    div_scalar, fp32_ceil, fp32_scales, num_blocks, quantize_levels,
                                    tiny_safe_div, unit_multipliers)
 
-from .base import Compressor, Option, expect, meta_int, positive_int, seed_option, tensor_spec, work_dtype
+from .base import (Capabilities, Compressor, CompressorConfig, Encoded, expect, meta_int, option, positive_int,
+                   seed_option, tensor_spec, work_dtype)
 from .registry import register
 
 
@@ -38,21 +40,22 @@ def code_bits(levels: int) -> int:
 class QSGD(Compressor):
     """Unbiased stochastic rounding to ``levels`` levels of ``|x| / norm`` per bucket."""
 
-    options = {
-        "levels": Option(127, int, "quantisation levels s per sign; more levels => lower variance, "
-                         "more bits: s=1 -> 2 bits, s<=7 -> 4 bits, s<=127 -> 8 bits per element. "
-                         "127 fills a byte and keeps the variance below 3.2% of the norm**2 for "
-                         "512-element buckets", lambda v: 1 <= v <= 127, "an int in [1, 127]"),
-        "bucket_size": positive_int("elements per fp32 norm; smaller buckets => lower variance, "
-                                    "32 more bits per bucket", 512),
-        "seed": seed_option(),
-    }
-    unbiased = True
-    stochastic = True
+    @dataclass(frozen=True)
+    class Config(CompressorConfig):
+        levels: int = option(127, "quantisation levels s per sign; more levels => lower variance, more "
+                             "bits: s=1 -> 2 bits, s<=7 -> 4 bits, s<=127 -> 8 bits per element. 127 "
+                             "fills a byte and keeps the variance below 3.2% of the norm**2 for "
+                             "512-element buckets", lambda v: 1 <= v <= 127, "an int in [1, 127]")
+        bucket_size: int = positive_int("elements per fp32 norm; smaller buckets => lower variance, 32 "
+                                        "more bits per bucket", 512)
+        seed: int = seed_option()
 
-    def _compress(self, flat, key, step):
+    config: Config
+    capabilities = Capabilities(unbiased=True, stochastic=True)
+
+    def _compress(self, flat, shape, key, step, want_decoded):
         x = flat.to(work_dtype(flat.dtype))
-        s, bs = self.levels, self.bucket_size
+        s, bs = self.config.levels, self.config.bucket_size
         norms = _wire_norms(fp32_scales(x, bucket_norms(x, bs), bs, self.name, flat.dtype), s, x.dtype)
         xs, mult = unit_multipliers(x, div_scalar(norms.to(x.dtype), s), bs)  # the receiver's step
         u = self._uniform(x.numel(), key, step, x.device)
@@ -62,7 +65,7 @@ class QSGD(Compressor):
             codes = levels  # one int8 per element is already packed
         else:
             codes = pack_codes(levels.add_(s).view(torch.uint8), bits)
-        return [norms, codes], {"levels": s, "bucket_size": bs}
+        return Encoded([norms, codes], {"levels": s, "bucket_size": bs})
 
     def _decompress(self, payload):
         return self._decode(payload, 0, payload.numel)
@@ -90,7 +93,8 @@ class QSGD(Compressor):
         self._decode_runs_into(payload, out, align, alpha, accumulate)
 
     def _wire_bytes(self, numel):
-        return 4.0 * num_blocks(numel, self.bucket_size) + packed_nbytes(numel, code_bits(self.levels))
+        c = self.config
+        return 4.0 * num_blocks(numel, c.bucket_size) + packed_nbytes(numel, code_bits(c.levels))
 
     @classmethod
     def _check_tensors(cls, payload):

@@ -26,13 +26,15 @@ nor a silently clipped, biased value.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from gradcomp.kernels import rng
 from gradcomp.kernels.sparse import densify
 
-from .base import Compressor, Option, expect, meta_int, numel_of, seed_option, work_dtype
+from .base import (Capabilities, Compressor, CompressorConfig, Encoded, expect, meta_int, numel_of, option,
+                   seed_option, work_dtype)
 from .registry import register
 from .topk import ratio_option, scatter_into
 
@@ -61,37 +63,38 @@ def positions(numel: int, k: int, seed: int, key: str, step: int, device: torch.
 class RandomK(Compressor):
     """k = max(1, round(ratio * numel)) elements at shared random positions, scaled by n/k."""
 
-    options = {
-        "ratio": ratio_option(0.01),
-        "seed": seed_option(),
-        "rescale": Option(True, bool, "scale kept values by numel/k: True => unbiased; False => "
-                          "biased towards zero with k/n of the variance, the better choice "
-                          "under error feedback"),
-    }
-    native = True
-    unbiased = True
-    stochastic = True
-    _fused = True
+    @dataclass(frozen=True)
+    class Config(CompressorConfig):
+        ratio: float = ratio_option(0.01)
+        seed: int = seed_option()
+        rescale: bool = option(True, "scale kept values by numel/k: True => unbiased; False => biased "
+                               "towards zero with k/n of the variance, the better choice under error "
+                               "feedback")
 
-    def _post_init(self) -> None:
-        self.unbiased = self.rescale
+    config: Config
+
+    @property
+    def capabilities(self) -> Capabilities:
+        # the option decides: without the rescale the result is biased towards zero
+        return Capabilities(native=True, unbiased=self.config.rescale, stochastic=True)
 
     def _k(self, numel: int) -> int:
-        return 0 if numel == 0 else max(1, round(self.ratio * numel))
+        return 0 if numel == 0 else max(1, round(self.config.ratio * numel))
 
-    def _compress(self, flat, key, step, want_decoded=False):
+    def _compress(self, flat, shape, key, step, want_decoded):
+        c = self.config
         n = flat.numel()
         k = self._k(n)
         if k > _MAX_K:
-            raise ValueError(f"randomk keeps at most {_MAX_K} elements, ratio={self.ratio} asks for {k}")
-        idx = positions(n, k, self.seed, key, step, flat.device)
+            raise ValueError(f"randomk keeps at most {_MAX_K} elements, ratio={c.ratio} asks for {k}")
+        idx = positions(n, k, c.seed, key, step, flat.device)
         values = flat[idx]
         # sum() is one fast pass; it can overflow on finite data, so a non-finite sum is confirmed.
         if n and not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
             values.fill_(math.nan)
-        meta = {"k": k, "seed": self.seed, "key": key, "step": step, "rescale": self.rescale}
-        decoded = _decode(idx, values, n, self.rescale, flat.dtype) if want_decoded else None
-        return [values], meta, decoded
+        meta = {"k": k, "seed": c.seed, "key": key, "step": step, "rescale": c.rescale}
+        decoded = _decode(idx, values, n, c.rescale, flat.dtype) if want_decoded else None
+        return Encoded([values], meta, decoded)
 
     def _decompress(self, payload):
         m = payload.meta

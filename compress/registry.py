@@ -1,18 +1,23 @@
 """The compressor registry: ``@register("name")`` fills one dict and refuses duplicates."""
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Type
+from typing import Any, Callable, Dict, List, Type, TypeVar
 
-_REGISTRY: Dict[str, type] = {}
+from .base import Compressor, check_contract
+
+_REGISTRY: Dict[str, Type[Compressor]] = {}
+_C = TypeVar("_C", bound="Type[Compressor]")
 
 
-def register(name: str) -> Callable[[Type], Type]:
-    """Class decorator: make a compressor available as ``get_compressor(name)``."""
+def register(name: str) -> Callable[[_C], _C]:
+    """Class decorator: make a compressor available as ``get_compressor(name)``, once its class
+    keeps the contract (``gradcomp.compress.base.check_contract``: ``TypeError`` otherwise)."""
 
-    def deco(cls: Type) -> Type:
+    def deco(cls: _C) -> _C:
         if name in _REGISTRY:
             raise ValueError(f"compressor name {name!r} is already registered by {_REGISTRY[name].__name__}")
         cls.name = name
+        check_contract(cls)
         _REGISTRY[name] = cls
         return cls
 
@@ -24,13 +29,13 @@ def available_compressors() -> List[str]:
     return sorted(_REGISTRY)
 
 
-def compressor_class(name: str) -> type:
+def compressor_class(name: str) -> Type[Compressor]:
     """The class registered under ``name``; ``ValueError`` naming the choices otherwise."""
     if not isinstance(name, str) or name not in _REGISTRY:
         raise ValueError(f"unknown compressor {name!r}; available: {', '.join(available_compressors())}")
     return _REGISTRY[name]
 
 
-def get_compressor(name: str, **options: Any):
+def get_compressor(name: str, **options: Any) -> Compressor:
     """A new compressor ``name`` configured by keyword ``options`` (validated at once)."""
     return compressor_class(name)(**options)

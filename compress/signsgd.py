@@ -20,7 +20,7 @@ import torch
 from gradcomp.kernels.bits import packed_nbytes
 from gradcomp.kernels.sign import sign_pack, sign_unpack
 
-from .base import Compressor, tensor_spec
+from .base import Capabilities, Compressor, Encoded, tensor_spec
 from .registry import register
 
 
@@ -35,8 +35,7 @@ class SignCompressor(Compressor):
 
     n_values: ClassVar[int] = 1
     stats: ClassVar[str] = "sum"
-    _fused = True
-    _in_place = True
+    capabilities = Capabilities()
 
     def _values(self, x: torch.Tensor, sums: torch.Tensor, bits: torch.Tensor) -> List[float]:
         raise NotImplementedError
@@ -45,7 +44,7 @@ class SignCompressor(Compressor):
         """The tensor whose signs are sent, and whether it is known to hold NaN/Inf."""
         return flat, False
 
-    def _compress(self, flat, key, step, want_decoded=False):
+    def _compress(self, flat, shape, key, step, want_decoded):
         x, nonfinite = self._signal(flat, key)
         bits, sums = sign_pack(x, "none" if nonfinite else self.stats)
         values = [math.nan] * self.n_values if nonfinite else self._values(x, sums, bits)
@@ -53,16 +52,16 @@ class SignCompressor(Compressor):
         if not nonfinite and not bool(torch.isfinite(wire).all()) and bool(torch.isfinite(x).all()):
             raise ValueError(f"{self.name}: a decode value of this {x.dtype} tensor exceeds the float32 range "
                              f"of the wire (3.4e38); scale the tensor down")
-        decoded = self._decode(bits, wire, flat.numel(), flat.dtype) if want_decoded else None
-        return [bits, wire.to(flat.device)], {}, decoded
+        decoded = self._unpack(bits, wire, flat.numel(), flat.dtype) if want_decoded else None
+        return Encoded([bits, wire.to(flat.device)], {}, decoded)
 
     def _compress_residual(self, flat, key, step):
-        tensors, meta, _ = self._compress(flat, key, step)
+        tensors, meta, _ = self._compress(flat, tuple(flat.shape), key, step, False)
         bits, values = tensors
         pos, neg = self._pair(values, flat.dtype)
         # flat - decoded, as flat + (-decoded): negation is exact, so these are the same bits
         sign_unpack(bits, flat.numel(), -pos, -neg, out=flat, accumulate=True)
-        return tensors, meta
+        return Encoded(tensors, meta)
 
     @classmethod
     def _pair(cls, values: torch.Tensor, dtype: torch.dtype) -> Tuple[float, float]:
@@ -71,13 +70,14 @@ class SignCompressor(Compressor):
         return (vals[0], -vals[0]) if cls.n_values == 1 else (vals[0], vals[1])
 
     @classmethod
-    def _decode(cls, bits: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    def _unpack(cls, bits: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The decoding of packed ``bits`` with decode ``values``, in ``dtype``."""
         pos, neg = cls._pair(values, dtype)
         return sign_unpack(bits, numel, pos, neg, dtype=dtype)
 
     def _decompress(self, payload):
         bits, values = payload.tensors
-        return self._decode(bits, values, payload.numel, payload.dtype)
+        return self._unpack(bits, values, payload.numel, payload.dtype)
 
     def _decompress_into(self, payload, out, alpha, accumulate):
         bits, values = payload.tensors

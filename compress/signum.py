@@ -8,11 +8,12 @@ momentum untouched, so a step that AMP's loss scaler skips does not poison the l
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Dict
 
 import torch
 
-from .base import Option, work_dtype
+from .base import CompressorConfig, option, work_dtype
 from .registry import register
 from .signsgd import SignCompressor, nonfinite_sum
 from .transaction import replace, writable
@@ -22,11 +23,13 @@ from .transaction import replace, writable
 class Signum(SignCompressor):
     """Sign of a per-key momentum of the input, decoded as +1 / -1; keeps state per key."""
 
-    options = {
-        "momentum": Option(0.9, float, "weight of past gradients in the momentum whose sign is sent; "
-                           "higher => smoother signs, slower to follow a change", lambda v: 0.0 <= v < 1.0,
-                           "a float in [0, 1)"),
-    }
+    @dataclass(frozen=True)
+    class Config(CompressorConfig):
+        momentum: float = option(0.9, "weight of past gradients in the momentum whose sign is sent; "
+                                 "higher => smoother signs, slower to follow a change",
+                                 lambda v: 0.0 <= v < 1.0, "a float in [0, 1)")
+
+    config: Config
     stats = "none"  # the finiteness check runs on the gradient, before it enters the momentum
 
     def _post_init(self) -> None:
@@ -38,7 +41,8 @@ class Signum(SignCompressor):
             return flat, True
         old = self._buffer(key, flat)
         # one pass, the bits of old.lerp_(...); inside a transaction into the other buffer
-        buf = torch.lerp(old, flat.to(old.dtype), 1.0 - self.momentum, out=writable(self._momentum, key, self._spares))
+        weight = 1.0 - self.config.momentum
+        buf = torch.lerp(old, flat.to(old.dtype), weight, out=writable(self._momentum, key, self._spares))
         return buf, False
 
     def _values(self, x, sums, bits):

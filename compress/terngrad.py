@@ -12,6 +12,7 @@ elements make the result biased.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -19,7 +20,8 @@ from gradcomp.kernels.bits import pack_codes, packed_nbytes, unpack_codes
 from gradcomp.kernels.quant import (block_absmax, dequantize_levels, fp32_scales, num_blocks,
                                    quantize_levels, unit_multipliers)
 
-from .base import Compressor, Option, expect, meta_int, seed_option, tensor_spec, work_dtype
+from .base import (Capabilities, Compressor, CompressorConfig, Encoded, expect, meta_int, option, seed_option,
+                   tensor_spec, work_dtype)
 from .registry import register
 
 
@@ -31,27 +33,30 @@ def _block(bucket_size: int, numel: int) -> int:
 class TernGrad(Compressor):
     """Unbiased stochastic ternarisation, 2 bits per element plus an fp32 scale per bucket."""
 
-    options = {
-        "bucket_size": Option(512, int, "elements per fp32 scale (0: one scale per tensor, as in the "
-                              "paper); smaller buckets => lower variance, 32 more bits per bucket",
-                              lambda v: v >= 0, "an int >= 0"),
-        "clip": Option(0.0, float, "clip |x| to clip * std(x) before ternarising (0: off; the paper "
-                       "uses 2.5); lower => lower variance but more bias",
-                       lambda v: v == 0 or 0 < v < math.inf, "0 (off) or a finite float > 0"),
-        "seed": seed_option(),
-    }
-    unbiased = True  # with the default clip=0
-    stochastic = True
+    @dataclass(frozen=True)
+    class Config(CompressorConfig):
+        bucket_size: int = option(512, "elements per fp32 scale (0: one scale per tensor, as in the "
+                                  "paper); smaller buckets => lower variance, 32 more bits per bucket",
+                                  lambda v: v >= 0, "an int >= 0")
+        clip: float = option(0.0, "clip |x| to clip * std(x) before ternarising (0: off; the paper uses "
+                             "2.5); lower => lower variance but more bias",
+                             lambda v: v == 0 or 0 < v < math.inf, "0 (off) or a finite float > 0")
+        seed: int = seed_option()
 
-    def _post_init(self):
-        self.unbiased = self.clip == 0  # clipping biases the clipped elements
+    config: Config
 
-    def _compress(self, flat, key, step):
+    @property
+    def capabilities(self) -> Capabilities:
+        # the option decides: clipping biases the clipped elements
+        return Capabilities(unbiased=self.config.clip == 0, stochastic=True)
+
+    def _compress(self, flat, shape, key, step, want_decoded):
         x = flat.to(work_dtype(flat.dtype))
-        bs = _block(self.bucket_size, x.numel())
+        bs = _block(self.config.bucket_size, x.numel())
         scale = block_absmax(x, bs)
-        if self.clip and x.numel() > 1:
-            limit = self.clip * x.std()
+        clip = self.config.clip
+        if clip and x.numel() > 1:
+            limit = clip * x.std()
             if float(limit) != 0:  # a constant tensor is not clipped to zero; NaN propagates
                 scale = torch.minimum(scale, limit)
         scale32 = fp32_scales(x, scale, bs, self.name, flat.dtype)
@@ -60,7 +65,7 @@ class TernGrad(Compressor):
         u = self._uniform(x.numel(), key, step, x.device)
         levels = quantize_levels(xs, mult, bs, 1, u, overwrite_u=True)  # clipped values saturate
         codes = pack_codes(levels.add_(1).view(torch.uint8), 2)
-        return [scale32, codes], {"bucket_size": self.bucket_size}
+        return Encoded([scale32, codes], {"bucket_size": self.config.bucket_size})
 
     def _decompress(self, payload):
         return self._decode(payload, 0, payload.numel)
@@ -79,7 +84,7 @@ class TernGrad(Compressor):
         self._decode_runs_into(payload, out, align, alpha, accumulate)
 
     def _wire_bytes(self, numel):
-        return 4.0 * num_blocks(numel, _block(self.bucket_size, numel)) + packed_nbytes(numel, 2)
+        return 4.0 * num_blocks(numel, _block(self.config.bucket_size, numel)) + packed_nbytes(numel, 2)
 
     @classmethod
     def _check_tensors(cls, payload):

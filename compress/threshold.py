@@ -8,11 +8,12 @@ the scale of the gradients. NaN and Inf are always kept. Biased: pair it with er
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from gradcomp.kernels.select import threshold_indices
 from gradcomp.kernels.sparse import index_dtype
 
-from .base import Compressor, Option
+from .base import Capabilities, Compressor, CompressorConfig, Encoded, option
 from .registry import register
 from .topk import check_sparse, decode_sparse, decode_sparse_into, sparse_payload, sparse_residual
 
@@ -21,21 +22,21 @@ from .topk import check_sparse, decode_sparse, decode_sparse_into, sparse_payloa
 class Threshold(Compressor):
     """Keep the elements with ``|x| >= tau``; a data-dependent number of values and indices."""
 
-    options = {
-        "tau": Option(0.01, float, "magnitude an element needs to be sent; larger => fewer bytes, "
-                      "more error left to error feedback", lambda v: math.isfinite(v) and v >= 0.0,
-                      "a finite float >= 0"),
-    }
-    fixed_size = False
-    _fused = True
-    _in_place = True
+    @dataclass(frozen=True)
+    class Config(CompressorConfig):
+        tau: float = option(0.01, "magnitude an element needs to be sent; larger => fewer bytes, more "
+                            "error left to error feedback", lambda v: math.isfinite(v) and v >= 0.0,
+                            "a finite float >= 0")
 
-    def _compress(self, flat, key, step, want_decoded=False):
-        tensors, decoded = sparse_payload(flat, threshold_indices(flat, self.tau), want_decoded)
-        return tensors, {}, decoded
+    config: Config
+    capabilities = Capabilities(fixed_size=False)
+
+    def _compress(self, flat, shape, key, step, want_decoded):
+        tensors, decoded = sparse_payload(flat, threshold_indices(flat, self.config.tau), want_decoded)
+        return Encoded(tensors, {}, decoded)
 
     def _compress_residual(self, flat, key, step):
-        return sparse_residual(flat, threshold_indices(flat, self.tau)), {}
+        return Encoded(sparse_residual(flat, threshold_indices(flat, self.config.tau)), {})
 
     def _decompress(self, payload):
         return decode_sparse(payload)

@@ -10,7 +10,8 @@ lowest indices. The sparse payload helpers here are shared by ``threshold`` and 
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
 
 import torch
 
@@ -18,14 +19,14 @@ from gradcomp.kernels.memory import empty
 from gradcomp.kernels.select import topk_abs_indices
 from gradcomp.kernels.sparse import check_indices, densify, index_dtype, scatter_add_checked
 
-from .base import Compressor, Option, expect, numel_of, work_dtype
+from .base import Capabilities, Compressor, CompressorConfig, Encoded, expect, numel_of, option, work_dtype
 from .payload import Payload
 from .registry import register
 
 
-def ratio_option(default: float) -> Option:
-    return Option(default, float, "fraction of elements sent; smaller => fewer bytes, more error "
-                  "left to error feedback", lambda v: 0.0 < v <= 1.0, "a float in (0, 1]")
+def ratio_option(default: float) -> float:
+    return option(default, "fraction of elements sent; smaller => fewer bytes, more error left to "
+                  "error feedback", lambda v: 0.0 < v <= 1.0, "a float in (0, 1]")
 
 
 def sparse_payload(flat: torch.Tensor, idx: torch.Tensor,
@@ -95,24 +96,27 @@ def scatter_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
 class TopK(Compressor):
     """Exact top-k by magnitude: ``k = max(1, round(ratio * numel))`` values and indices."""
 
-    options = {"ratio": ratio_option(0.01)}
-    _fused = True
-    _in_place = True
+    @dataclass(frozen=True)
+    class Config(CompressorConfig):
+        ratio: float = ratio_option(0.01)
+
+    config: Config
+    capabilities = Capabilities()
 
     def _k(self, numel: int) -> int:
-        return 0 if numel == 0 else max(1, round(self.ratio * numel))
+        return 0 if numel == 0 else max(1, round(self.config.ratio * numel))
 
     def _select(self, flat: torch.Tensor, k: int, key: str, step: int) -> torch.Tensor:
         """Positions of the ``k`` largest magnitudes of ``flat`` (signed values)."""
         return topk_abs_indices(flat, k)
 
-    def _compress(self, flat, key, step, want_decoded=False) -> Tuple[List[torch.Tensor], Dict[str, Any], Any]:
+    def _compress(self, flat, shape, key, step, want_decoded):
         idx = self._select(flat, self._k(flat.numel()), key, step)
         tensors, decoded = sparse_payload(flat, idx, want_decoded)
-        return tensors, {}, decoded
+        return Encoded(tensors, {}, decoded)
 
     def _compress_residual(self, flat, key, step):
-        return sparse_residual(flat, self._select(flat, self._k(flat.numel()), key, step)), {}
+        return Encoded(sparse_residual(flat, self._select(flat, self._k(flat.numel()), key, step)), {})
 
     def _decompress(self, payload):
         return decode_sparse(payload)

@@ -264,7 +264,7 @@ def _check_settings(where: str, s: Dict[str, Any]) -> Dict[str, Any]:
 def _fresh_copy(codec: Any) -> Any:
     """A new codec configured like ``codec`` (per-layer rules must not share state with the default)."""
     base = base_of(codec)
-    fresh = get_compressor(base.name, **base.config)
+    fresh = get_compressor(base.name, **base.config.as_dict())
     if codec is base:
         return fresh
     if isinstance(codec, DGCMomentum):

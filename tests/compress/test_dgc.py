@@ -33,7 +33,7 @@ def test_selection_is_the_exact_top_k(sample_ratio):
 
 def test_same_size_as_topk_and_different_default():
     c = get_compressor("dgc")
-    assert c.ratio == 0.001 and c.fixed_size and c.stochastic
+    assert c.config.ratio == 0.001 and c.fixed_size and c.stochastic
     n = 1 << 16
     assert 8 * c.compress(torch.randn(n)).nbytes == pytest.approx(c.bits_per_element(n) * n)
 

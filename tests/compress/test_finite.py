@@ -156,7 +156,7 @@ def test_subnormal_scales_decode_within_one_step(name, options, dtype, mag):
     p = c.compress(t, key="s")
     out = c.decompress(p).double()
     scale = p.tensors[0].double()
-    per_block = scale / c.levels if name == "qsgd" else scale
+    per_block = scale / c.config.levels if name == "qsgd" else scale
     step = per_block.repeat_interleave(p.meta.get("block_size") or p.meta["bucket_size"])
     slack = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps  # one subnormal ulp
     assert ((out - t.double()).abs() <= step * (1 + 1e-6) + slack).all(), (out[:4], t[:4])

@@ -56,7 +56,7 @@ def test_routing_rules():
     psgd = Policy("powersgd", rank=4, min_numel=0)
     assert psgd.route("head", torch.zeros(4, 64), 0) is None
     assert psgd.route("body", torch.zeros(64, 64), 0) is not None
-    assert psgd.default.codec.compressor.min_compression_rate == 2.0  # the policy's value reaches it
+    assert psgd.default.codec.compressor.config.min_compression_rate == 2.0  # the policy's value reaches it
     assert Policy("fp16", min_numel=0).route("w", w, 0) is not None  # exactly 2x
     assert Policy("fp16", min_numel=0, min_compression_rate=2.5).route("w", w, 0) is None
     assert Policy("none", min_numel=0).route("w", w, 0) is None  # never shrinks: sent dense
@@ -69,7 +69,7 @@ def test_layer_overrides():
     w = torch.zeros(16, 16)
     assert policy.route("embed.weight", w, 0) is None
     head = policy.route("head.weight", w, 0)
-    assert head.compressor.ratio == 0.2 and head is not policy.default.codec
+    assert head.compressor.config.ratio == 0.2 and head is not policy.default.codec
     assert policy.route("head.bias", torch.zeros(16), 0) is head  # first match wins, 1-D allowed there
     assert policy.route("body.weight", w, 0).name == "fp16"
     assert policy.route("body.other", w, 0) is policy.default.codec
