@@ -3,11 +3,12 @@
 ``allreduce`` (mean over a group; algorithm chosen from the compressor's declared
 capabilities; async with futures; optional hierarchical mode), ``allreduce_buckets``
 (many tensors, one collective per bucket, error feedback per name), ``allreduce_fused``
-(many tensors, each compressed on its own, one allgather for all), ``send``/``recv``
+(many tensors, each compressed on its own, sharing each exchange: one all-gather on two ranks,
+scatter-reduce's exchanges on three or more), ``send``/``recv``
 (compressed point-to-point), and per-rank telemetry (``telemetry()``,
 ``reset_telemetry()``).
 """
-from ._async import shutdown
+from .worker import shutdown
 from ._comm import CommunicationError
 from .allreduce import ALGORITHMS, allreduce, choose_algorithm
 from .bucket import allreduce_buckets, plan_buckets

@@ -16,7 +16,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from . import _async
+from . import worker
 from ._header import h64
 from ._core import flat_job, make_spec
 
@@ -34,7 +34,8 @@ def plan_buckets(tensors: Sequence[Tuple[str, torch.Tensor]], bucket_mb: float) 
         kinds.setdefault((str(t.device), t.dtype), []).append(i)
     buckets: List[List[int]] = []
     for members in kinds.values():
-        current, size = [], 0
+        current: List[int] = []
+        size = 0
         for i in members:
             nbytes = tensors[i][1].numel() * tensors[i][1].element_size()
             if current and size + nbytes > cap:
@@ -105,9 +106,9 @@ def allreduce_buckets(tensors: Tensors, compressor: Any = "none", *, bucket_mb: 
         members = [items[i] for i in bucket]
         layout = ";".join(f"{n}:{tuple(t.shape)}" for n, t in members)
         key = f"{key_prefix}bucket:{members[0][0]}..{members[-1][0]}#{h64(layout) & 0xFFFFFFFF:08x}"
-        futures.append(_async.submit(partial(_bucket_job, members, spec, key, group), (group,), async_op))
+        futures.append(worker.submit(partial(_bucket_job, members, spec, key, group), (group,), async_op))
     if async_op:
-        return _async.all_of(futures, lambda parts: _merge(names, parts))
+        return worker.all_of(futures, lambda parts: _merge(names, parts))
     return _merge(names, futures)
 
 

@@ -30,11 +30,11 @@ import torch
 
 from gradcomp.compress import transaction
 
-from . import _async
+from . import worker
 from . import _telemetry as telemetry
 from ._algorithm import fresh
 from ._comm import Comm
-from ._core import _fuses, check_input, label, make_spec
+from ._core import _keeps_residual_in_place, check_input, label, make_spec
 from ._header import IDX, build, check_same_call, h64, verify
 from ._header import sizes as header_sizes
 from ._wire import gather_bytes
@@ -73,7 +73,7 @@ def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *
             raise ValueError(f"allreduce_fused cannot send {spec.base.name} for key {key!r}: it needs several "
                              f"rounds; use allreduce for multi-round compressors")
         specs.append(spec)
-    return _async.submit(lambda eff: _fused_job(items, specs, eff(group), algorithm), (group,), async_op)
+    return worker.submit(lambda eff: _fused_job(items, specs, eff(group), algorithm), (group,), async_op)
 
 
 def _fused_job(items: List[Item], specs: list, group, algorithm: Optional[str]) -> List[torch.Tensor]:
@@ -108,7 +108,7 @@ def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[s
             algos[i] = algo
             with rec.timing("compress"):
                 acc, feedback = tensor.detach(), spec.feedback
-                if feedback is not None and _fuses(feedback, tensor):
+                if feedback is not None and _keeps_residual_in_place(feedback, tensor):
                     algo.want_sent, algo.in_place = False, True
                     acc = feedback.accumulate_in_place(acc, key)
                 elif feedback is not None:

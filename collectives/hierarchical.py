@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from gradcomp.compress import transaction
 
-from . import _async, _telemetry as telemetry
+from . import _telemetry as telemetry, worker
 from ._algorithm import chunk_sizes, mean_in_order, wdtype
 from ._comm import Comm, group_timeout, initialized
 from ._core import check_input, choose_algorithm, label, measure, reduce
@@ -52,9 +52,9 @@ def make_node_groups(local_size: int) -> NodeGroups:
     for kind, members in ([("intra", list(range(n * local_size, (n + 1) * local_size))) for n in range(nodes)]
                           + [("inter", list(range(i, world, local_size))) for i in range(local_size)]):
         group = dist.new_group(members, timeout=timeout)
-        twin = dist.new_group(members, timeout=timeout)  # for async calls; see _async
+        twin = dist.new_group(members, timeout=timeout)  # for workers; see worker.py
         if rank in members:
-            _async.register_twin(group, twin)
+            worker.register_twin(group, twin)
             mine[kind] = group
     return NodeGroups(mine["intra"], mine["inter"], rank % local_size, rank // local_size)
 

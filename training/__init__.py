@@ -5,7 +5,7 @@
 without DDP. Both share one warm-up / layer policy (:mod:`gradcomp.training.policy`) and keep
 compressor and error-feedback state per parameter name.
 """
-from ._worker import shutdown
+from gradcomp.collectives import shutdown
 from .engine import Compression
 from .hooks import HookState, cast_wrapper, compressed_hook, ddp_comm_hook
 from .optimizer import CompressedOptimizer

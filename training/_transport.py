@@ -20,7 +20,7 @@ collectives in the same order: the rounds of a codec depend only on the tensor s
 from __future__ import annotations
 
 import time
-from typing import Any, Dict, Generator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Generator, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,16 @@ from gradcomp.compress.fp16 import CastCompressor
 from .policy import base_of
 
 Item = Tuple[str, torch.Tensor, Any]  # (key, gradient, codec or None for dense)
+
+
+class Hierarchy(NamedTuple):
+    """This rank's groups for the hierarchical exchange: its node, and one rank per node."""
+
+    intra: Any  # the ranks of this node (consecutive global ranks)
+    inter: Any  # the ranks with this rank's local index, one per node
+    local_size: int
+    local_rank: int
+    nodes: int
 
 
 def exchange(items: Sequence[Item], group, world: int, *, buffer: Optional[torch.Tensor] = None,
@@ -82,7 +92,7 @@ def exchange(items: Sequence[Item], group, world: int, *, buffer: Optional[torch
 def exchange_hierarchical(items: Sequence[Item], hier: Any, owners: Sequence[int], *,
                           label: str = "?") -> List[torch.Tensor]:
     """The mean of every gradient over all ranks, dense inside a node, compressed across nodes
-    (``hier``: :class:`gradcomp.training._worker.Hierarchy`). Each gradient has an owner, one
+    (``hier``: :class:`Hierarchy`). Each gradient has an owner, one
     local rank (``owners``, one per item: whole gradients, the same on every node and every
     step). Per dtype, in order:
 

@@ -16,8 +16,9 @@ from gradcomp.collectives import choose_algorithm, server_feedback
 from gradcomp.collectives._header import h64
 from gradcomp.compress.transaction import Transaction
 
-from . import _worker
-from ._transport import exchange, exchange_hierarchical
+from gradcomp.collectives import make_node_groups, worker
+from gradcomp.collectives._comm import check_alone, initialized
+from ._transport import Hierarchy, exchange, exchange_hierarchical
 from .policy import Policy, base_of
 
 _VERSION = 1
@@ -30,8 +31,8 @@ class Compression:
         self.policy = policy
         self.group = group
         self.iteration = 0  # completed exchanges of the whole model; drives ``start_iter``
-        self.world = _worker.world_of(group)
-        self._worker: Optional[_worker.Worker] = None
+        self.world = world_of(group)
+        self._worker: Optional[worker.Worker] = None
         if local_size is not None:
             if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
                     or self.world % local_size:
@@ -42,7 +43,7 @@ class Compression:
                                  "process group only; pass process_group=None")
         # ranks per node for the hierarchical exchange (None: flat); one node of one rank is flat
         self.local_size = local_size if local_size is not None and self.world > 1 else None
-        self._hierarchy: Optional[_worker.Hierarchy] = None
+        self._nodes: Any = None  # NodeGroups when hierarchical
         self._txn: Optional[Transaction] = None  # the state changes of the iteration in flight
         self._checked: set = set()  # bucket layouts every rank has agreed on
         self.names: List[str] = []  # the parameter names, when the caller knows them (identity of a checkpoint)
@@ -59,9 +60,12 @@ class Compression:
         when hierarchical); every rank must call this at the same point."""
         if self.world > 1 and self._worker is None:
             self.check(params, "at registration")
-            self._worker = _worker.worker_for(self.group)
-        if self.local_size is not None and self._hierarchy is None:
-            self._hierarchy = _worker.node_groups(self.local_size)
+            groups = (self.group,)
+            if self.local_size is not None:
+                self._nodes = make_node_groups(self.local_size)
+                groups = (self.group, self._nodes.intra, self._nodes.inter)
+            # the collectives' worker for these groups: training buckets and async calls share its order
+            self._worker = worker.worker_for(groups)
 
     @property
     def started(self) -> bool:
@@ -109,23 +113,26 @@ class Compression:
         sent as the policy says at the current iteration. ``advance``: this is the iteration's
         last bucket; once it is done the iteration ends (:meth:`end_iteration`).
         ``buffer``: see :func:`gradcomp.training._transport.exchange`; ``inline``: see
-        :meth:`gradcomp.training._worker.Worker.submit`."""
+        :meth:`gradcomp.collectives.worker.Worker.submit`."""
         items = [(n, g, self.policy.route(n, g, self.iteration)) for n, g in zip(names, grads)]
         world, label = self.world, self.label
         if world > 1:
             self.start()
-        hierarchy = self._hierarchy
-        owners = self._own(names, grads) if hierarchy is not None else None
+        nodes, local_size = self._nodes, self.local_size
+        owners = self._own(names, grads) if nodes is not None else None
         if self._txn is None:  # the iteration's first bucket
             self._txn = Transaction()
         txn = self._txn
 
-        def job(group):
+        def job(eff):
+            group = eff(self.group)
             with txn.active():  # every state change of the iteration, kept or undone together
                 try:
-                    self._check_bucket(items, hierarchy.intra if hierarchy is not None else group)
-                    if hierarchy is not None:
-                        out = exchange_hierarchical(items, hierarchy, owners, label=label)
+                    self._check_bucket(items, group)
+                    if nodes is not None:
+                        hier = Hierarchy(eff(nodes.intra), eff(nodes.inter), local_size, nodes.local_rank,
+                                         world // local_size)
+                        out = exchange_hierarchical(items, hier, owners, label=label)
                     else:
                         out = exchange(items, group, world, buffer=buffer, label=label)
                     txn.observe(out)
@@ -139,14 +146,14 @@ class Compression:
             return out
 
         if world == 1:
-            return _worker.completed(job, then)
+            return worker.completed(job, then, eff=lambda g: None)
         device = buffer.device if buffer is not None else grads[0].device if grads else torch.device("cpu")
-        return self._worker.submit(job, device, then, inline=inline)
+        return self._worker.submit(job, device=device, then=then, inline=inline)
 
     def _identity(self) -> Dict[str, Any]:
         """Whose state this is: rank, world size, parameter names and a configuration
         fingerprint (a checkpoint must be loaded by the same rank of the same job)."""
-        return {"rank": dist.get_rank(self.group) if _worker.initialized() else 0, "world": self.world, "names": sorted(self.names),
+        return {"rank": dist.get_rank(self.group) if initialized() else 0, "world": self.world, "names": sorted(self.names),
                 "config": h64(self.policy.describe() + self._config()["policy settings"]
                               + repr(self.local_size))}
 
@@ -255,6 +262,17 @@ class Compression:
             self._owners = {str(n): int(o) for n, o in owners.items()}
             self._loads = [int(v) for v in loads]
         self.iteration = int(state["iteration"])
+
+
+def world_of(group) -> int:
+    """World size of ``group`` (None: the default group); 1 without a process group."""
+    if not initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised; "
+                             "call init_process_group first or pass process_group=None")
+        check_alone()
+        return 1
+    return dist.get_world_size(group)
 
 
 def agree(config: Mapping[str, str], group, when: str) -> None:

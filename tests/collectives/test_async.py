@@ -9,12 +9,12 @@ from dist import run_ranks
 
 
 def _waits_inside_callback(rank, w):
-    from gradcomp.collectives import _async, allreduce
+    from gradcomp.collectives import allreduce, worker
 
     release = threading.Event()
     # hold the worker so that .then() below is attached before the call completes: the
     # callback then runs on the worker thread, on every rank
-    _async.submit(lambda eff: release.wait(30), (None,), True)
+    worker.submit(lambda eff: release.wait(30), (None,), True)
     first = allreduce(torch.full((8,), float(rank)), "fp16", key="first", async_op=True)
 
     def inner(fut):

@@ -36,8 +36,8 @@ def _counts():
 def _cycles_without_shutdown(rank, w, folder):
     import torch.distributed as dist
 
-    from gradcomp.collectives import allreduce
-    from gradcomp.training import _worker, shutdown
+    from gradcomp.collectives import allreduce, worker
+    from gradcomp.training import shutdown
 
     shutdown()
     dist.destroy_process_group()
@@ -46,7 +46,9 @@ def _cycles_without_shutdown(rank, w, folder):
         store = dist.FileStore(os.path.join(folder, f"cycle{cycle}"), w)
         dist.init_process_group("gloo", store=store, rank=rank, world_size=w, timeout=timedelta(seconds=30))
         allreduce(torch.ones(10), "fp16", key="k", async_op=True).wait()  # the collectives' worker and twin
-        _worker.worker_for(None).submit(lambda g: dist.barrier(group=g), torch.device("cpu")).wait()  # training's
+        training = worker.worker_for((None, dist.new_group([0, 1][:w])))  # a training-style worker of two groups
+        training.submit(lambda eff: dist.barrier(group=eff(None)), device=torch.device("cpu")).wait()
+        del training  # what the program holds it keeps; the library must hold nothing
         dist.destroy_process_group()  # shutdown() forgotten
         deadline = time.monotonic() + 5
         while _counts() != baseline and time.monotonic() < deadline:

@@ -1,4 +1,4 @@
-"""The training runtime's worker: a job submitted (and waited on) from inside a ``.then()``
+"""The worker the training runtime uses (the collectives' one): a job submitted (and waited on) from inside a ``.then()``
 callback that runs on the worker completes, on real gloo ranks; without a process group, a
 launcher's ``WORLD_SIZE`` above 1 is an error, not a silent one-process run."""
 import threading
@@ -11,28 +11,28 @@ from dist import run_ranks
 
 
 def _waits_inside_callback(rank, w):
-    from gradcomp.training import _worker
+    from gradcomp.collectives.worker import worker_for
 
-    worker = _worker.worker_for(None)
+    worker = worker_for((None,))
     cpu = torch.device("cpu")
     release = threading.Event()
 
     def mean(value):
-        def job(group):
+        def job(eff):
             t = torch.full((4,), float(value))
-            dist.all_reduce(t, group=group)
+            dist.all_reduce(t, group=eff(None))
             return t / w
         return job
 
-    worker.submit(lambda group: release.wait(30), cpu)  # .then() is attached before the job runs
-    first = worker.submit(mean(rank), cpu,
-                          then=lambda f: worker.submit(mean(f.value()[0] + 1), cpu).wait())
+    worker.submit(lambda eff: release.wait(30), device=cpu)  # .then() is attached before the job runs
+    first = worker.submit(mean(rank), device=cpu,
+                          then=lambda f: worker.submit(mean(f.value()[0] + 1), device=cpu).wait())
     done = threading.Event()
     first.add_done_callback(lambda _: done.set())
     release.set()
     if not done.wait(20):
         return "deadlock: the callback's job never completed"
-    return first.value(), worker.submit(mean(rank), cpu, inline=True).wait()
+    return first.value(), worker.submit(mean(rank), device=cpu, inline=True).wait()
 
 
 def test_a_job_waited_on_inside_a_callback_completes(tmp_path):
