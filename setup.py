@@ -1,7 +1,28 @@
 """gradcomp: compressed gradient communication for distributed PyTorch training."""
 from setuptools import setup
+from setuptools.command.build_py import build_py
 
+# Layout: the code stays in the folders at the repository root, and gradcomp/<folder> is a
+# relative symlink to each (gradcomp/compress -> ../compress), so the tree itself has the
+# package's shape: a plain checkout imports gradcomp.* from the root, and mypy and pyright
+# resolve it with no package_dir mapping (which they cannot read). src/ holds only
+# src/gradcomp -> ../gradcomp and is the package root, so an editable install is one plain
+# path in a .pth file (static tools follow it, unlike setuptools' import hook) that puts
+# exactly one name, gradcomp, on sys.path; the repository root there would also make compress,
+# bench, tests and setup importable as top-level names. Wheels and sdists get the files
+# behind the links. A checkout needs symlinks (git on Windows: core.symlinks=true).
+# tests/test_layout.py keeps the links, this list and the folders in step.
 _PACKAGES = ["compress", "kernels", "collectives", "training", "bench"]
+
+# developer-only modules of a package that stay out of wheels and sdists
+_NOT_SHIPPED = {("gradcomp.bench", "test_bench_compressors")}  # pytest-benchmark, bench/gpu_check.sh
+
+
+class _BuildPy(build_py):
+    def find_package_modules(self, package, package_dir):
+        modules = super().find_package_modules(package, package_dir)
+        return [m for m in modules if (m[0], m[1]) not in _NOT_SHIPPED]
+
 
 setup(
     name="gradcomp",
@@ -9,16 +30,33 @@ setup(
     description="Gradient compression with error feedback and compressed collectives for torch.distributed",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
+    license="MIT",
+    license_files=["LICENSE"],
+    classifiers=[
+        "Development Status :: 3 - Alpha",
+        "Intended Audience :: Developers",
+        "Intended Audience :: Science/Research",
+        "Operating System :: POSIX :: Linux",
+        "Programming Language :: Python :: 3",
+        "Programming Language :: Python :: 3 :: Only",
+        "Topic :: Scientific/Engineering :: Artificial Intelligence",
+        "Topic :: System :: Distributed Computing",
+        "Typing :: Typed",
+    ],
     python_requires=">=3.9",
+    package_dir={"": "src"},
     packages=["gradcomp"] + [f"gradcomp.{p}" for p in _PACKAGES],
-    package_dir={"gradcomp": "gradcomp", **{f"gradcomp.{p}": p for p in _PACKAGES}},
-    package_data={"gradcomp.kernels": ["cuda/*.cu", "cuda/*.cuh"]},
-    install_requires=["torch>=2.1", "numpy"],
+    package_data={"gradcomp": ["py.typed"], "gradcomp.kernels": ["cuda/*.cu", "cuda/*.cuh"]},
+    cmdclass={"build_py": _BuildPy},
+    # numpy 2: np.bitwise_count (onebit, bit counting); torch 2.6: group_dst/group_src in
+    # torch.distributed's point-to-point and gather/scatter calls. README, "Tests", says how
+    # each floor is checked.
+    install_requires=["torch>=2.6", "numpy>=2.0"],
     extras_require={
         # CuPy built for the CUDA major version of torch (torch.version.cuda): 12 or 13
         "cuda": ["cupy-cuda12x"],
         "cuda13": ["cupy-cuda13x"],
-        "test": ["pytest", "hypothesis", "pytest-benchmark"],
+        "test": ["pytest", "hypothesis", "pytest-benchmark", "mypy"],
         "bench": ["matplotlib", "scikit-learn", "tqdm"],
     },
 )

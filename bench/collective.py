@@ -56,7 +56,7 @@ def parse_methods(text: Optional[str], error_feedback: str = "auto") -> List[Dic
     if error_feedback not in ("auto", "on", "off", "both"):
         raise ValueError(f"error feedback must be auto, on, off or both, not {error_feedback!r}")
     if text is None:
-        entries = [(n, {}) for n in available_compressors()] + [(t, {}) for t in TORCH_METHODS]
+        entries: List[Tuple[str, Dict[str, Any]]] = [(n, {}) for n in (*available_compressors(), *TORCH_METHODS)]
     else:
         entries = [parse_entry(e) for e in text.split(",") if e.strip()]
         if not entries:
@@ -163,8 +163,8 @@ def _method(spec: Dict[str, Any], world: int, layout, algorithm: Optional[str], 
         def exchange(bufs):
             return launch(state, hook, bufs)
     else:  # one tensor: the compressed collective itself
-        comp = get_compressor(spec["name"], **spec["options"])
-        comp = ErrorFeedback(comp) if spec["ef"] else comp
+        base = get_compressor(spec["name"], **spec["options"])
+        comp = ErrorFeedback(base) if spec["ef"] else base
 
         def exchange(bufs):
             return [allreduce(b.view(p.shape), compressor=comp, key=f"bucket{i}", algorithm=algorithm)

@@ -8,23 +8,52 @@ and ``scatter-reduce`` on more. ``algorithm=`` forces one; a pairing that cannot
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Literal, Optional, Union, overload
 
 import torch
 
 from gradcomp.compress import Compressor
 from gradcomp.compress.error_feedback import check_default_key
 
-from . import _async
+from . import worker
 from ._core import ALGORITHMS, choose_algorithm, flat_job, make_spec
 from .hierarchical import hierarchical_job
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["allreduce", "choose_algorithm", "ALGORITHMS"]
 
 
-def allreduce(tensor: torch.Tensor, compressor: Any = "none", key: Optional[str] = None, group=None,
-              async_op: bool = False, *, algorithm: Optional[str] = None, intra_group=None, inter_group=None,
-              measure_error: Optional[bool] = None, verify: bool = False):
+# async_op decides the return type: a tensor, or a future of one
+@overload
+def allreduce(tensor: torch.Tensor, compressor: Any = ..., key: Optional[str] = ...,
+              group: Optional[ProcessGroup] = ..., async_op: Literal[False] = ..., *,
+              algorithm: Optional[str] = ..., intra_group: Optional[ProcessGroup] = ...,
+              inter_group: Optional[ProcessGroup] = ..., measure_error: Optional[bool] = ...,
+              verify: bool = ...) -> torch.Tensor: ...
+@overload
+def allreduce(tensor: torch.Tensor, compressor: Any, key: Optional[str], group: Optional[ProcessGroup],
+              async_op: Literal[True], *, algorithm: Optional[str] = ...,
+              intra_group: Optional[ProcessGroup] = ..., inter_group: Optional[ProcessGroup] = ...,
+              measure_error: Optional[bool] = ..., verify: bool = ...) -> torch.futures.Future[torch.Tensor]: ...
+@overload
+def allreduce(tensor: torch.Tensor, compressor: Any = ..., key: Optional[str] = ...,
+              group: Optional[ProcessGroup] = ..., *, async_op: Literal[True],
+              algorithm: Optional[str] = ..., intra_group: Optional[ProcessGroup] = ...,
+              inter_group: Optional[ProcessGroup] = ..., measure_error: Optional[bool] = ...,
+              verify: bool = ...) -> torch.futures.Future[torch.Tensor]: ...
+@overload
+def allreduce(tensor: torch.Tensor, compressor: Any = ..., key: Optional[str] = ...,
+              group: Optional[ProcessGroup] = ..., async_op: bool = ..., *,
+              algorithm: Optional[str] = ..., intra_group: Optional[ProcessGroup] = ...,
+              inter_group: Optional[ProcessGroup] = ..., measure_error: Optional[bool] = ...,
+              verify: bool = ...) -> Union[torch.Tensor, torch.futures.Future[torch.Tensor]]: ...
+def allreduce(tensor: torch.Tensor, compressor: Any = "none", key: Optional[str] = None,
+              group: Optional[ProcessGroup] = None, async_op: bool = False, *, algorithm: Optional[str] = None,
+              intra_group: Optional[ProcessGroup] = None, inter_group: Optional[ProcessGroup] = None,
+              measure_error: Optional[bool] = None,
+              verify: bool = False) -> Union[torch.Tensor, torch.futures.Future[torch.Tensor]]:
     """The mean of ``tensor`` over ``group`` (default: every rank), sent compressed.
 
     ``compressor``: a name, a compressor, or an error-feedback wrapper (``ErrorFeedback(c)``).
@@ -49,6 +78,6 @@ def allreduce(tensor: torch.Tensor, compressor: Any = "none", key: Optional[str]
     if (intra_group is None) != (inter_group is None):
         raise ValueError("hierarchical allreduce needs both intra_group and inter_group (see make_node_groups), or neither")
     if intra_group is not None:
-        return _async.submit(lambda eff: hierarchical_job(tensor, spec, key, eff(intra_group), eff(inter_group)),
+        return worker.submit(lambda eff: hierarchical_job(tensor, spec, key, eff(intra_group), eff(inter_group)),
                              (intra_group, inter_group), async_op)
-    return _async.submit(lambda eff: flat_job(tensor, spec, key, eff(group)), (group,), async_op)
+    return worker.submit(lambda eff: flat_job(tensor, spec, key, eff(group)), (group,), async_op)

@@ -8,8 +8,9 @@ import torch
 
 from gradcomp.collectives import (ALGORITHMS, allreduce, allreduce_buckets, choose_algorithm, make_node_groups,
                                   plan_buckets, recv, reset_telemetry, send, server_feedback, telemetry)
-from gradcomp.compress import (EF21, Compressor, DGCMomentum, ErrorFeedback, available_compressors,
+from gradcomp.compress import (EF21, Capabilities, Compressor, DGCMomentum, ErrorFeedback, available_compressors,
                                get_compressor)
+from gradcomp.compress.none import NoCompression
 
 NAMES = available_compressors()
 
@@ -104,10 +105,14 @@ def test_the_default_key_warns_once_when_two_tensors_share_its_state():
     assert all(w.filename == __file__ for w in caught), "the warning should point at the caller"
 
 
-class _Flags(Compressor):
-    """Unregistered stand-in: only the capability flags matter to the choice."""
+def _flags(native: bool, multi_round: bool) -> Compressor:
+    """Unregistered stand-in: only the declared capabilities matter to the choice."""
 
-    name = "flags"
+    class Flags(NoCompression):
+        name = "flags"
+        capabilities = Capabilities(native=native, multi_round=multi_round)
+
+    return Flags()
 
 
 @pytest.mark.parametrize("native,multi_round,world,expected", [
@@ -116,8 +121,7 @@ class _Flags(Compressor):
     (False, False, 64, "scatter-reduce"),
 ])
 def test_algorithm_follows_capability_flags(native, multi_round, world, expected):
-    c = _Flags()
-    c.native, c.multi_round = native, multi_round
+    c = _flags(native, multi_round)
     assert choose_algorithm(c, world) == expected
     assert choose_algorithm(ErrorFeedback(c), world) == expected
 
