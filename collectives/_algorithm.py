@@ -7,7 +7,7 @@ to (``sent``), which error feedback keeps the difference to.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Iterable, List, Optional, Tuple
+from typing import ClassVar, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 
@@ -18,18 +18,49 @@ from gradcomp.compress.error_feedback import to_finite
 from ._comm import Comm
 
 
+ALGORITHMS: Dict[str, Type["Algorithm"]] = {}  # name -> class, filled by @register_algorithm
+
+
+def register_algorithm(cls: Type["Algorithm"]) -> Type["Algorithm"]:
+    """Class decorator: make an algorithm available by its ``name`` (``allreduce(...,
+    algorithm=name)``, the header's ``code``, the automatic choice); refuses a name or code
+    that is taken."""
+    for other in ALGORITHMS.values():
+        if other.name == cls.name or other.code == cls.code:
+            raise ValueError(f"algorithm {cls.name!r} (code {cls.code}) collides with {other.name!r} (code {other.code})")
+    if cls.code <= 0 or cls.name == "?":
+        raise ValueError(f"{cls.__name__} must declare a name and a header code > 0")
+    ALGORITHMS[cls.name] = cls
+    return cls
+
+
 class Algorithm:
-    """Average a tensor over ``comm`` with ``compressor``; one instance per call."""
+    """Average a tensor over ``comm`` with ``compressor``; one instance per call.
+
+    What every algorithm declares (class attributes, read by ``allreduce`` and the header):
+    ``name``; ``code``, its number in the call header (unique, never reused); ``order`` and
+    :meth:`prefers`, the automatic choice (the first suitable algorithm by ``order`` that
+    prefers the compressor wins); ``compresses_residual``, whether it can compress an
+    error-feedback residual in place (no dtype cast between what is compressed and what is
+    remembered). Per call, the caller says whether error feedback wants what this rank sent
+    (``feedback``) and whether the residual is compressed in place (``in_place``).
+    """
 
     name: ClassVar[str] = "?"
+    code: ClassVar[int] = 0
+    order: ClassVar[int] = 100
+    compresses_residual: ClassVar[bool] = False
 
-    def __init__(self, compressor: Compressor, key: str, comm: Comm, *, want_sent: bool,
-                 server=None, verify: bool = False) -> None:
+    def __init__(self, compressor: Compressor, key: str, comm: Comm, *, feedback: bool = False,
+                 in_place: bool = False, server=None, verify: bool = False) -> None:
+        if in_place and not self.compresses_residual:
+            raise ValueError(f"algorithm {self.name!r} cannot compress an error-feedback residual in place")
         self.comp = compressor
         self.key = key
         self.comm = comm
         self.rec = comm.record
-        self.want_sent = want_sent
+        self.in_place = in_place  # acc is the residual buffer: the compression error stays in it
+        self.want_sent = feedback and not in_place  # error feedback needs this rank's decoded payload
         self.server = server  # scatter-reduce: error feedback of the second compression
         self.verify = verify
         self.payload_bytes = 0
@@ -39,6 +70,12 @@ class Algorithm:
     def unsuitable(cls, compressor: Compressor) -> Optional[str]:
         """Why this algorithm cannot serve ``compressor`` (None when it can)."""
         return None
+
+    @classmethod
+    def prefers(cls, compressor: Compressor, world_size: int) -> bool:
+        """Whether the automatic choice takes this algorithm for ``compressor`` (asked in
+        ``order``, only of suitable algorithms)."""
+        return False
 
     def local(self, acc: torch.Tensor, dtype: torch.dtype) -> Tuple[int, List[int]]:
         """Compress ``acc`` (the input's shape; fp32 under error feedback) as a tensor of the

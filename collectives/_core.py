@@ -25,23 +25,20 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Type
 
 import torch
 
-from gradcomp.compress import Compressor, available_compressors, get_compressor, transaction
+from gradcomp.compress import Compressor, Feedback, available_compressors, get_compressor, transaction
 from gradcomp.compress.base import FLOAT_DTYPES, work_dtype
 
 from . import _telemetry as telemetry
-from ._algorithm import fresh
+from . import allgather, native, rounds  # noqa: F401  (importing each registers its algorithm)
+from ._algorithm import ALGORITHMS, Algorithm, fresh
 from ._comm import Comm
 from ._header import build, verify
-from .allgather import AllGather
-from .native import Native
-from .rounds import Rounds
-from .scatter_reduce import ScatterReduce, server_feedback
+from .scatter_reduce import server_feedback
 
-ALGORITHMS = {cls.name: cls for cls in (Native, AllGather, ScatterReduce, Rounds)}
 _named: Dict[str, Compressor] = {}
 
 
@@ -67,8 +64,7 @@ def make_spec(compressor: Any, algorithm: Optional[str], measure_error: Optional
         base, feedback = _named[compressor], None
     elif isinstance(compressor, Compressor):
         base, feedback = compressor, None
-    elif isinstance(getattr(compressor, "compressor", None), Compressor) and all(
-            callable(getattr(compressor, m, None)) for m in ("accumulate", "update", "combine")):
+    elif isinstance(compressor, Feedback) and isinstance(compressor.compressor, Compressor):
         base, feedback = compressor.compressor, compressor
     else:
         raise ValueError(f"compressor must be a name ({', '.join(available_compressors())}), a Compressor, or an "
@@ -94,54 +90,73 @@ def choose_algorithm(compressor: Any, world_size: int, algorithm: Optional[str] 
     spec = make_spec(compressor, algorithm, False, False)
     if spec.algorithm is not None:
         return spec.algorithm
-    if spec.base.multi_round:
-        return "rounds"
-    if spec.base.native:
-        return "native"
-    return "allgather" if world_size <= 2 else "scatter-reduce"
+    for cls in sorted(ALGORITHMS.values(), key=lambda c: c.order):
+        if cls.unsuitable(spec.base) is None and cls.prefers(spec.base, world_size):
+            return cls.name
+    raise ValueError(f"no collective algorithm takes {spec.base.name} on {world_size} ranks")
 
 
 def reduce(tensor: Any, spec: Spec, comm: Comm, *, key: str, feedback: Any, part: int = 0, parts: int = 1) -> torch.Tensor:
-    """The compressed mean of ``tensor`` over ``comm``: header, algorithm, feedback, cast."""
-    rec = comm.record
+    """The compressed mean of ``tensor`` over ``comm``: header, algorithm, feedback, cast.
+    ``allreduce_fused`` runs the same two per-tensor phases (:func:`start`, :func:`finish`)
+    for many tensors, with their exchanges shared."""
     name = choose_algorithm(spec.base, comm.size, spec.algorithm)
-    # the second compression gets error feedback when the first has it, kept with the caller's wrapper
-    server = server_feedback(spec.owner) if name == "scatter-reduce" and feedback is not None else None
-    algo = ALGORITHMS[name](spec.base, key, comm, want_sent=feedback is not None, server=server, verify=spec.verify)
-    error, acc, check, sizes = None, None, 0, []
+    error, algo, acc, check, sizes = None, None, None, 0, []
     try:  # local work first: a failure here must reach the other ranks through the header
-        check_input(tensor)
-        if tensor.numel():
-            with rec.timing("compress"):
-                acc = tensor.detach()
-                if (feedback is not None and getattr(algo, "takes_residual", False)
-                        and _keeps_residual_in_place(feedback, tensor)):
-                    algo.want_sent, algo.in_place = False, True
-                    acc = feedback.accumulate_in_place(acc, key)
-                elif feedback is not None:
-                    acc = feedback.accumulate(acc, key)
-                check, sizes = algo.local(acc, tensor.dtype)
+        algo, acc, (check, sizes) = start(ALGORITHMS[name], tensor, spec, comm, key, feedback)
     except Exception as exc:
         error = exc
     table = comm.exchange(build(comm.size, op="allreduce", algorithm=name, tensor=tensor, compressor=spec.desc,
                                 key=key, part=part, parts=parts, measure=spec.measure, error=error is not None,
                                 check=check, sizes=sizes))
     verify(table, op="allreduce", error=error, local={"compressor": spec.desc, "key": key})
-    if tensor.numel() == 0:
+    if algo is None or tensor.numel() == 0:
         return torch.empty_like(tensor)
-    avg, sent = algo.run(table)
-    rec.payload_bytes += algo.payload_bytes
-    with rec.timing("decompress"):
+    return finish(algo, tensor, acc, feedback, *algo.run(table))
+
+
+class Started(NamedTuple):
+    """One tensor after its local phase: the algorithm set up, what it compressed (``acc``: the
+    residual itself when in place), and what its ``local`` returned for the header."""
+
+    algo: Optional[Algorithm]  # None for an empty tensor
+    acc: Optional[torch.Tensor]
+    local: Tuple[int, List[int]]
+
+
+def start(cls: Type[Algorithm], tensor: Any, spec: Spec, comm: Comm, key: str, feedback: Optional[Feedback]) -> Started:
+    """The local phase of one tensor: check it, let error feedback accumulate (in place when
+    both the feedback and the algorithm can), compress. Raises what the caller must report
+    through the header."""
+    check_input(tensor)
+    if not tensor.numel():
+        return Started(None, None, (0, []))
+    in_place = cls.compresses_residual and feedback is not None and bool(feedback.keeps_residual_in_place(tensor))
+    # the second compression of scatter-reduce gets error feedback when the first has it
+    server = server_feedback(spec.owner) if cls.name == "scatter-reduce" and feedback is not None else None
+    algo = cls(spec.base, key, comm, feedback=feedback is not None, in_place=in_place, server=server,
+               verify=spec.verify)
+    with comm.record.timing("compress"):
+        acc = tensor.detach()
+        if in_place:
+            acc = feedback.accumulate_in_place(acc, key)
+        elif feedback is not None:
+            acc = feedback.accumulate(acc, key)
+        return Started(algo, acc, algo.local(acc, tensor.dtype))
+
+
+def finish(algo: Algorithm, tensor: torch.Tensor, acc: torch.Tensor, feedback: Optional[Feedback],
+           avg: torch.Tensor, sent: Optional[torch.Tensor]) -> torch.Tensor:
+    """The last phase of one tensor: error feedback keeps what the wire did not carry (unless
+    the residual already holds it, in place), combines, and the result takes the input's
+    shape and dtype."""
+    algo.rec.payload_bytes += algo.payload_bytes
+    with algo.rec.timing("decompress"):
         if feedback is not None:
-            if not getattr(algo, "in_place", False):  # in place, the residual already holds the error
-                feedback.update(key, acc, sent.reshape(acc.shape).to(tensor.dtype))
-            avg = feedback.combine(key, avg.reshape(acc.shape))
+            if not algo.in_place:
+                feedback.update(algo.key, acc, sent.reshape(acc.shape).to(tensor.dtype))
+            avg = feedback.combine(algo.key, avg.reshape(acc.shape))
         return fresh(avg.reshape(tensor.shape).to(tensor.dtype), tensor, acc)
-
-
-def _keeps_residual_in_place(feedback: Any, tensor: torch.Tensor) -> bool:
-    keeps = getattr(feedback, "keeps_residual_in_place", None)
-    return callable(keeps) and callable(getattr(feedback, "accumulate_in_place", None)) and bool(keeps(tensor))
 
 
 def check_input(tensor: Any) -> None:

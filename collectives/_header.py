@@ -18,6 +18,8 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
+from ._algorithm import ALGORITHMS
+
 MAGIC = 0x67636F6C6C01  # "gcoll" + version 1
 _DIMS = 8
 FIELDS = ["magic", "op", "algorithm", "dtype", "ndim", "numel", "shape",
@@ -26,7 +28,12 @@ IDX = {name: i for i, name in enumerate(FIELDS)}
 SIZES = len(FIELDS)  # index of the first size slot
 
 OPS = {"allreduce": 1, "hierarchical": 2}
-ALGORITHMS = {"native": 1, "allgather": 2, "scatter-reduce": 3, "rounds": 4, "dense": 5}
+_PHASES = {"dense": 5}  # header codes of exchanges that are no algorithm (a hierarchical call's dense phase)
+
+
+def _codes() -> Dict[str, int]:
+    """Every algorithm's header code (each declares its own ``code``), and the phases'."""
+    return {**{name: cls.code for name, cls in ALGORITHMS.items()}, **_PHASES}
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 _DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
@@ -45,7 +52,7 @@ def build(world_size: int, *, op: str, algorithm: str, tensor, compressor: str, 
     row = [0] * (SIZES + world_size)
     row[IDX["magic"]] = MAGIC
     row[IDX["op"]] = OPS[op]
-    row[IDX["algorithm"]] = ALGORITHMS.get(algorithm, 0)
+    row[IDX["algorithm"]] = _codes().get(algorithm, 0)
     if isinstance(tensor, torch.Tensor):
         shape = tuple(tensor.shape)
         row[IDX["dtype"]] = _DTYPE_CODE.get(tensor.dtype, 0)
@@ -99,7 +106,7 @@ def verify(table: torch.Tensor, *, op: str, error: Optional[BaseException], loca
         raise ValueError(f"{op}: ranks use different compressors or options (this rank: {local['compressor']}); "
                          f"every rank must pass the same compressor configuration")
     if differs("algorithm"):
-        names = {v: k for k, v in ALGORITHMS.items()}
+        names = {v: k for k, v in _codes().items()}
         per_rank = ", ".join(f"rank {r}: {names.get(a, '?')}" for r, a in enumerate(col("algorithm")))
         raise ValueError(f"{op}: ranks chose different algorithms ({per_rank}); pass the same algorithm= on every rank")
     if differs("key"):

@@ -16,15 +16,21 @@ from __future__ import annotations
 
 from gradcomp.kernels.memory import empty
 
-from ._algorithm import Algorithm, as_dtype, wdtype
+from ._algorithm import Algorithm, as_dtype, register_algorithm, wdtype
 from ._header import sizes as header_sizes
 from ._wire import decode, encode, gather_bytes
 
 
+@register_algorithm
 class AllGather(Algorithm):
     name = "allgather"
-    takes_residual = True
-    in_place = False
+    code = 2
+    order = 2
+    compresses_residual = True
+
+    @classmethod
+    def prefers(cls, compressor, world_size):
+        return world_size <= 2
 
     def local(self, acc, dtype):
         if self.in_place:  # acc is the residual: compressed whole, the error stays in it

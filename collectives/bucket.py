@@ -68,6 +68,12 @@ class _PerName:
         for (n, s, a), (_, _, b) in zip(self._pieces(acc), self._pieces(sent)):
             self.fb.update(n, a.view(s), b.view(s))
 
+    def keeps_residual_in_place(self, tensor) -> bool:
+        return False  # each piece keeps its own residual under its own name
+
+    def accumulate_in_place(self, tensor, key):
+        raise ValueError("a bucket's per-name feedback keeps no residual in place")
+
     def combine(self, key, avg):
         return torch.cat([self.fb.combine(n, p.view(s)).reshape(-1) for n, s, p in self._pieces(avg)])
 

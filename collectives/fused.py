@@ -30,16 +30,15 @@ import torch
 
 from gradcomp.compress import transaction
 
-from . import worker
 from . import _telemetry as telemetry
-from ._algorithm import fresh
+from . import worker
+from ._algorithm import ALGORITHMS
 from ._comm import Comm
-from ._core import _keeps_residual_in_place, check_input, label, make_spec
+from ._core import finish, label, make_spec, start
 from ._header import IDX, build, check_same_call, h64, verify
 from ._header import sizes as header_sizes
 from ._wire import gather_bytes
-from .allgather import AllGather
-from .scatter_reduce import ScatterReduce, exchange_status, server_feedback
+from .scatter_reduce import exchange_status
 
 __all__ = ["allreduce_fused"]
 
@@ -93,28 +92,13 @@ def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[s
     name = rec.algorithm = algorithm or ("allgather" if comm.size <= 2 else "scatter-reduce")
     algos: List[Optional[Any]] = [None] * len(items)
     accs: List[Optional[torch.Tensor]] = [None] * len(items)
+    cls = ALGORITHMS[name]
     error = None
     try:  # local work first: a failure here must reach the other ranks through the header
         for i, ((key, tensor, _), spec) in enumerate(zip(items, specs)):
-            check_input(tensor)
-            rec.dense_bytes += tensor.numel() * tensor.element_size()
-            if not tensor.numel():
-                continue
-            if name == "allgather":
-                algo = AllGather(spec.base, key, comm, want_sent=spec.feedback is not None)
-            else:  # the second compression gets error feedback when the first has it
-                server = server_feedback(spec.owner) if spec.feedback is not None else None
-                algo = ScatterReduce(spec.base, key, comm, want_sent=spec.feedback is not None, server=server)
-            algos[i] = algo
-            with rec.timing("compress"):
-                acc, feedback = tensor.detach(), spec.feedback
-                if feedback is not None and _keeps_residual_in_place(feedback, tensor):
-                    algo.want_sent, algo.in_place = False, True
-                    acc = feedback.accumulate_in_place(acc, key)
-                elif feedback is not None:
-                    acc = feedback.accumulate(acc, key)
-                algo.local(acc, tensor.dtype)
-                accs[i] = acc
+            if isinstance(tensor, torch.Tensor):
+                rec.dense_bytes += tensor.numel() * tensor.element_size()
+            algos[i], accs[i], _ = start(cls, tensor, spec, comm, key, spec.feedback)
     except Exception as exc:
         error = exc
     # after a local failure an algorithm may be half set up: only the lengths travel then
@@ -129,20 +113,8 @@ def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[s
         results = [None if a is None else a.combine([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
     else:
         results = _scatter_reduce(comm, items, specs, algos, device, error, exact)
-    out = []
-    for (key, tensor, _), spec, algo, acc, result in zip(items, specs, algos, accs, results):
-        if algo is None:
-            out.append(torch.empty_like(tensor))
-            continue
-        avg, sent = result
-        rec.payload_bytes += algo.payload_bytes
-        with rec.timing("decompress"):
-            feedback = spec.feedback
-            if feedback is not None:
-                if not algo.in_place:  # in place, the residual already holds the error
-                    feedback.update(key, acc, sent.reshape(acc.shape).to(tensor.dtype))
-                avg = feedback.combine(key, avg.reshape(acc.shape))
-            out.append(fresh(avg.reshape(tensor.shape).to(tensor.dtype), tensor, acc))
+    out = [torch.empty_like(tensor) if algo is None else finish(algo, tensor, acc, spec.feedback, *result)
+           for (_, tensor, _), spec, algo, acc, result in zip(items, specs, algos, accs, results)]
     telemetry.commit(rec)
     return out
 

@@ -19,11 +19,18 @@ import torch
 from gradcomp.compress import Payload
 from gradcomp.kernels.memory import empty
 
-from ._algorithm import Algorithm, as_dtype, fresh
+from ._algorithm import Algorithm, as_dtype, fresh, register_algorithm
 
 
+@register_algorithm
 class Native(Algorithm):
     name = "native"
+    code = 1
+    order = 1
+
+    @classmethod
+    def prefers(cls, compressor, world_size):
+        return compressor.native
 
     @classmethod
     def unsuitable(cls, compressor):

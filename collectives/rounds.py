@@ -8,13 +8,18 @@ lives in the compressor. After each local step the ranks exchange a three-number
 """
 from __future__ import annotations
 
-import torch
-
-from ._algorithm import Algorithm, fresh
+from ._algorithm import Algorithm, fresh, register_algorithm
 
 
+@register_algorithm
 class Rounds(Algorithm):
     name = "rounds"
+    code = 4
+    order = 0
+
+    @classmethod
+    def prefers(cls, compressor, world_size):
+        return compressor.multi_round
 
     @classmethod
     def unsuitable(cls, compressor):

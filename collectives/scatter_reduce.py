@@ -27,7 +27,7 @@ import torch
 from gradcomp.compress import ErrorFeedback
 from gradcomp.kernels.memory import empty
 
-from ._algorithm import Algorithm, as_dtype, chunk_key, wdtype
+from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, wdtype
 from ._header import sizes as header_sizes
 from ._wire import decode, encode, gather_bytes
 
@@ -49,10 +49,16 @@ def server_feedback(compressor: Any) -> ErrorFeedback:
         return server
 
 
+@register_algorithm
 class ScatterReduce(Algorithm):
     name = "scatter-reduce"
-    takes_residual = True
-    in_place = False
+    code = 3
+    order = 3
+    compresses_residual = True
+
+    @classmethod
+    def prefers(cls, compressor, world_size):
+        return True
 
     def local(self, acc, dtype):
         # in place, acc is the residual: each chunk (a contiguous view) keeps its own error

@@ -7,11 +7,11 @@ import importlib as _importlib
 import pkgutil as _pkgutil
 
 from .base import Capabilities, Compressor, CompressorConfig, Encoded, Option, option
-from .error_feedback import EF21, ErrorFeedback
+from .error_feedback import EF21, ErrorFeedback, Feedback
 from .payload import Payload
 from .registry import available_compressors, compressor_class, get_compressor, register
 
-_INFRA = {"base", "error_feedback", "payload", "registry"}
+_INFRA = {"base", "error_feedback", "payload", "registry", "transaction"}
 for _mod in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
     if _mod not in _INFRA and not _mod.startswith("_"):
         _importlib.import_module(f"{__name__}.{_mod}")
@@ -19,6 +19,6 @@ from .dgc import DGCMomentum
 
 __all__ = [
     "Capabilities", "Compressor", "CompressorConfig", "Encoded", "Option", "option",
-    "Payload", "ErrorFeedback", "EF21", "DGCMomentum",
+    "Payload", "Feedback", "ErrorFeedback", "EF21", "DGCMomentum",
     "available_compressors", "compressor_class", "get_compressor", "register",
 ]

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Protocol, Tuple, runtime_checkable
 
 import torch
 
@@ -89,6 +89,35 @@ def to_finite(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
             top = torch.finfo(dtype).max
             src = torch.where(over, torch.where(acc > 0, top, -top).to(dtype), src)
     return src
+
+
+@runtime_checkable
+class Feedback(Protocol):
+    """What the collectives need of an error-feedback wrapper (``ErrorFeedback``, ``EF21``,
+    ``DGCMomentum``, or an adapter such as a bucket's per-name view): the protocol of
+    ``gradcomp.collectives``' ``reduce``::
+
+        acc = fb.accumulate(tensor, key)     # what is compressed (a new tensor)
+        ... the algorithm compresses acc, sends, decodes what this rank sent ...
+        fb.update(key, acc, sent)            # remember what the wire did not carry
+        result = fb.combine(key, average)    # the collective's result
+
+    or, when ``keeps_residual_in_place(tensor)``, ``accumulate_in_place`` returns the state
+    buffer itself for ``compress_residual`` to leave the new residual in, and ``update`` is
+    skipped."""
+
+    compressor: Compressor
+    kind: str
+
+    def accumulate(self, tensor: torch.Tensor, key: Optional[str]) -> torch.Tensor: ...
+
+    def update(self, key: Optional[str], acc: torch.Tensor, sent: torch.Tensor) -> None: ...
+
+    def combine(self, key: Optional[str], averaged: torch.Tensor) -> torch.Tensor: ...
+
+    def keeps_residual_in_place(self, tensor: torch.Tensor) -> bool: ...
+
+    def accumulate_in_place(self, tensor: torch.Tensor, key: Optional[str]) -> torch.Tensor: ...
 
 
 class _Feedback(_ReadsCapabilities):
@@ -179,6 +208,14 @@ class _Feedback(_ReadsCapabilities):
     def combine(self, key: Optional[str], averaged: torch.Tensor) -> torch.Tensor:
         """Turn the average of decoded payloads into the collective's result."""
         return averaged
+
+    def keeps_residual_in_place(self, tensor: torch.Tensor) -> bool:
+        """Whether a step on ``tensor`` may use :meth:`accumulate_in_place` (residual error
+        feedback only; see ``ErrorFeedback``)."""
+        return False
+
+    def accumulate_in_place(self, tensor: torch.Tensor, key: Optional[str]) -> torch.Tensor:
+        raise ValueError(f"{self.kind}: keeps no residual in place; use accumulate and update")
 
     def compress(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
         """Compress ``tensor`` with this feedback; updates the state of ``key``. A step that
