@@ -16,7 +16,7 @@ from gradcomp.compress import Compressor
 from gradcomp.compress.error_feedback import check_default_key
 
 from . import worker
-from ._core import ALGORITHMS, choose_algorithm, flat_job, make_spec
+from .reduction import ALGORITHMS, choose_algorithm, flat_job, make_spec
 from .hierarchical import hierarchical_job
 
 if TYPE_CHECKING:

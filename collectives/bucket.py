@@ -1,4 +1,10 @@
-"""Bucketing: many tensors fused into flat buckets, one compressed allreduce per bucket.
+"""Buckets: many tensors exchanged together, in two ways.
+
+``allreduce_buckets`` packs named tensors into flat buckets and compresses each bucket as one
+tensor; ``exchange_bucket`` (what the DDP hook and ``CompressedOptimizer`` send) compresses
+every tensor of a bucket on its own and shares the exchanges (see its docstring).
+
+Packed buckets:
 
 Small tensors cost a header and a latency each; fused, they cost one per bucket. Buckets hold
 tensors of one dtype and device, in the given order, up to ``bucket_mb`` (a larger tensor
@@ -12,13 +18,20 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+import time
+from typing import Any, Dict, Generator, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 
+from gradcomp.compress import Compressor, Payload
+from gradcomp.compress.cast import CastCompressor
+
 from . import worker
+from ._comm import Comm
+from .reduction import flat_job, make_spec
 from ._header import h64
-from ._core import flat_job, make_spec
+from ._telemetry import Record, commit, measure_error_default
+from .fused import allreduce_fused
 
 Tensors = Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
 
@@ -123,3 +136,162 @@ def _merge(names: List[str], parts: List[Dict[str, torch.Tensor]]) -> Dict[str, 
     for part in parts:
         merged.update(part)
     return {n: merged[n] for n in names}
+
+
+# ---- one bucket, every tensor compressed on its own ----------------------------------------
+Item = Tuple[str, torch.Tensor, Any]  # (key, tensor, codec: compressor, error-feedback wrapper, or None for dense)
+# a round generator: yields what is averaged over the ranks, is sent the average, returns the result
+Rounds = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optional[torch.Tensor] = None,
+                    label: str = "?") -> List[torch.Tensor]:
+    """The mean over ``group`` of every tensor in ``items`` (``(key, tensor, codec)``, the same
+    order on every rank), in order (new tensors, or views of ``buffer``).
+
+    Each gradient comes with its route: dense (None), a *summable* codec (its payload may be
+    averaged element-wise as it is: native ones such as fp16, bf16, random-k, and multi-round
+    PowerSGD, whose factors are averaged), or any other codec. Everything summable travels in
+    lockstep: in each round, what every gradient needs averaged is concatenated per dtype into one
+    flat tensor and allreduced once. A bucket of dense gradients and PowerSGD matrices thus costs
+    one allreduce for the dense part and all P factors together and one for all Q factors, and no
+    header. The other codecs (payloads whose size or meaning differ between ranks) follow, all in
+    one ``allreduce_fused`` (``allgather`` on two ranks, ``scatter-reduce`` on more):
+    each exchange is made once for the bucket, each payload still its own parameter's.
+
+    A DDP bucket that is all dense, or all sent through one 16-bit cast, is averaged as a whole
+    instead, in place, as DDP's own allreduce and PyTorch's fp16/bf16 hooks do (the same bits).
+
+    Compression, error feedback and warm starts are per gradient, keyed by its parameter name,
+    so the result does not depend on how the bucket is laid out. Every rank makes the same
+    collectives in the same order: the rounds of a codec depend only on the tensor shapes.
+
+    ``buffer``: a flat tensor whose consecutive views the gradients are (a DDP bucket); when
+    every gradient is dense, or every one goes through the same 16-bit cast, the bucket is
+    averaged as a whole (see :func:`_whole`).
+    """
+    codecs = {id(codec): codec for _, _, codec in items}
+    if buffer is not None and items and len(codecs) == 1 and sum(g.numel() for _, g, _ in items) == buffer.numel():
+        codec = next(iter(codecs.values()))
+        if codec is None or isinstance(codec, CastCompressor):
+            return _whole(items, buffer, codec, group, world)
+    out: List[Optional[torch.Tensor]] = [None] * len(items)
+    gens: Dict[int, Rounds] = {}
+    for i, (key, grad, codec) in enumerate(items):
+        if codec is None:
+            gens[i] = _dense(grad)
+        elif _base(codec).multi_round:
+            # the result goes straight into the gradient, which the caller overwrites with it anyway
+            gens[i] = codec.rounds(grad, key, out=grad if grad.is_contiguous() else None)
+        elif _base(codec).native:
+            gens[i] = _native(codec, grad, key)
+    if gens:
+        rec = Record("allreduce", "bucket", label, "bucket", world,
+                     dense_bytes=sum(_nbytes(items[i][1]) for i in gens))
+        for i, value in _lockstep(gens, group, world, rec).items():
+            out[i] = value
+        commit(rec)
+    rest = [i for i in range(len(items)) if out[i] is None]
+    # the others share each exchange (allgather on two ranks, scatter-reduce on more), unless
+    # errors are measured, which allreduce does per tensor
+    if rest and not measure_error_default():
+        for i, value in zip(rest, allreduce_fused([items[i] for i in rest], group=group)):
+            out[i] = value
+    for i in rest:
+        if out[i] is None:
+            key, grad, codec = items[i]
+            out[i] = flat_job(grad, make_spec(codec, None, None, False), key, group)
+    return out  # type: ignore[return-value]
+
+
+def _whole(items: Sequence[Item], buffer: torch.Tensor, cast: Optional[CastCompressor], group, world: int
+           ) -> List[torch.Tensor]:
+    """The whole bucket in one allreduce, in place: dense (as DDP's own allreduce does), or
+    cast to 16 bits (as PyTorch's fp16/bf16 hooks do). A cast is element-wise and keeps no
+    state, so casting the bucket equals casting each gradient, with a pass less each way."""
+    rec = Record("allreduce", "bucket", "none" if cast is None else cast.name, "bucket", world,
+                 dense_bytes=_nbytes(buffer))
+    flat = buffer if cast is None else buffer.to(cast.wire_dtype)
+    rec.payload_bytes = _nbytes(flat)
+    _mean_(flat, group, world, rec)
+    if flat is not buffer:
+        buffer.copy_(flat)
+    commit(rec)
+    offsets = [0]
+    for _, g, _ in items:
+        offsets.append(offsets[-1] + g.numel())
+    return [buffer[a:b].view(g.shape) for (_, g, _), a, b in zip(items, offsets, offsets[1:])]
+
+
+def _lockstep(gens: Dict[int, Rounds], group, world: int, rec: Record) -> Dict[int, torch.Tensor]:
+    """Drive round generators together: one allreduce per dtype and round for all of them."""
+    results: Dict[int, torch.Tensor] = {}
+    pending: Dict[int, torch.Tensor] = {}
+    for i, gen in gens.items():
+        _advance(i, gen, None, pending, results, rec)
+    while pending:
+        sent, pending = pending, {}
+        kinds: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
+        for i in sorted(sent):
+            kinds.setdefault((sent[i].dtype, sent[i].device), []).append(i)
+        for idx in kinds.values():
+            flat = torch.cat([sent[i].reshape(-1) for i in idx])
+            rec.payload_bytes += _nbytes(flat)
+            _mean_(flat, group, world, rec)
+            for i, avg in zip(idx, flat.split([sent[i].numel() for i in idx])):
+                _advance(i, gens[i], avg.view(sent[i].shape), pending, results, rec)
+    return results
+
+
+def _advance(i: int, gen: Rounds, value: Optional[torch.Tensor], pending: Dict[int, torch.Tensor],
+             results: Dict[int, torch.Tensor], rec: Record) -> None:
+    """One step of a round generator; its time counts as compression, except the last step
+    (the decoding, e.g. PowerSGD's ``P Q^T`` and the residual update), which counts as
+    decompression."""
+    start = time.perf_counter()
+    try:
+        pending[i] = gen.send(value) if value is not None else next(gen)
+    except StopIteration as stop:
+        results[i] = stop.value
+        rec.decompress_s += time.perf_counter() - start
+    else:
+        rec.compress_s += time.perf_counter() - start
+
+
+def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
+    """Average ``flat`` over the group in place by the collectives' one rule (``Comm.mean_``),
+    so the ``none`` and 16-bit cast hooks give the bits of DDP and of PyTorch's hooks."""
+    return flat if world == 1 else Comm(group, rec, "training exchange").mean_(flat)
+
+
+def _dense(grad: torch.Tensor) -> Rounds:
+    avg = yield grad.detach()
+    return avg
+
+
+def _native(codec: Any, grad: torch.Tensor, key: str) -> Rounds:
+    """A native codec as one round: its first payload tensor is averaged as it is."""
+    base = _base(codec)
+    feedback = None if isinstance(codec, Compressor) else codec
+    sent: Optional[torch.Tensor] = None
+    if feedback is None:
+        acc, payload = grad.detach(), base.compress(grad, key)
+    else:
+        acc = feedback.accumulate(grad.detach(), key)
+        payload, sent = base.compress_decoded(acc, key)
+    avg = yield payload.tensors[0]
+    p = payload
+    avg = base.decompress(Payload(p.compressor, p.shape, p.dtype, [avg, *p.tensors[1:]], p.meta))
+    if feedback is not None and sent is not None:
+        feedback.update(key, acc, sent.reshape(acc.shape))
+        avg = feedback.combine(key, avg.reshape(acc.shape))
+    return avg.reshape(grad.shape).to(grad.dtype)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _base(codec: Any) -> Compressor:
+    """The compressor inside ``codec`` (itself when it has no error feedback)."""
+    return codec if isinstance(codec, Compressor) else codec.compressor

@@ -34,7 +34,7 @@ from . import _telemetry as telemetry
 from . import worker
 from ._algorithm import ALGORITHMS
 from ._comm import Comm
-from ._core import finish, label, make_spec, start
+from .reduction import finish, label, make_spec, start
 from ._header import IDX, build, check_same_call, h64, verify
 from ._header import sizes as header_sizes
 from ._wire import gather_bytes

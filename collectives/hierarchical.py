@@ -1,6 +1,7 @@
-"""Hierarchical allreduce: dense inside a node, compressed across nodes.
+"""Hierarchical allreduce: dense inside a node, compressed across nodes, split two ways.
 
-With ``L`` ranks per node, each rank owns one ``1/L`` shard of the tensor:
+**By shards** (``allreduce(..., intra_group=, inter_group=)``, one tensor): with ``L`` ranks
+per node, each rank owns one ``1/L`` shard of the tensor:
 
 1. inside the node, an all-to-all of dense shards; each rank averages its shard in rank order
    (a reduce-scatter: fast links carry the dense bytes);
@@ -10,23 +11,33 @@ With ``L`` ranks per node, each rank owns one ``1/L`` shard of the tensor:
 
 So the slow links carry ``1/L`` of a compressed tensor per rank, and every rank ends with the
 same bits: each shard comes from one inter-node allreduce, identical on all its members.
-``make_node_groups(local_size)`` builds the groups (and their async twins); on one machine,
-4 ranks as 2 "nodes" of 2 exercise the whole path.
+
+**By owners** (:func:`exchange_bucket_by_owners`, a bucket of whole tensors: what the DDP hook
+and ``CompressedOptimizer`` do with ``local_size``): each tensor has one owner per node, is
+reduced densely onto it, exchanged compressed among the owners with
+:func:`~gradcomp.collectives.bucket.exchange_bucket`, and broadcast back, so a tensor's
+error feedback and warm start live on one rank per node whatever the bucket layout.
+
+``make_node_groups(local_size)`` builds the groups (and their twins for the workers); on one
+machine, 4 ranks as 2 "nodes" of 2 exercise both paths.
 """
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 
 from gradcomp.compress import transaction
 
-from . import _telemetry as telemetry, worker
+from . import _telemetry as telemetry
+from . import worker
 from ._algorithm import chunk_sizes, mean_in_order, wdtype
-from ._comm import Comm, group_timeout, initialized
-from ._core import check_input, choose_algorithm, label, measure, reduce
+from ._comm import Comm, group_timeout, initialized, scale_
+from .reduction import check_input, choose_algorithm, label, measure, reduce
 from ._header import build, verify
+from ._telemetry import Record, commit
+from .bucket import Item, exchange_bucket
 
 
 class NodeGroups(NamedTuple):
@@ -95,3 +106,97 @@ def hierarchical_job(tensor, spec, key: str, intra_group, inter_group) -> torch.
         measure(rec, out, tensor, [intra, inter])
     telemetry.commit(rec)
     return out
+
+
+# ---- by owners: whole tensors, one owner per node (the training runtime's buckets) ---------
+class Hierarchy(NamedTuple):
+    """This rank's groups for :func:`exchange_bucket_by_owners`: its node, and one rank per node."""
+
+    intra: Any  # the ranks of this node (consecutive global ranks)
+    inter: Any  # the ranks with this rank's local index, one per node
+    local_size: int
+    local_rank: int
+    nodes: int
+
+
+def exchange_bucket_by_owners(items: Sequence[Item], hier: Any, owners: Sequence[int], *,
+                          label: str = "?") -> List[torch.Tensor]:
+    """The mean of every gradient over all ranks, dense inside a node, compressed across nodes
+    (``hier``: :class:`Hierarchy`). Each gradient has an owner, one
+    local rank (``owners``, one per item: whole gradients, the same on every node and every
+    step). Per dtype, in order:
+
+    1. for each local rank, the gradients it owns, concatenated and scaled by ``1/L``, are
+       summed onto it (``reduce`` over the node: the fast links carry the dense bytes, each
+       byte once);
+    2. the owners of a gradient, one per node, average their node means with :func:`~gradcomp.collectives.bucket.exchange_bucket`
+       over the inter-node group, so the codec, its error feedback and its state per
+       parameter name live on the owners, and each gradient crosses the slow links once per
+       node, compressed;
+    3. each owner broadcasts its results over the node. Every rank of every node ends with
+       the same bits.
+
+    Returns views of new flat tensors (one per owner and dtype).
+    """
+    out: List[Optional[torch.Tensor]] = [None] * len(items)
+    by_dtype: Dict[torch.dtype, List[int]] = {}
+    for i, (_, g, _) in enumerate(items):
+        by_dtype.setdefault(g.dtype, []).append(i)
+    L = hier.local_size
+    for idx in by_dtype.values():
+        rec = Record("allreduce", "intra-node", label, "bucket", L)
+        parts = []  # (owner, item indices, flat): the same list on every rank of the node
+        for o in range(L):
+            mine = [i for i in idx if owners[i] == o]
+            if not mine:
+                continue
+            flat = torch.cat([items[i][1].detach().reshape(-1) for i in mine])
+            rec.dense_bytes += _nbytes(flat)
+            scale_(flat, L)
+            _backend(hier.intra, rec, f"reduce onto local rank {o}", lambda: dist.reduce(flat, group=hier.intra, group_dst=o))
+            if o != hier.local_rank:
+                rec.bytes_sent += _nbytes(flat)
+            else:
+                rec.bytes_recv += _nbytes(flat) * (L - 1)
+            parts.append((o, mine, flat))
+        error = None
+        for o, mine, flat in parts:
+            views = [v.view(items[i][1].shape) for v, i in zip(flat.split([items[i][1].numel() for i in mine]), mine)]
+            if o == hier.local_rank:
+                try:  # a failure must reach the node before its broadcasts, not leave it waiting
+                    results = exchange_bucket([(items[i][0], v, items[i][2]) for i, v in zip(mine, views)], hier.inter,
+                                       hier.nodes, label=label)
+                    for v, value in zip(views, results):
+                        if value.data_ptr() != v.data_ptr():
+                            v.copy_(value)
+                except Exception as exc:
+                    error = exc
+            for i, v in zip(mine, views):
+                out[i] = v
+        failed = torch.zeros(L, dtype=torch.int32, device=parts[0][2].device)
+        failed[hier.local_rank] = int(error is not None)
+        _backend(hier.intra, rec, "status exchange", lambda: dist.all_reduce(failed, group=hier.intra))
+        if error is not None:
+            raise error
+        if bool(failed.any()):
+            raise ValueError(f"the hierarchical exchange failed on local rank(s) {failed.nonzero().flatten().tolist()} "
+                             f"of this node (the error is raised there)")
+        for o, _, flat in parts:
+            _backend(hier.intra, rec, f"broadcast from local rank {o}",
+                     lambda: dist.broadcast(flat, group=hier.intra, group_src=o))
+            if o == hier.local_rank:
+                rec.bytes_sent += _nbytes(flat) * (L - 1)
+            else:
+                rec.bytes_recv += _nbytes(flat)
+        commit(rec)
+    return out  # type: ignore[return-value]
+
+
+def _backend(group, rec: Record, what: str, call) -> Any:
+    """Run one ``torch.distributed`` call: a backend failure (a dead peer, a timeout) becomes the
+    collectives' ``CommunicationError`` naming this rank and the call; time counts as comm."""
+    return Comm(group, rec, "training exchange")._run(what, call)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

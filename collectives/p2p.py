@@ -19,7 +19,7 @@ from . import _telemetry as telemetry
 from ._comm import Comm
 from ._header import MAGIC, code_dtype, dtype_code, h64
 from ._wire import decode, encode
-from ._core import check_input, label, make_spec
+from .reduction import check_input, label, make_spec
 
 _KIND = 3
 

@@ -1,7 +1,10 @@
 """Compressors, error feedback and the payload wire format.
 
 Every module in this package that defines a compressor registers it with
-``@register(name)``; importing the package imports them all.
+``@register(name)``; importing the package imports them all. The others, listed in
+``_INFRA``, are what compressors are built from: the contract (``base``), the shared bases of
+the 16-bit casts (``cast``) and of the sign compressors (``sign``), the sparse payload
+(``sparse``), the wire format (``payload``), error feedback, the registry and transactions.
 """
 import importlib as _importlib
 import pkgutil as _pkgutil
@@ -11,7 +14,7 @@ from .error_feedback import EF21, ErrorFeedback, Feedback
 from .payload import Payload
 from .registry import available_compressors, compressor_class, get_compressor, register
 
-_INFRA = {"base", "error_feedback", "payload", "registry", "transaction"}
+_INFRA = {"base", "cast", "error_feedback", "payload", "registry", "sign", "sparse", "transaction"}
 for _mod in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
     if _mod not in _INFRA and not _mod.startswith("_"):
         _importlib.import_module(f"{__name__}.{_mod}")

@@ -31,12 +31,11 @@ Optional hooks, each a faster form with a generic default, used where overridden
 - ``rounds(tensor, key)``: the multi-round form (``capabilities.multi_round``);
 - ``_post_init()``: runtime state (warm starts, momenta), kept apart from config.
 
-One word per concept. "Fused" used to mean four things; three have their own words now: the
-decoding that ``_compress`` hands back is :attr:`Encoded.decoded` (was the ``_fused`` flag that
-changed ``_compress``'s arity); a compressor that updates the residual in its own buffer
-:attr:`compresses_in_place` (was ``_in_place``), and error feedback that does so for a tensor
-``keeps_residual_in_place(tensor)`` (was ``ErrorFeedback.fuses`` and ``collectives._core._fuses``).
-"Fused" is left to ``allreduce_fused``: many tensors in one collective.
+One word per concept: the decoding that ``_compress`` hands back when asked is
+:attr:`Encoded.decoded`; a compressor that updates the residual in its own buffer
+:attr:`compresses_in_place`, and error feedback that does so for a tensor
+``keeps_residual_in_place(tensor)``; "fused" means only ``allreduce_fused``, many tensors in
+one collective.
 """
 from __future__ import annotations
 

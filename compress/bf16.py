@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .fp16 import CastCompressor
+from .cast import CastCompressor
 from .registry import register
 
 _FP16_OVER = 0x4780  # bits of bf16's 65536, where fp16's 65408..65504 round to: beyond fp16

@@ -23,7 +23,8 @@ from .error_feedback import _Feedback
 from .transaction import replace
 from .payload import Payload
 from .registry import register
-from .topk import TopK, ratio_option
+from .sparse import ratio_option
+from .topk import TopK
 
 _MIN_SAMPLE = 1024  # below this a quantile estimate is too noisy to save a retry
 

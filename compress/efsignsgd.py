@@ -8,7 +8,7 @@ element plus the fp32 scale; NaN/Inf in the input make the scale, hence the outp
 from __future__ import annotations
 
 from .registry import register
-from .signsgd import SignCompressor
+from .sign import SignCompressor
 
 
 @register("efsignsgd")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from gradcomp.kernels.sign import count_set
 
 from .registry import register
-from .signsgd import SignCompressor
+from .sign import SignCompressor
 
 
 @register("onebit")

@@ -36,7 +36,7 @@ from gradcomp.kernels.sparse import densify
 from .base import (Capabilities, Compressor, CompressorConfig, Encoded, expect, meta_int, numel_of, option,
                    seed_option, work_dtype)
 from .registry import register
-from .topk import ratio_option, scatter_into
+from .sparse import ratio_option, scatter_into
 
 _MAX_K = 2**31 - 1  # keeps the stratum arithmetic below in int64
 

@@ -15,7 +15,7 @@ import torch
 
 from .base import CompressorConfig, option, work_dtype
 from .registry import register
-from .signsgd import SignCompressor, nonfinite_sum
+from .sign import SignCompressor, nonfinite_sum
 from .transaction import replace, writable
 
 

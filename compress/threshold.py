@@ -15,7 +15,7 @@ from gradcomp.kernels.sparse import index_dtype
 
 from .base import Capabilities, Compressor, CompressorConfig, Encoded, option
 from .registry import register
-from .topk import check_sparse, decode_sparse, decode_sparse_into, sparse_payload, sparse_residual
+from .sparse import check_sparse, decode_sparse, decode_sparse_into, sparse_payload, sparse_residual
 
 
 @register("threshold")

@@ -17,8 +17,9 @@ from gradcomp.collectives._header import h64
 from gradcomp.compress.transaction import Transaction
 
 from gradcomp.collectives import make_node_groups, worker
+from gradcomp.collectives.bucket import exchange_bucket
+from gradcomp.collectives.hierarchical import Hierarchy, exchange_bucket_by_owners
 from gradcomp.collectives._comm import check_alone, initialized
-from ._transport import Hierarchy, exchange, exchange_hierarchical
 from .policy import Policy, base_of
 
 _VERSION = 1
@@ -112,7 +113,7 @@ class Compression:
         """A future of the mean of every gradient (a list in order; chained with ``.then(then)``),
         sent as the policy says at the current iteration. ``advance``: this is the iteration's
         last bucket; once it is done the iteration ends (:meth:`end_iteration`).
-        ``buffer``: see :func:`gradcomp.training._transport.exchange`; ``inline``: see
+        ``buffer``: see :func:`gradcomp.collectives.bucket.exchange_bucket`; ``inline``: see
         :meth:`gradcomp.collectives.worker.Worker.submit`."""
         items = [(n, g, self.policy.route(n, g, self.iteration)) for n, g in zip(names, grads)]
         world, label = self.world, self.label
@@ -132,9 +133,9 @@ class Compression:
                     if nodes is not None:
                         hier = Hierarchy(eff(nodes.intra), eff(nodes.inter), local_size, nodes.local_rank,
                                          world // local_size)
-                        out = exchange_hierarchical(items, hier, owners, label=label)
+                        out = exchange_bucket_by_owners(items, hier, owners, label=label)
                     else:
-                        out = exchange(items, group, world, buffer=buffer, label=label)
+                        out = exchange_bucket(items, group, world, buffer=buffer, label=label)
                     txn.observe(out)
                 except BaseException:
                     txn.failed = True

@@ -5,7 +5,7 @@ import threading
 
 import torch
 
-from dist import run_ranks
+from ranks import run_ranks
 
 
 def _waits_inside_callback(rank, w):

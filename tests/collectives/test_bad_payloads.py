@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist import run_ranks
+from ranks import run_ranks
 
 HUGE = 2**31 - 1  # still int32 indices for top-k, so only the size is wrong
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist import run_ranks
+from ranks import run_ranks
 from gradcomp.collectives import ALGORITHMS, allreduce
 from gradcomp.compress import ErrorFeedback, available_compressors, get_compressor
 

@@ -23,7 +23,7 @@ import zlib
 import pytest
 import torch
 
-from dist import run_ranks
+from ranks import run_ranks
 from gradcomp.collectives import ALGORITHMS
 from gradcomp.compress import ErrorFeedback, available_compressors, get_compressor
 from gradcomp.compress.base import work_dtype

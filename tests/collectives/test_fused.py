@@ -21,7 +21,7 @@ import zlib
 import pytest
 import torch
 
-from dist import run_ranks
+from ranks import run_ranks
 from gradcomp.compress import ErrorFeedback, available_compressors, get_compressor
 
 NAMES = [n for n in available_compressors() if not get_compressor(n).multi_round]

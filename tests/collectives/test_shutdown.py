@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from dist import run_ranks
+from ranks import run_ranks
 
 
 def _rank(rank, w):

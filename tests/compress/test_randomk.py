@@ -8,7 +8,7 @@ import torch
 from gradcomp.compress import Payload, get_compressor
 from gradcomp.compress.randomk import positions
 
-from dist import run_ranks
+from ranks import run_ranks
 
 
 def _positions_of(c, x, key="w", step=None):

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from _training_helpers import batch, mlp, teacher_data
-from dist import run_ranks
+from ranks import run_ranks
 
 DISAGREE = {  # case -> (compressor, options per rank)
     "seed": ("randomk", lambda r: {"ratio": 0.1, "seed": r}),

@@ -24,7 +24,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _training_helpers import batch, flat_params, mlp, teacher_data
-from dist import run_ranks
+from ranks import run_ranks
 from gradcomp.compress import ErrorFeedback, available_compressors
 
 STEPS = 6

@@ -18,7 +18,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _training_helpers import batch, flat_params, mlp, teacher_data
-from dist import run_ranks
+from ranks import run_ranks
 
 STEPS = 8
 BAD = (2, 5)  # steps whose loss is inf on rank 1

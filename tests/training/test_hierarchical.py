@@ -19,7 +19,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _training_helpers import batch, flat_params, mlp, restore, snapshot, teacher_data
-from dist import run_ranks
+from ranks import run_ranks
 
 STEPS = 4
 

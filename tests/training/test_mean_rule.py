@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _training_helpers import batch, mlp, teacher_data
-from dist import run_ranks
+from ranks import run_ranks
 
 
 def _grads(rank, hook=None, state=None, no_ddp=False):

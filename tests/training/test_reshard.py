@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from _training_helpers import batch, mlp, teacher_data
-from dist import run_ranks
+from ranks import run_ranks
 
 STEPS = 3
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from _training_helpers import batch, flat_params, mlp, teacher_data
-from dist import run_ranks
+from ranks import run_ranks
 
 STEPS = 240
 CHECKPOINT_EVERY = 25

@@ -11,7 +11,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _training_helpers import batch, flat_params, mlp, teacher_data
-from dist import run_ranks
+from ranks import run_ranks
 from gradcomp.compress import available_compressors
 
 pytestmark = pytest.mark.gpu

@@ -16,7 +16,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _training_helpers import AllReduceCounter, accuracy, batch, full_loss, mlp, teacher_data
-from dist import run_ranks
+from ranks import run_ranks
 
 
 def _train(me, world, model, hook_state, hook, x, y, steps, lr, momentum, batch_size):

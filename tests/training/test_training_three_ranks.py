@@ -13,7 +13,7 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _training_helpers import batch, flat_params, mlp, restore, snapshot, teacher_data
-from dist import run_ranks
+from ranks import run_ranks
 
 
 def _run(me, compressor, steps, *, start=0, checkpoint=None, save_at=None, seed=0, torch_hook=None, **options):

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dist import run_ranks
+from ranks import run_ranks
 
 
 def _waits_inside_callback(rank, w):

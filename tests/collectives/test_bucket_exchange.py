@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dist import run_ranks
+from ranks import run_ranks
 from gradcomp.compress import ErrorFeedback, get_compressor
 
 STEPS = 3
@@ -27,7 +27,7 @@ def _codecs():
 
 def _rank(rank, world):
     from gradcomp.collectives import allreduce, reset_telemetry, telemetry
-    from gradcomp.training._transport import exchange
+    from gradcomp.collectives.bucket import exchange_bucket as exchange
 
     bucket, single = _codecs(), _codecs()
     op = "allreduce/allgather" if world == 2 else "allreduce/scatter-reduce"

@@ -1,0 +1,93 @@
+"""``SignCompressor``: the shared base of the 1-bit sign compressors (``signsgd``,
+``efsignsgd``, ``signum``, ``onebit``).
+
+Wire: the signs packed 1 bit per element (set where the sent tensor is ``>= 0``: zero counts
+as positive), plus ``n_values`` fp32 decode values. It packs in one pass over the input and
+hands error feedback the decoded tensor without a second decode. A subclass says which sums
+the packing computes and how they become the decode values, and what they are for NaN/Inf.
+"""
+from __future__ import annotations
+
+import math
+from typing import ClassVar, List, Tuple
+
+import torch
+
+from gradcomp.kernels.bits import packed_nbytes
+from gradcomp.kernels.sign import sign_pack, sign_unpack
+
+from .base import Capabilities, Compressor, Encoded, tensor_spec
+
+
+class SignCompressor(Compressor):
+    """Base of the sign compressors: packed sign bits plus ``n_values`` fp32 decode values.
+
+    With one value ``v`` the decode is ``+v`` / ``-v``; with two it is ``values[0]`` where the
+    bit is set and ``values[1]`` elsewhere. Subclasses choose the sums ``sign_pack`` computes
+    (``stats``) and turn them into the values (``_values``). Values of finite input are finite
+    (the sums are overflow-safe) or, beyond the fp32 wire's range, a ``ValueError``.
+    """
+
+    n_values: ClassVar[int] = 1
+    stats: ClassVar[str] = "sum"
+    capabilities = Capabilities()
+
+    def _values(self, x: torch.Tensor, sums: torch.Tensor, bits: torch.Tensor) -> List[float]:
+        raise NotImplementedError
+
+    def _signal(self, flat: torch.Tensor, key: str) -> Tuple[torch.Tensor, bool]:
+        """The tensor whose signs are sent, and whether it is known to hold NaN/Inf."""
+        return flat, False
+
+    def _compress(self, flat, shape, key, step, want_decoded):
+        x, nonfinite = self._signal(flat, key)
+        bits, sums = sign_pack(x, "none" if nonfinite else self.stats)
+        values = [math.nan] * self.n_values if nonfinite else self._values(x, sums, bits)
+        wire = torch.tensor(values, dtype=torch.float32)
+        if not nonfinite and not bool(torch.isfinite(wire).all()) and bool(torch.isfinite(x).all()):
+            raise ValueError(f"{self.name}: a decode value of this {x.dtype} tensor exceeds the float32 range "
+                             f"of the wire (3.4e38); scale the tensor down")
+        decoded = self._unpack(bits, wire, flat.numel(), flat.dtype) if want_decoded else None
+        return Encoded([bits, wire.to(flat.device)], {}, decoded)
+
+    def _compress_residual(self, flat, key, step):
+        tensors, meta, _ = self._compress(flat, tuple(flat.shape), key, step, False)
+        bits, values = tensors
+        pos, neg = self._pair(values, flat.dtype)
+        # flat - decoded, as flat + (-decoded): negation is exact, so these are the same bits
+        sign_unpack(bits, flat.numel(), -pos, -neg, out=flat, accumulate=True)
+        return Encoded(tensors, meta)
+
+    @classmethod
+    def _pair(cls, values: torch.Tensor, dtype: torch.dtype) -> Tuple[float, float]:
+        """The decode values ``(bit set, bit clear)`` rounded to ``dtype``, as Python floats."""
+        vals = values.to(dtype).tolist()
+        return (vals[0], -vals[0]) if cls.n_values == 1 else (vals[0], vals[1])
+
+    @classmethod
+    def _unpack(cls, bits: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """The decoding of packed ``bits`` with decode ``values``, in ``dtype``."""
+        pos, neg = cls._pair(values, dtype)
+        return sign_unpack(bits, numel, pos, neg, dtype=dtype)
+
+    def _decompress(self, payload):
+        bits, values = payload.tensors
+        return self._unpack(bits, values, payload.numel, payload.dtype)
+
+    def _decompress_into(self, payload, out, alpha, accumulate):
+        bits, values = payload.tensors
+        pos, neg = self._pair(values, payload.dtype)  # rounded as decompress rounds them
+        sign_unpack(bits, payload.numel, pos * alpha, neg * alpha, out=out, accumulate=accumulate)
+
+    def _wire_bytes(self, numel):
+        return packed_nbytes(numel, 1) + 4.0 * self.n_values
+
+    @classmethod
+    def _check_tensors(cls, payload):
+        tensor_spec(payload, [(torch.uint8, packed_nbytes(payload.numel, 1)), (torch.float32, cls.n_values)], cls.name)
+
+
+def nonfinite_sum(total: float, x: torch.Tensor) -> bool:
+    """Whether ``x`` holds NaN/Inf, given ``total == sum(x)``: a finite sum settles it; a
+    non-finite one may be an overflow of finite values, which the exact check rules out."""
+    return not math.isfinite(total) and not bool(torch.isfinite(x).all())
