@@ -6,21 +6,22 @@ capabilities; async with futures; optional hierarchical mode), ``allreduce_bucke
 (many tensors, each compressed on its own, sharing each exchange: one all-gather on two ranks,
 scatter-reduce's exchanges on three or more), ``send``/``recv``
 (compressed point-to-point), and per-rank telemetry (``telemetry()``,
-``reset_telemetry()``).
+``reset_telemetry()``). ``exchange_bucket`` / ``exchange_bucket_by_owners`` are the bucket
+exchanges the training runtime (DDP hook, ``CompressedOptimizer``) is built on.
 """
 from .worker import shutdown
-from ._comm import CommunicationError
+from ._comm import CommunicationError, rank_of, world_of
 from .allreduce import ALGORITHMS, allreduce, choose_algorithm
-from .bucket import allreduce_buckets, plan_buckets
+from .bucket import allreduce_buckets, exchange_bucket, plan_buckets
 from .fused import allreduce_fused
-from .hierarchical import NodeGroups, make_node_groups
+from .hierarchical import Hierarchy, NodeGroups, exchange_bucket_by_owners, make_node_groups
 from .p2p import recv, send
 from .scatter_reduce import server_feedback
 from ._telemetry import reset_telemetry, set_measure_error, telemetry
 
 __all__ = [
     "allreduce", "choose_algorithm", "ALGORITHMS", "allreduce_buckets", "plan_buckets",
-    "allreduce_fused",
-    "make_node_groups", "NodeGroups", "send", "recv", "server_feedback",
+    "allreduce_fused", "exchange_bucket", "exchange_bucket_by_owners", "Hierarchy",
+    "make_node_groups", "NodeGroups", "world_of", "rank_of", "send", "recv", "server_feedback",
     "telemetry", "reset_telemetry", "set_measure_error", "CommunicationError", "shutdown",
 ]

@@ -56,6 +56,23 @@ def check_alone() -> None:
                          f"initialised; call init_process_group first, or unset WORLD_SIZE to run alone")
 
 
+def world_of(group) -> int:
+    """World size of ``group`` (None: the default group); 1 without a process group (see
+    :func:`check_alone`)."""
+    if not initialized():
+        if group is not None:
+            raise ValueError("a process group was given but torch.distributed is not initialised; "
+                             "call init_process_group first or pass process_group=None")
+        check_alone()
+        return 1
+    return dist.get_world_size(group)
+
+
+def rank_of(group) -> int:
+    """This process's rank in ``group`` (None: the default group); 0 without a process group."""
+    return dist.get_rank(group) if initialized() else 0
+
+
 def group_timeout(group) -> Optional[timedelta]:
     """The timeout a group was created with (None when the backend does not say)."""
     try:

@@ -23,7 +23,7 @@ from typing import Any, Dict, Generator, Iterable, List, Mapping, Optional, Sequ
 
 import torch
 
-from gradcomp.compress import Compressor, Payload
+from gradcomp.compress import Compressor, Payload, transaction
 from gradcomp.compress.cast import CastCompressor
 
 from . import worker
@@ -145,7 +145,7 @@ Rounds = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optional[torch.Tensor] = None,
-                    label: str = "?") -> List[torch.Tensor]:
+                    label: str = "?", observe: bool = True) -> List[torch.Tensor]:
     """The mean over ``group`` of every tensor in ``items`` (``(key, tensor, codec)``, the same
     order on every rank), in order (new tensors, or views of ``buffer``).
 
@@ -168,13 +168,19 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
 
     ``buffer``: a flat tensor whose consecutive views the gradients are (a DDP bucket); when
     every gradient is dense, or every one goes through the same 16-bit cast, the bucket is
-    averaged as a whole (see :func:`_whole`).
+    averaged as a whole (see :func:`_whole`). ``observe``: tell the open state transaction
+    (``gradcomp.compress.transaction``) whether every mean is finite, from the cheapest
+    tensors that decide it (the same on every rank of ``group``).
     """
     codecs = {id(codec): codec for _, _, codec in items}
+    txn = transaction.current() if observe else None
     if buffer is not None and items and len(codecs) == 1 and sum(g.numel() for _, g, _ in items) == buffer.numel():
         codec = next(iter(codecs.values()))
         if codec is None or isinstance(codec, CastCompressor):
-            return _whole(items, buffer, codec, group, world)
+            whole = _whole(items, buffer, codec, group, world)
+            if txn is not None:
+                txn.observe(buffer)
+            return whole
     out: List[Optional[torch.Tensor]] = [None] * len(items)
     gens: Dict[int, Rounds] = {}
     for i, (key, grad, codec) in enumerate(items):
@@ -188,9 +194,17 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
     if gens:
         rec = Record("allreduce", "bucket", label, "bucket", world,
                      dense_bytes=sum(_nbytes(items[i][1]) for i in gens))
-        for i, value in _lockstep(gens, group, world, rec).items():
+        results, last = _lockstep(gens, group, world, rec)
+        for i, value in results.items():
             out[i] = value
         commit(rec)
+        if txn is not None:
+            # Each item's last average decides: a dense mean is the result itself, a native
+            # payload decodes to finite values only when it is finite, and PowerSGD's result
+            # P Q^T (saturated) is finite exactly when its last average, Q, is. EF21 adds its
+            # aggregate estimate, so its result itself is checked.
+            txn.observe([last[i] for i in gens])
+            txn.observe([out[i] for i in gens if getattr(items[i][2], "kind", None) == "ef21"])
     rest = [i for i in range(len(items)) if out[i] is None]
     # the others share each exchange (allgather on two ranks, scatter-reduce on more), unless
     # errors are measured, which allreduce does per tensor
@@ -201,6 +215,8 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
         if out[i] is None:
             key, grad, codec = items[i]
             out[i] = flat_job(grad, make_spec(codec, None, None, False), key, group)
+    if txn is not None:
+        txn.observe([out[i] for i in rest])
     return out  # type: ignore[return-value]
 
 
@@ -223,9 +239,12 @@ def _whole(items: Sequence[Item], buffer: torch.Tensor, cast: Optional[CastCompr
     return [buffer[a:b].view(g.shape) for (_, g, _), a, b in zip(items, offsets, offsets[1:])]
 
 
-def _lockstep(gens: Dict[int, Rounds], group, world: int, rec: Record) -> Dict[int, torch.Tensor]:
-    """Drive round generators together: one allreduce per dtype and round for all of them."""
+def _lockstep(gens: Dict[int, Rounds], group, world: int, rec: Record
+              ) -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:
+    """Drive round generators together: one allreduce per dtype and round for all of them.
+    Returns each generator's result and the last average it was sent."""
     results: Dict[int, torch.Tensor] = {}
+    last: Dict[int, torch.Tensor] = {}
     pending: Dict[int, torch.Tensor] = {}
     for i, gen in gens.items():
         _advance(i, gen, None, pending, results, rec)
@@ -239,8 +258,9 @@ def _lockstep(gens: Dict[int, Rounds], group, world: int, rec: Record) -> Dict[i
             rec.payload_bytes += _nbytes(flat)
             _mean_(flat, group, world, rec)
             for i, avg in zip(idx, flat.split([sent[i].numel() for i in idx])):
+                last[i] = avg
                 _advance(i, gens[i], avg.view(sent[i].shape), pending, results, rec)
-    return results
+    return results, last
 
 
 def _advance(i: int, gen: Rounds, value: Optional[torch.Tensor], pending: Dict[int, torch.Tensor],

@@ -164,8 +164,9 @@ def exchange_bucket_by_owners(items: Sequence[Item], hier: Any, owners: Sequence
             views = [v.view(items[i][1].shape) for v, i in zip(flat.split([items[i][1].numel() for i in mine]), mine)]
             if o == hier.local_rank:
                 try:  # a failure must reach the node before its broadcasts, not leave it waiting
+                    # observed below, on the results every rank of every node holds
                     results = exchange_bucket([(items[i][0], v, items[i][2]) for i, v in zip(mine, views)], hier.inter,
-                                       hier.nodes, label=label)
+                                              hier.nodes, label=label, observe=False)
                     for v, value in zip(views, results):
                         if value.data_ptr() != v.data_ptr():
                             v.copy_(value)
@@ -189,6 +190,9 @@ def exchange_bucket_by_owners(items: Sequence[Item], hier: Any, owners: Sequence
             else:
                 rec.bytes_recv += _nbytes(flat)
         commit(rec)
+    txn = transaction.current()
+    if txn is not None:  # the same results on every rank: every rank keeps or undoes alike
+        txn.observe(out)
     return out  # type: ignore[return-value]
 
 

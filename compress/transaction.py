@@ -167,18 +167,16 @@ def step() -> Iterator[Step]:
 def all_finite(results: Any) -> bool:
     """Whether every tensor in ``results`` (a tensor, or a list or tuple of them) is finite.
 
-    One read-only pass: a dot product with itself (vectorised, ~5 ms per 100 MB of fp32 on one
-    core) is finite only if every element is; an exact check runs only when it is not (an
-    element is non-finite, or the sum of squares overflowed)."""
+    One read-only pass: each tensor's dot product with itself (vectorised, ~4 ms per 100 MB of
+    fp32 on one core; a 16-bit tensor's sum), all added into one number that is finite only if
+    every element is; a single sync, and an exact check only when it is not (an element is
+    non-finite, or a sum of squares overflowed)."""
     tensors = [results] if isinstance(results, torch.Tensor) else list(results)
-    for t in tensors:
-        if t is None or not t.numel() or not t.is_floating_point():
-            continue
-        flat = t.detach().reshape(-1)
-        if flat.dtype in (torch.float32, torch.float64):
-            quick = torch.dot(flat, flat)
-        else:  # 16-bit: summed in fp32 inside, rounded to 16 bits; overflow falls back below
-            quick = flat.sum()
-        if not bool(torch.isfinite(quick)) and not bool(torch.isfinite(flat).all()):
-            return False
-    return True
+    tensors = [t.detach().reshape(-1) for t in tensors if t is not None and t.numel() and t.is_floating_point()]
+    if not tensors:
+        return True
+    quick = [torch.dot(t, t) if t.dtype in (torch.float32, torch.float64) else t.sum() for t in tensors]
+    total = quick[0].double() if len(quick) == 1 else torch.stack([q.double() for q in quick]).sum()
+    if bool(torch.isfinite(total)):
+        return True
+    return all(bool(torch.isfinite(t).all()) for t in tensors)

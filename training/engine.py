@@ -7,19 +7,15 @@ the iteration and every codec's per-parameter state (residuals, warm starts, ste
 """
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import choose_algorithm, server_feedback
-from gradcomp.collectives._header import h64
+from gradcomp.collectives import (Hierarchy, choose_algorithm, exchange_bucket, exchange_bucket_by_owners,
+                                  make_node_groups, rank_of, server_feedback, world_of, worker)
 from gradcomp.compress.transaction import Transaction
-
-from gradcomp.collectives import make_node_groups, worker
-from gradcomp.collectives.bucket import exchange_bucket
-from gradcomp.collectives.hierarchical import Hierarchy, exchange_bucket_by_owners
-from gradcomp.collectives._comm import check_alone, initialized
 from .policy import Policy, base_of
 
 _VERSION = 1
@@ -136,7 +132,7 @@ class Compression:
                         out = exchange_bucket_by_owners(items, hier, owners, label=label)
                     else:
                         out = exchange_bucket(items, group, world, buffer=buffer, label=label)
-                    txn.observe(out)
+                    # both exchanges tell txn whether every mean is finite (its cheapest witnesses)
                 except BaseException:
                     txn.failed = True
                     if advance:
@@ -154,7 +150,7 @@ class Compression:
     def _identity(self) -> Dict[str, Any]:
         """Whose state this is: rank, world size, parameter names and a configuration
         fingerprint (a checkpoint must be loaded by the same rank of the same job)."""
-        return {"rank": dist.get_rank(self.group) if initialized() else 0, "world": self.world, "names": sorted(self.names),
+        return {"rank": rank_of(self.group), "world": self.world, "names": sorted(self.names),
                 "config": h64(self.policy.describe() + self._config()["policy settings"]
                               + repr(self.local_size))}
 
@@ -265,17 +261,6 @@ class Compression:
         self.iteration = int(state["iteration"])
 
 
-def world_of(group) -> int:
-    """World size of ``group`` (None: the default group); 1 without a process group."""
-    if not initialized():
-        if group is not None:
-            raise ValueError("a process group was given but torch.distributed is not initialised; "
-                             "call init_process_group first or pass process_group=None")
-        check_alone()
-        return 1
-    return dist.get_world_size(group)
-
-
 def agree(config: Mapping[str, str], group, when: str) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` unless every rank passed the
     same ``config`` (field -> printable value), naming the first field that differs and each
@@ -292,6 +277,11 @@ def agree(config: Mapping[str, str], group, when: str) -> None:
     if any(set(g[0]) != set(digest) for g in gathered):
         raise ValueError(f"ranks disagree on what they compare {when}: every rank must run the same gradcomp "
                          f"version and call the same hook or optimizer")
+
+
+def h64(text: str) -> int:
+    """A signed 64-bit hash of ``text``, the same on every rank and run."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def _short(text: str, limit: int = 160) -> str:
