@@ -15,24 +15,13 @@ medians over ``R`` repeats after one warm-up.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
 
+from gradcomp.bench.cpu_paths import median_ms
 from gradcomp.collectives import allreduce
 from gradcomp.compress import ErrorFeedback, get_compressor
 from gradcomp.compress.transaction import Transaction, all_finite
-
-
-def _median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return 1e3 * statistics.median(times)
 
 
 def main() -> None:
@@ -45,14 +34,14 @@ def main() -> None:
     g = torch.randn(n)
     res = torch.randn(n)
     other = torch.empty(n)
-    rows = [("all_finite(result)", _median_ms(lambda: all_finite(g), r)),
-            ("result.clone() (for scale)", _median_ms(lambda: g.clone(), r)),
-            ("res.add_(g) (in place, before)", _median_ms(lambda: res.add_(g), r)),
-            ("torch.add(res, g, out=other) (now)", _median_ms(lambda: torch.add(res, g, out=other), r))]
+    rows = [("all_finite(result)", median_ms(lambda: all_finite(g), r)),
+            ("result.clone() (for scale)", median_ms(lambda: g.clone(), r)),
+            ("res.add_(g) (in place, before)", median_ms(lambda: res.add_(g), r)),
+            ("torch.add(res, g, out=other) (now)", median_ms(lambda: torch.add(res, g, out=other), r))]
     for name in ("onebit", "topk", "int8"):
         ef = ErrorFeedback(get_compressor(name))
         rows.append((f"ErrorFeedback({name}).compress, no transaction",
-                     _median_ms(lambda: ef.compressor.compress_residual(ef.accumulate_in_place(g, "w"), "w"), r)))
+                     median_ms(lambda: ef.compressor.compress_residual(ef.accumulate_in_place(g, "w"), "w"), r)))
 
         def in_txn(ef=ef):
             txn = Transaction()
@@ -60,9 +49,9 @@ def main() -> None:
                 ef.compressor.compress_residual(ef.accumulate_in_place(g, "w"), "w")
             txn.commit()
 
-        rows.append((f"ErrorFeedback({name}).compress, in a transaction", _median_ms(in_txn, r)))
+        rows.append((f"ErrorFeedback({name}).compress, in a transaction", median_ms(in_txn, r)))
         ef2 = ErrorFeedback(get_compressor(name))
-        rows.append((f"allreduce(g, ErrorFeedback({name})), one process", _median_ms(lambda: allreduce(g, ef2, key="w"), r)))
+        rows.append((f"allreduce(g, ErrorFeedback({name})), one process", median_ms(lambda: allreduce(g, ef2, key="w"), r)))
     print(f"# {n:,} fp32 elements, 1 thread, median of {r} after 1 warm-up (ms)")
     for label, ms in rows:
         print(f"{label:<58} {ms:8.1f}")
