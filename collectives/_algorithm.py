@@ -72,6 +72,21 @@ class Algorithm:
         return None
 
     @classmethod
+    def exchange_many(cls, comm: Comm, items: list, specs: list, algos: list, device: torch.device,
+                      error: Optional[BaseException], exact: bool) -> list:
+        """``allreduce_fused``'s exchange: run this algorithm for many tensors at once, each
+        exchange shared by the set (``algos``: each tensor's instance after ``local``, None for
+        an empty one; ``error``: this rank's local failure, reported through the shared
+        header). Returns ``(average, sent)`` per tensor (None for an empty one). An algorithm
+        that implements it is available to ``allreduce_fused`` (see ``collectives/_shared.py``)."""
+        raise NotImplementedError(f"algorithm {cls.name!r} cannot share its exchanges among tensors")
+
+    @classmethod
+    def shares_exchanges(cls) -> bool:
+        """Whether :meth:`exchange_many` is implemented (``allreduce_fused`` can use it)."""
+        return cls.exchange_many.__func__ is not Algorithm.exchange_many.__func__  # type: ignore[attr-defined]
+
+    @classmethod
     def prefers(cls, compressor: Compressor, world_size: int) -> bool:
         """Whether the automatic choice takes this algorithm for ``compressor`` (asked in
         ``order``, only of suitable algorithms)."""

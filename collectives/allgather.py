@@ -18,6 +18,7 @@ from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, register_algorithm, wdtype
 from ._header import sizes as header_sizes
+from ._shared import header, pack, split, verify_many
 from ._wire import decode, encode, gather_bytes
 
 
@@ -45,6 +46,16 @@ class AllGather(Algorithm):
         self.device = acc.device
         self.dtype = wdtype(acc)
         return 0, [self.buf.numel()]
+
+    @classmethod
+    def exchange_many(cls, comm, items, specs, algos, device, error, exact):
+        """One header and one all-gather of every tensor's payload for the whole set."""
+        buf = pack([None if a is None or error is not None else a.buf for a in algos], device, error)
+        table = comm.exchange(header(comm.size, cls.name, items, specs, error, [buf.numel()]))
+        verify_many(table, items, specs, error)
+        bufs = gather_bytes(comm, buf, header_sizes(table)[:, 0].tolist(), exact=exact)
+        per_rank = [split(b, len(items), r) for r, b in enumerate(bufs)]
+        return [None if a is None else a.combine([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
 
     def run(self, table):
         sizes = header_sizes(table)[:, 0].tolist()

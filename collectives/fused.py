@@ -13,19 +13,14 @@ making its own: small tensors are latency-bound, not bandwidth-bound. Two algori
   (``ScatterReduce``'s own phases, run for each tensor between the exchanges). Bytes per rank
   stay below two payloads for any number of ranks.
 
-Results are the same bits as the per-tensor calls, on every rank.
-
-Wire format of one rank's bytes for one destination (or for everyone): ``n`` int64 lengths
-(one per tensor, 0 for an empty one), then the payloads' wire bytes back to back. The header
-is one row for the set as a whole: the layout (shapes and dtypes) and the keys and
-compressors are compared by hash, so a mismatch raises ``ValueError`` on every rank, as for a
-single allreduce.
+Results are the same bits as the per-tensor calls, on every rank. Each algorithm runs its own
+shared exchange (``Algorithm.exchange_many``; the wire format in ``collectives/_shared.py``), so
+any registered algorithm that implements it is available here.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, List, Optional, Sequence
 
-import numpy as np
 import torch
 
 from gradcomp.compress import transaction
@@ -35,17 +30,13 @@ from . import worker
 from ._algorithm import ALGORITHMS
 from ._comm import Comm
 from .reduction import finish, label, make_spec, start
-from ._header import IDX, build, check_same_call, h64, verify
-from ._header import sizes as header_sizes
-from ._wire import gather_bytes
-from .scatter_reduce import exchange_status
+from ._shared import Item
 
 __all__ = ["allreduce_fused"]
 
-Item = Tuple[str, torch.Tensor, Any]  # (key, tensor, compressor)
-
-
-FUSED_ALGORITHMS = ("allgather", "scatter-reduce")
+def _sharing() -> dict:
+    """The registered algorithms that can share their exchanges among many tensors."""
+    return {name: cls for name, cls in ALGORITHMS.items() if cls.shares_exchanges()}
 
 
 def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *, algorithm: Optional[str] = None):
@@ -61,9 +52,9 @@ def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *
     inputs are never written to. Multi-round compressors (PowerSGD) are refused; errors are
     not measured (``measure_error`` is ignored here).
     """
-    if algorithm is not None and algorithm not in FUSED_ALGORITHMS:
+    if algorithm is not None and algorithm not in _sharing():
         raise ValueError(f"allreduce_fused: unknown algorithm {algorithm!r}; allowed: None (allgather on two ranks, "
-                         f"scatter-reduce on more), {', '.join(repr(a) for a in FUSED_ALGORITHMS)}")
+                         f"scatter-reduce on more), {', '.join(repr(a) for a in _sharing())}")
     items = list(items)
     specs = []
     for key, _, compressor in items:
@@ -89,7 +80,8 @@ def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[s
     rec = telemetry.Record("allreduce", "?", labels.pop() if len(labels) == 1 else "mixed", "fused", 1)
     comm = Comm(group, rec, "allreduce")
     rec.world_size = comm.size
-    name = rec.algorithm = algorithm or ("allgather" if comm.size <= 2 else "scatter-reduce")
+    name = rec.algorithm = algorithm or next(c.name for c in sorted(_sharing().values(), key=lambda c: c.order)
+                                             if c.prefers(specs[0].base if specs else None, comm.size))
     algos: List[Optional[Any]] = [None] * len(items)
     accs: List[Optional[torch.Tensor]] = [None] * len(items)
     cls = ALGORITHMS[name]
@@ -104,96 +96,8 @@ def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[s
     # after a local failure an algorithm may be half set up: only the lengths travel then
     device = next((t.device for _, t, _ in items if isinstance(t, torch.Tensor)), torch.device("cpu"))
     exact = not all(s.base.fixed_size for s in specs)
-    if name == "allgather":
-        buf = _pack([None if a is None or error is not None else a.buf for a in algos], device, error)
-        table = comm.exchange(_header(comm.size, name, items, specs, error, [buf.numel()]))
-        _verify(table, items, specs, error)
-        bufs = gather_bytes(comm, buf, header_sizes(table)[:, 0].tolist(), exact=exact)
-        per_rank = [_split(b, len(items), r) for r, b in enumerate(bufs)]
-        results = [None if a is None else a.combine([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
-    else:
-        results = _scatter_reduce(comm, items, specs, algos, device, error, exact)
+    results = cls.exchange_many(comm, items, specs, algos, device, error, exact)
     out = [torch.empty_like(tensor) if algo is None else finish(algo, tensor, acc, spec.feedback, *result)
            for (_, tensor, _), spec, algo, acc, result in zip(items, specs, algos, accs, results)]
     telemetry.commit(rec)
     return out
-
-
-def _scatter_reduce(comm: Comm, items: List[Item], specs: list, algos: list, device: torch.device, error,
-                    exact: bool) -> list:
-    """``ScatterReduce``'s two phases for every tensor, each exchange shared: ``(avg, sent)``
-    per tensor (None for an empty one)."""
-    w, n = comm.size, len(items)
-    # what goes to rank j: every tensor's chunk-j payload, behind n lengths
-    per_dest = [[None] * n for _ in range(w)]
-    for i, a in enumerate(algos):
-        if a is not None and error is None:
-            for j, piece in enumerate(a.sendbuf.split(a.out_sizes)):
-                per_dest[j][i] = piece
-    sends = [_pack(parts, device, error) for parts in per_dest]
-    table = comm.exchange(_header(w, "scatter-reduce", items, specs, error, [b.numel() for b in sends]))
-    _verify(table, items, specs, error)
-    in_sizes = header_sizes(table)[:, comm.rank].tolist()
-    got = comm.all_to_all(torch.cat(sends), [b.numel() for b in sends], in_sizes)
-    failure, reduced = None, [None] * n
-    try:  # a failure here is mine alone: report it before the all-gather, not by hanging
-        from_rank = [_split(b, n, r) for r, b in enumerate(got.split(in_sizes))]
-        for i, a in enumerate(algos):
-            if a is not None:
-                reduced[i] = a.reduce_chunk([parts[i] for parts in from_rank])
-        buf = _pack(reduced, device, None)
-    except Exception as exc:
-        failure, buf = exc, got.new_empty(0)
-    sizes = exchange_status(comm, buf.numel(), failure)
-    per_rank = [_split(b, n, r) for r, b in enumerate(gather_bytes(comm, buf, sizes, exact=exact))]
-    return [None if a is None else a.finish([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
-
-
-def _pack(parts: Sequence[Optional[torch.Tensor]], device: torch.device, error) -> torch.Tensor:
-    """``len(parts)`` int64 lengths (0 for None), then the parts' bytes; only the lengths
-    (all zero) when ``error`` is set."""
-    lengths = [0 if p is None or error is not None else p.numel() for p in parts]
-    prefix = torch.tensor(lengths, dtype=torch.int64).view(torch.uint8).to(device)
-    if error is not None:
-        return prefix
-    return torch.cat([prefix, *(p for p in parts if p is not None)])
-
-
-def _layout(items: List[Item]) -> str:
-    return repr([(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
-                 for _, t, _ in items])
-
-
-def _header(world: int, algorithm: str, items: List[Item], specs: list, error, sizes: List[int]) -> List[int]:
-    numel = sum(t.numel() for _, t, _ in items if isinstance(t, torch.Tensor))
-    row = build(world, op="allreduce", algorithm=algorithm, tensor=torch.empty(numel, device="meta"),
-                compressor="|".join(s.desc for s in specs), key="\n".join(k for k, _, _ in items),
-                error=error is not None, sizes=sizes)
-    row[IDX["shape"]] = h64(_layout(items))  # every tensor's shape and dtype, in order
-    row[IDX["ndim"]] = len(items)
-    return row
-
-
-def _verify(table: torch.Tensor, items: List[Item], specs: list, error) -> None:
-    def same(name: str) -> bool:
-        return len(set(table[:, IDX[name]].tolist())) == 1
-
-    check_same_call(table, op="allreduce")  # a rank in allreduce instead: say so, not "different tensors"
-    if not (same("shape") and same("ndim") and same("numel")):
-        per_rank = ", ".join(f"rank {r}: {row[IDX['ndim']]} tensors of {row[IDX['numel']]} elements"
-                             for r, row in enumerate(table.tolist()))
-        raise ValueError(f"allreduce_fused: ranks passed different tensors ({per_rank}, layouts compared by hash); "
-                         f"every rank must pass the same shapes and dtypes in the same order")
-    descs = sorted({s.desc for s in specs})
-    keys = f"{items[0][0]}..{items[-1][0]}" if items else ""
-    verify(table, op="allreduce", error=error, local={"compressor": ", ".join(descs), "key": keys})
-
-
-def _split(buf: torch.Tensor, n: int, rank: int) -> List[torch.Tensor]:
-    """Rank ``rank``'s bytes cut into its ``n`` payloads, by the lengths in front of them."""
-    head = 8 * n
-    lengths = np.frombuffer(buf[:head].cpu().numpy().tobytes(), dtype="<i8") if buf.numel() >= head else None
-    if lengths is None or (lengths < 0).any() or head + int(lengths.sum()) != buf.numel():
-        raise ValueError(f"allreduce_fused: the bytes from rank {rank} do not hold {n} payloads as announced; "
-                         f"ranks run different gradcomp versions or the data was corrupted")
-    return list(buf[head:].split([int(x) for x in lengths]))

@@ -29,6 +29,7 @@ from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, wdtype
 from ._header import sizes as header_sizes
+from ._shared import header, pack, split, verify_many
 from ._wire import decode, encode, gather_bytes
 
 _servers: "weakref.WeakKeyDictionary[Any, ErrorFeedback]" = weakref.WeakKeyDictionary()
@@ -84,6 +85,35 @@ class ScatterReduce(Algorithm):
         self.out_sizes = [b.numel() for b in bufs]
         self.sendbuf = torch.cat(bufs)
         return 0, self.out_sizes
+
+    @classmethod
+    def exchange_many(cls, comm, items, specs, algos, device, error, exact):
+        """``ScatterReduce``'s two phases for every tensor, each exchange shared: ``(avg, sent)``
+        per tensor (None for an empty one)."""
+        w, n = comm.size, len(items)
+        # what goes to rank j: every tensor's chunk-j payload, behind n lengths
+        per_dest = [[None] * n for _ in range(w)]
+        for i, a in enumerate(algos):
+            if a is not None and error is None:
+                for j, piece in enumerate(a.sendbuf.split(a.out_sizes)):
+                    per_dest[j][i] = piece
+        sends = [pack(parts, device, error) for parts in per_dest]
+        table = comm.exchange(header(w, cls.name, items, specs, error, [b.numel() for b in sends]))
+        verify_many(table, items, specs, error)
+        in_sizes = header_sizes(table)[:, comm.rank].tolist()
+        got = comm.all_to_all(torch.cat(sends), [b.numel() for b in sends], in_sizes)
+        failure, reduced = None, [None] * n
+        try:  # a failure here is mine alone: report it before the all-gather, not by hanging
+            from_rank = [split(b, n, r) for r, b in enumerate(got.split(in_sizes))]
+            for i, a in enumerate(algos):
+                if a is not None:
+                    reduced[i] = a.reduce_chunk([parts[i] for parts in from_rank])
+            buf = pack(reduced, device, None)
+        except Exception as exc:
+            failure, buf = exc, got.new_empty(0)
+        sizes = exchange_status(comm, buf.numel(), failure)
+        per_rank = [split(b, n, r) for r, b in enumerate(gather_bytes(comm, buf, sizes, exact=exact))]
+        return [None if a is None else a.finish([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
 
     def run(self, table):
         comm = self.comm
