@@ -194,7 +194,7 @@ def run_collective(argv: Sequence[str]) -> int:
     if args.plot:
         from . import plot
 
-        plot.collective_plot(records, args.plot, title=f"{grad}\n{env['world_size']} ranks, {env['link']}")
+        plot.collective_plot(records, args.plot, title=f"{grad}\n{env['world_size']} rank{'s' if env['world_size'] != 1 else ''}, {env['link']}")
         print(f"wrote {args.plot}")
     return 0
 

@@ -39,14 +39,28 @@ def collective_plot(records: List[Dict[str, Any]], path: str, title: str = "") -
     ax2.barh(y, speed, color=["#1b9e77" if s >= 1 else "#e7298a" for s in speed])
     ax2.axvline(1.0, color="k", lw=1)
     for yi, r in zip(y, rows):
-        label = f" {r['speedup']:.2f}x  ({r['ratio']:.1f}x less data)"
-        ax2.text(r["speedup"] or 0.0, yi, label, va="center", fontsize=7)
-    ax2.set_xscale("log")
-    ax2.set_xlabel("speed-up over dense all_reduce (log)")
+        ax2.text(r["speedup"] or 1.0, yi, " " + _speed_label(r), va="center", fontsize=7)
+    if any(s > 0 for s in speed):
+        ax2.set_xscale("log")
+        ax2.set_xlim(right=max(max(speed), 1.0) * 4)  # room for the labels inside the frame
+        from matplotlib.ticker import FuncFormatter, NullFormatter
+
+        ax2.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax2.xaxis.set_minor_formatter(NullFormatter())  # a narrow range labels its minor ticks on top of each other
+        ax2.set_xlabel("speed-up over dense all_reduce (log)")
+    else:  # one rank: nothing crosses a wire, so there is no speed-up to draw
+        ax2.set_xlabel("speed-up over dense all_reduce (none: nothing is sent with one rank)")
     fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _speed_label(r: dict) -> str:
+    """``1.85x  (2.0x less data)``; what is missing (one rank sends nothing) said in words."""
+    speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "no speed-up"
+    ratio = f"{r['ratio']:.1f}x less data" if r.get("ratio") is not None else "nothing sent"
+    return f"{speed}  ({ratio})"
 
 
 def _smooth(values: List[float], window: int) -> List[float]:

@@ -59,6 +59,19 @@ def test_two_ranks_json_fields_and_plot(tmp_path):
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.skipif(not HAVE_MPL, reason="the plot needs matplotlib (the bench extra)")
+def test_one_rank_writes_json_and_plot(tmp_path):
+    """With one rank nothing is sent (ratio and speed-up are None): the run and its plot still
+    complete, so no plot of an earlier run is left beside the new JSON."""
+    proc = subprocess.run([sys.executable, "-m", "gradcomp.bench", "--world-size", "1", "--numel", "10000",
+                           "--compressors", "topk,fp16", "--repeats", "1"], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    records = json.loads((tmp_path / "gradcomp-bench.json").read_text())
+    assert all(r["ratio"] is None for r in records if r["compressor"] != "dense")
+    assert (tmp_path / "gradcomp-bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
 def test_bad_arguments_are_one_clear_error(capsys):
     assert cli.main(["--compressors", "zip"]) == 2
     assert "unknown compressor 'zip'" in capsys.readouterr().err
