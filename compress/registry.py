@@ -1,6 +1,7 @@
 """The compressor registry: ``@register("name")`` fills one dict and refuses duplicates."""
 from __future__ import annotations
 
+import difflib
 from typing import Any, Callable, Dict, List, Type, TypeVar
 
 from .base import Compressor, check_contract
@@ -32,7 +33,12 @@ def available_compressors() -> List[str]:
 def compressor_class(name: str) -> Type[Compressor]:
     """The class registered under ``name``; ``ValueError`` naming the choices otherwise."""
     if not isinstance(name, str) or name not in _REGISTRY:
-        raise ValueError(f"unknown compressor {name!r}; available: {', '.join(available_compressors())}")
+        hint = ""
+        if isinstance(name, str):
+            close = [n for n in _REGISTRY if n.lower() == name.strip().lower()] or \
+                difflib.get_close_matches(name.lower(), list(_REGISTRY), n=1, cutoff=0.6)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown compressor {name!r}{hint}; available: {', '.join(available_compressors())}")
     return _REGISTRY[name]
 
 

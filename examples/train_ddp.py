@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from gradcomp.collectives import telemetry
 from gradcomp.compress import available_compressors
-from gradcomp.training import CompressedOptimizer, ddp_comm_hook
+from gradcomp.training import CompressedOptimizer, ddp_comm_hook, shutdown
 
 
 def synthetic(n: int, seed: int, device: torch.device):
@@ -69,7 +69,10 @@ def main() -> None:
     x, y = synthetic(8192, 1 + rank, device)  # each rank has its own shard
     x_test, y_test = synthetic(4096, 999, device)
     g = torch.Generator().manual_seed(rank)
+    warm = 0  # bytes sent during the dense warm-up (start_iter), reported apart
     for step in range(args.steps):
+        if step == args.start_iter:
+            warm = telemetry()["total"]["bytes_sent"]
         idx = torch.randint(0, x.shape[0], (64,), generator=g).to(device)
         loss = torch.nn.functional.cross_entropy(net(x[idx]), y[idx])
         opt.zero_grad()
@@ -80,10 +83,13 @@ def main() -> None:
             print(f"step {step + 1}: loss {loss.item():.4f}")
     with torch.no_grad():
         acc = (model(x_test).argmax(1) == y_test).float().mean().item()
-    sent = telemetry()["total"]["bytes_sent"]
+    sent = telemetry()["total"]["bytes_sent"] - warm
+    compressed = max(args.steps - args.start_iter, 1)
     if rank == 0:
-        print(f"{args.mode} {args.compressor}: test accuracy {acc:.3f}, {sent / args.steps:.0f} bytes sent per step")
+        print(f"{args.mode} {args.compressor}: test accuracy {acc:.3f}, {sent / compressed:.0f} bytes sent per "
+              f"compressed step ({warm / max(min(args.start_iter, args.steps), 1):.0f} per dense warm-up step)")
     if distributed:
+        shutdown()  # gradcomp's worker threads and twin groups, before the process group goes
         dist.destroy_process_group()
 
 

@@ -7,7 +7,9 @@ the iteration and every codec's per-parameter state (residuals, warm starts, ste
 """
 from __future__ import annotations
 
+import fnmatch
 import hashlib
+import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
@@ -43,6 +45,7 @@ class Compression:
         self._nodes: Any = None  # NodeGroups when hierarchical
         self._txn: Optional[Transaction] = None  # the state changes of the iteration in flight
         self._checked: set = set()  # bucket layouts every rank has agreed on
+        self._registered = False  # start() checked the configuration
         self.names: List[str] = []  # the parameter names, when the caller knows them (identity of a checkpoint)
         self._owners: Dict[str, int] = {}  # parameter name -> the local rank that sends it across nodes
         self._loads = [0] * (self.local_size or 1)  # elements owned per local rank
@@ -55,8 +58,10 @@ class Compression:
         """Check that every rank has the same configuration (and ``params``: names, shapes and
         dtypes, when known), then create the worker (and its twin group, and the node groups
         when hierarchical); every rank must call this at the same point."""
-        if self.world > 1 and self._worker is None:
+        if not self._registered:
+            self._registered = True
             self.check(params, "at registration")
+        if self.world > 1 and self._worker is None:
             groups = (self.group,)
             if self.local_size is not None:
                 self._nodes = make_node_groups(self.local_size)
@@ -67,10 +72,18 @@ class Compression:
     @property
     def started(self) -> bool:
         """Whether :meth:`start` ran (it checks agreement and creates the worker once)."""
-        return self._worker is not None or self.world == 1
+        return self._registered
 
     def check(self, params: Optional[Sequence[Tuple[str, torch.Tensor]]], when: str) -> None:
-        """``ValueError`` on every rank unless all agree on the configuration and ``params``."""
+        """``ValueError`` on every rank unless all agree on the configuration and ``params``; a
+        warning for a ``layers`` pattern that matches none of ``params`` (a typo sends those
+        parameters with the default rule, silently otherwise)."""
+        if params is not None:
+            names = [n for n, _ in params]
+            for rule in self.policy.rules:
+                if not any(fnmatch.fnmatchcase(n, rule.pattern) for n in names):
+                    warnings.warn(f"layers pattern {rule.pattern!r} matches no parameter of the model (e.g. "
+                                  f"{names[0] if names else 'none'!r}); check the pattern", stacklevel=4)
         if self.world > 1:
             agree(self._config(params), self.group, when)
 

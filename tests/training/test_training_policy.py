@@ -153,3 +153,30 @@ def test_wrapper_errors():
 def test_cast_wrapper_dtype():
     with pytest.raises(ValueError, match="float16"):
         cast_wrapper(lambda state, bucket: None, torch.float32)
+
+
+def test_a_layers_pattern_that_matches_nothing_is_warned_about():
+    """A typo in ``layers`` would send those parameters with the default rule without a word."""
+    import warnings
+
+    from gradcomp.training import CompressedOptimizer, ddp_comm_hook
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    for make in (lambda layers: CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), "topk",
+                                                     model=model, layers=layers),
+                 lambda layers: ddp_comm_hook("topk", model=model, layers=layers)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            make({"0.*": "dense"})  # matches 0.weight and 0.bias
+        assert not [w for w in caught if "matches no parameter" in str(w.message)]
+        with pytest.warns(UserWarning, match=r"layers pattern 'encoder\.\*' matches no parameter"):
+            make({"encoder.*": "dense"})
+
+
+def test_an_unknown_compressor_name_suggests_the_closest():
+    from gradcomp.compress import get_compressor
+
+    with pytest.raises(ValueError, match=r"unknown compressor 'TopK' \(did you mean 'topk'\?\)"):
+        get_compressor("TopK")
+    with pytest.raises(ValueError, match=r"unknown compressor 'powersdg' \(did you mean 'powersgd'\?\)"):
+        get_compressor("powersdg")
