@@ -25,7 +25,7 @@ def collective_plot(records: List[Dict[str, Any]], path: str, title: str = "") -
     comp = [r["compress_ms"] or 0.0 for r in rows]
     decomp = [r["decompress_ms"] or 0.0 for r in rows]
     comm = [max(r["collective_ms"] - c - d, 0.0) for r, c, d in zip(rows, comp, decomp)]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.38 * len(rows) + 2.2), sharey=True)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.38 * len(rows) + 2.8), sharey=True)
     ax1.barh(y, comp, color="#d95f02", label="compress")
     ax1.barh(y, comm, left=comp, color="#7570b3", label="communicate + rest")
     ax1.barh(y, decomp, left=[c + m for c, m in zip(comp, comm)], color="#1b9e77", label="decompress")
@@ -34,10 +34,19 @@ def collective_plot(records: List[Dict[str, Any]], path: str, title: str = "") -
     ax1.set_yticks(y, names)
     ax1.invert_yaxis()
     ax1.set_xlabel("ms per call (median, slowest rank)")
-    ax1.legend(loc="lower right", fontsize=8)
+    longest = max([c + m + d for c, m, d in zip(comp, comm, decomp)] + [rows[0]["dense_ms"] if rows else 0.0])
+    ax1.set_xlim(0, longest * 1.08 if longest > 0 else 1.0)  # the longest bar stops short of the frame
+    # below the axes: inside, the legend covered the bottom bars
+    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, fontsize=8, frameon=False)
     speed = [r["speedup"] or 0.0 for r in rows]
-    ax2.barh(y, speed, color=["#1b9e77" if s >= 1 else "#e7298a" for s in speed])
+    ax2.barh(y, speed, color=["#999999" if r["compressor"] == "dense" else "#1b9e77" if s >= 1 else "#e7298a"
+                              for r, s in zip(rows, speed)])
     ax2.axvline(1.0, color="k", lw=1)
+    from matplotlib.patches import Patch
+
+    ax2.legend(handles=[Patch(color="#1b9e77", label="faster than dense"),
+                        Patch(color="#e7298a", label="slower than dense")],
+               loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8, frameon=False)
     for yi, r in zip(y, rows):
         ax2.text(r["speedup"] or 1.0, yi, " " + _speed_label(r), va="center", fontsize=7)
     if any(s > 0 for s in speed):
@@ -58,6 +67,8 @@ def collective_plot(records: List[Dict[str, Any]], path: str, title: str = "") -
 
 def _speed_label(r: dict) -> str:
     """``1.85x  (2.0x less data)``; what is missing (one rank sends nothing) said in words."""
+    if r.get("compressor") == "dense":
+        return "the baseline"
     speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "no speed-up"
     ratio = f"{r['ratio']:.1f}x less data" if r.get("ratio") is not None else "nothing sent"
     return f"{speed}  ({ratio})"
