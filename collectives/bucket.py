@@ -23,7 +23,7 @@ from typing import Any, Dict, Generator, Iterable, List, Mapping, Optional, Sequ
 
 import torch
 
-from gradcomp.compress import Compressor, Payload, transaction
+from gradcomp.compress import EF21, Compressor, Payload, transaction
 from gradcomp.compress.cast import CastCompressor
 
 from . import worker
@@ -204,7 +204,7 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
             # P Q^T (saturated) is finite exactly when its last average, Q, is. EF21 adds its
             # aggregate estimate, so its result itself is checked.
             txn.observe([last[i] for i in gens])
-            txn.observe([out[i] for i in gens if getattr(items[i][2], "kind", None) == "ef21"])
+            txn.observe([out[i] for i in gens if isinstance(items[i][2], EF21)])
     rest = [i for i in range(len(items)) if out[i] is None]
     # the others share each exchange (allgather on two ranks, scatter-reduce on more), unless
     # errors are measured, which allreduce does per tensor

@@ -163,9 +163,10 @@ class Compression:
     def _identity(self) -> Dict[str, Any]:
         """Whose state this is: rank, world size, parameter names and a configuration
         fingerprint (a checkpoint must be loaded by the same rank of the same job)."""
+        config = self._config()
+        fields = ("compressor and policy", "policy settings", "ranks per node (local_size)")  # not the iteration
         return {"rank": rank_of(self.group), "world": self.world, "names": sorted(self.names),
-                "config": h64(self.policy.describe() + self._config()["policy settings"]
-                              + repr(self.local_size))}
+                "config": h64("\n".join(config[f] for f in fields))}
 
     def _check_identity(self, saved: Any) -> None:
         if not isinstance(saved, Mapping):
