@@ -16,6 +16,7 @@ from gradcomp.compress.base import work_dtype
 from gradcomp.compress.error_feedback import to_finite
 
 from ._comm import Comm
+from ._header import build, claim_code, verify
 
 
 ALGORITHMS: Dict[str, Type["Algorithm"]] = {}  # name -> class, filled by @register_algorithm
@@ -25,11 +26,9 @@ def register_algorithm(cls: Type["Algorithm"]) -> Type["Algorithm"]:
     """Class decorator: make an algorithm available by its ``name`` (``allreduce(...,
     algorithm=name)``, the header's ``code``, the automatic choice); refuses a name or code
     that is taken."""
-    for other in ALGORITHMS.values():
-        if other.name == cls.name or other.code == cls.code:
-            raise ValueError(f"algorithm {cls.name!r} (code {cls.code}) collides with {other.name!r} (code {other.code})")
-    if cls.code <= 0 or cls.name == "?":
-        raise ValueError(f"{cls.__name__} must declare a name and a header code > 0")
+    if cls.name == "?":
+        raise ValueError(f"{cls.__name__} must declare a name")
+    claim_code(cls.name, cls.code)
     ALGORITHMS[cls.name] = cls
     return cls
 
@@ -50,6 +49,7 @@ class Algorithm:
     code: ClassVar[int] = 0
     order: ClassVar[int] = 100
     compresses_residual: ClassVar[bool] = False
+    needs: ClassVar[Optional[str]] = None  # a capability the compressor must declare (and is then preferred for)
 
     def __init__(self, compressor: Compressor, key: str, comm: Comm, *, feedback: bool = False,
                  in_place: bool = False, server=None, verify: bool = False) -> None:
@@ -68,17 +68,39 @@ class Algorithm:
 
     @classmethod
     def unsuitable(cls, compressor: Compressor) -> Optional[str]:
-        """Why this algorithm cannot serve ``compressor`` (None when it can)."""
+        """Why this algorithm cannot serve ``compressor`` (None when it can): by default, that
+        it lacks the capability the algorithm ``needs``."""
+        if cls.needs is not None and not getattr(compressor.capabilities, cls.needs):
+            return f"{compressor.name} does not declare {cls.needs}=True, which algorithm {cls.name!r} needs"
         return None
 
     @classmethod
-    def exchange_many(cls, comm: Comm, items: list, specs: list, algos: list, device: torch.device,
-                      error: Optional[BaseException], exact: bool) -> list:
-        """``allreduce_fused``'s exchange: run this algorithm for many tensors at once, each
-        exchange shared by the set (``algos``: each tensor's instance after ``local``, None for
-        an empty one; ``error``: this rank's local failure, reported through the shared
-        header). Returns ``(average, sent)`` per tensor (None for an empty one). An algorithm
-        that implements it is available to ``allreduce_fused`` (see ``collectives/_shared.py``)."""
+    def exchange(cls, comm: Comm, items: list, specs: list, started: list, error: Optional[BaseException], *,
+                 shared: bool = False, part: int = 0, parts: int = 1) -> list:
+        """The exchange phase of ``reduction.reduce_many``: the call header and this
+        algorithm's communication for ``items`` (``started``: each tensor after its local phase;
+        ``error``: this rank's local failure, reported to every rank through the header).
+        Returns ``(average, sent)`` per tensor (None for an empty one). ``shared``: the set
+        shares each exchange (:meth:`exchange_many`, ``allreduce_fused``'s wire, whatever the
+        number of tensors); otherwise one tensor travels alone (its header, then :meth:`run`)."""
+        if shared:
+            return cls.exchange_many(comm, items, specs, [s.algo for s in started], error)
+        if len(items) != 1:
+            raise ValueError(f"{len(items)} tensors must share their exchanges (shared=True)")
+        (key, tensor, _), spec, (algo, _, (check, sizes)) = items[0], specs[0], started[0]
+        table = comm.exchange(build(comm.size, op="allreduce", algorithm=cls.name, tensor=tensor, compressor=spec.desc,
+                                    key=key, part=part, parts=parts, measure=spec.measure, error=error is not None,
+                                    check=check, sizes=sizes))
+        verify(table, op="allreduce", error=error, local={"compressor": spec.desc, "key": key})
+        return [None if algo is None or tensor.numel() == 0 else algo.run(table)]
+
+    @classmethod
+    def exchange_many(cls, comm: Comm, items: list, specs: list, algos: list, error: Optional[BaseException]) -> list:
+        """Many tensors at once, each exchange shared by the set (``algos``: each tensor's
+        instance after ``local``, None for an empty one; ``error``: this rank's local failure,
+        reported through the shared header). Returns ``(average, sent)`` per tensor (None for an
+        empty one). An algorithm that implements it is available to ``allreduce_fused`` (see
+        ``collectives/_shared.py``)."""
         raise NotImplementedError(f"algorithm {cls.name!r} cannot share its exchanges among tensors")
 
     @classmethod
@@ -89,8 +111,9 @@ class Algorithm:
     @classmethod
     def prefers(cls, compressor: Compressor, world_size: int) -> bool:
         """Whether the automatic choice takes this algorithm for ``compressor`` (asked in
-        ``order``, only of suitable algorithms)."""
-        return False
+        ``order``, only of suitable algorithms): by default, when it ``needs`` a capability
+        (which the compressor then declares)."""
+        return cls.needs is not None
 
     def local(self, acc: torch.Tensor, dtype: torch.dtype) -> Tuple[int, List[int]]:
         """Compress ``acc`` (the input's shape; fp32 under error feedback) as a tensor of the

@@ -122,6 +122,32 @@ class Comm:
                 self.record.bytes_recv += moved
         return t
 
+    def reduce_(self, t: torch.Tensor, dst: int) -> torch.Tensor:
+        """Sum ``t`` over the group onto rank ``dst`` (in place there; elsewhere ``t`` is only sent)."""
+        if self.size > 1:
+            buf = self._wire(t)
+            self._run(f"reduce onto rank {dst}", lambda: dist.reduce(buf, group=self.group, group_dst=dst))
+            if self.rank == dst:
+                if buf is not t:
+                    t.copy_(buf)
+                self.record.bytes_recv += _nbytes(t) * (self.size - 1)
+            else:
+                self.record.bytes_sent += _nbytes(t)
+        return t
+
+    def broadcast_(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """Rank ``src``'s ``t`` into ``t`` on every rank, in place."""
+        if self.size > 1:
+            buf = self._wire(t)
+            self._run(f"broadcast from rank {src}", lambda: dist.broadcast(buf, group=self.group, group_src=src))
+            if self.rank == src:
+                self.record.bytes_sent += _nbytes(t) * (self.size - 1)
+            else:
+                if buf is not t:
+                    t.copy_(buf)
+                self.record.bytes_recv += _nbytes(t)
+        return t
+
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """``(w, *t.shape)``: every rank's ``t`` in rank order (same shape on every rank)."""
         if self.size == 1:

@@ -18,8 +18,6 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-from ._algorithm import ALGORITHMS
-
 MAGIC = 0x67636F6C6C01  # "gcoll" + version 1
 _DIMS = 8
 FIELDS = ["magic", "op", "algorithm", "dtype", "ndim", "numel", "shape",
@@ -28,12 +26,21 @@ IDX = {name: i for i, name in enumerate(FIELDS)}
 SIZES = len(FIELDS)  # index of the first size slot
 
 OPS = {"allreduce": 1, "hierarchical": 2}
-_PHASES = {"dense": 5}  # header codes of exchanges that are no algorithm (a hierarchical call's dense phase)
+# every exchange's number in the header: the registered algorithms' codes (see
+# ``register_algorithm``) and the phases that are no algorithm (a hierarchical call's dense phase)
+_CODES: Dict[str, int] = {"dense": 5}
 
 
-def _codes() -> Dict[str, int]:
-    """Every algorithm's header code (each declares its own ``code``), and the phases'."""
-    return {**{name: cls.code for name, cls in ALGORITHMS.items()}, **_PHASES}
+def claim_code(name: str, code: int) -> None:
+    """Give ``name`` header code ``code``; refuses a name or code that is taken."""
+    for other, taken in _CODES.items():
+        if other == name or taken == code:
+            raise ValueError(f"algorithm {name!r} (code {code}) collides with {other!r} (code {taken})")
+    if code <= 0:
+        raise ValueError(f"algorithm {name!r} must declare a header code > 0")
+    _CODES[name] = code
+
+
 _DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
            torch.int16, torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 _DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
@@ -52,7 +59,7 @@ def build(world_size: int, *, op: str, algorithm: str, tensor, compressor: str, 
     row = [0] * (SIZES + world_size)
     row[IDX["magic"]] = MAGIC
     row[IDX["op"]] = OPS[op]
-    row[IDX["algorithm"]] = _codes().get(algorithm, 0)
+    row[IDX["algorithm"]] = _CODES.get(algorithm, 0)
     if isinstance(tensor, torch.Tensor):
         shape = tuple(tensor.shape)
         row[IDX["dtype"]] = _DTYPE_CODE.get(tensor.dtype, 0)
@@ -106,7 +113,7 @@ def verify(table: torch.Tensor, *, op: str, error: Optional[BaseException], loca
         raise ValueError(f"{op}: ranks use different compressors or options (this rank: {local['compressor']}); "
                          f"every rank must pass the same compressor configuration")
     if differs("algorithm"):
-        names = {v: k for k, v in _codes().items()}
+        names = {v: k for k, v in _CODES.items()}
         per_rank = ", ".join(f"rank {r}: {names.get(a, '?')}" for r, a in enumerate(col("algorithm")))
         raise ValueError(f"{op}: ranks chose different algorithms ({per_rank}); pass the same algorithm= on every rank")
     if differs("key"):

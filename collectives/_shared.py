@@ -29,6 +29,16 @@ def pack(parts: Sequence[Optional[torch.Tensor]], device: torch.device, error) -
     return torch.cat([prefix, *(p for p in parts if p is not None)])
 
 
+def device_of(items: List[Item]) -> torch.device:
+    """Where the set's bytes travel: the first tensor's device (CPU for a set of no tensors)."""
+    return next((t.device for _, t, _ in items if isinstance(t, torch.Tensor)), torch.device("cpu"))
+
+
+def exact_sizes(specs: list) -> bool:
+    """Whether payload sizes may differ between ranks (so they travel point to point)."""
+    return not all(s.base.fixed_size for s in specs)
+
+
 def layout(items: List[Item]) -> str:
     return repr([(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
                  for _, t, _ in items])

@@ -18,7 +18,7 @@ from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, register_algorithm, wdtype
 from ._header import sizes as header_sizes
-from ._shared import header, pack, split, verify_many
+from ._shared import device_of, exact_sizes, header, pack, split, verify_many
 from ._wire import decode, encode, gather_bytes
 
 
@@ -48,8 +48,9 @@ class AllGather(Algorithm):
         return 0, [self.buf.numel()]
 
     @classmethod
-    def exchange_many(cls, comm, items, specs, algos, device, error, exact):
+    def exchange_many(cls, comm, items, specs, algos, error):
         """One header and one all-gather of every tensor's payload for the whole set."""
+        device, exact = device_of(items), exact_sizes(specs)
         buf = pack([None if a is None or error is not None else a.buf for a in algos], device, error)
         table = comm.exchange(header(comm.size, cls.name, items, specs, error, [buf.numel()]))
         verify_many(table, items, specs, error)

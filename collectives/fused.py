@@ -19,7 +19,7 @@ any registered algorithm that implements it is available here.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -29,7 +29,7 @@ from . import _telemetry as telemetry
 from . import worker
 from ._algorithm import ALGORITHMS
 from ._comm import Comm
-from .reduction import finish, label, make_spec, start
+from .reduction import label, make_spec, reduce_many
 from ._shared import Item
 
 __all__ = ["allreduce_fused"]
@@ -82,22 +82,9 @@ def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[s
     rec.world_size = comm.size
     name = rec.algorithm = algorithm or next(c.name for c in sorted(_sharing().values(), key=lambda c: c.order)
                                              if c.prefers(specs[0].base if specs else None, comm.size))
-    algos: List[Optional[Any]] = [None] * len(items)
-    accs: List[Optional[torch.Tensor]] = [None] * len(items)
-    cls = ALGORITHMS[name]
-    error = None
-    try:  # local work first: a failure here must reach the other ranks through the header
-        for i, ((key, tensor, _), spec) in enumerate(zip(items, specs)):
-            if isinstance(tensor, torch.Tensor):
-                rec.dense_bytes += tensor.numel() * tensor.element_size()
-            algos[i], accs[i], _ = start(cls, tensor, spec, comm, key, spec.feedback)
-    except Exception as exc:
-        error = exc
-    # after a local failure an algorithm may be half set up: only the lengths travel then
-    device = next((t.device for _, t, _ in items if isinstance(t, torch.Tensor)), torch.device("cpu"))
-    exact = not all(s.base.fixed_size for s in specs)
-    results = cls.exchange_many(comm, items, specs, algos, device, error, exact)
-    out = [torch.empty_like(tensor) if algo is None else finish(algo, tensor, acc, spec.feedback, *result)
-           for (_, tensor, _), spec, algo, acc, result in zip(items, specs, algos, accs, results)]
+    for _, tensor, _ in items:
+        if isinstance(tensor, torch.Tensor):
+            rec.dense_bytes += tensor.numel() * tensor.element_size()
+    out = reduce_many(ALGORITHMS[name], items, specs, comm, feedbacks=[s.feedback for s in specs], shared=True)
     telemetry.commit(rec)
     return out

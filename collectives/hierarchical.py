@@ -145,19 +145,15 @@ def exchange_bucket_by_owners(items: Sequence[Item], hier: Any, owners: Sequence
     L = hier.local_size
     for idx in by_dtype.values():
         rec = Record("allreduce", "intra-node", label, "bucket", L)
+        node = Comm(hier.intra, rec, "allreduce")
         parts = []  # (owner, item indices, flat): the same list on every rank of the node
         for o in range(L):
             mine = [i for i in idx if owners[i] == o]
             if not mine:
                 continue
             flat = torch.cat([items[i][1].detach().reshape(-1) for i in mine])
-            rec.dense_bytes += _nbytes(flat)
-            scale_(flat, L)
-            _backend(hier.intra, rec, f"reduce onto local rank {o}", lambda: dist.reduce(flat, group=hier.intra, group_dst=o))
-            if o != hier.local_rank:
-                rec.bytes_sent += _nbytes(flat)
-            else:
-                rec.bytes_recv += _nbytes(flat) * (L - 1)
+            rec.dense_bytes += flat.numel() * flat.element_size()
+            node.reduce_(scale_(flat, L), o)
             parts.append((o, mine, flat))
         error = None
         for o, mine, flat in parts:
@@ -174,33 +170,16 @@ def exchange_bucket_by_owners(items: Sequence[Item], hier: Any, owners: Sequence
                     error = exc
             for i, v in zip(mine, views):
                 out[i] = v
-        failed = torch.zeros(L, dtype=torch.int32, device=parts[0][2].device)
-        failed[hier.local_rank] = int(error is not None)
-        _backend(hier.intra, rec, "status exchange", lambda: dist.all_reduce(failed, group=hier.intra))
+        failed = node.exchange([int(error is not None)])[:, 0]  # a status exchange, counted
         if error is not None:
             raise error
         if bool(failed.any()):
             raise ValueError(f"the hierarchical exchange failed on local rank(s) {failed.nonzero().flatten().tolist()} "
                              f"of this node (the error is raised there)")
         for o, _, flat in parts:
-            _backend(hier.intra, rec, f"broadcast from local rank {o}",
-                     lambda: dist.broadcast(flat, group=hier.intra, group_src=o))
-            if o == hier.local_rank:
-                rec.bytes_sent += _nbytes(flat) * (L - 1)
-            else:
-                rec.bytes_recv += _nbytes(flat)
+            node.broadcast_(flat, o)
         commit(rec)
     txn = transaction.current()
     if txn is not None:  # the same results on every rank: every rank keeps or undoes alike
         txn.observe(out)
     return out  # type: ignore[return-value]
-
-
-def _backend(group, rec: Record, what: str, call) -> Any:
-    """Run one ``torch.distributed`` call: a backend failure (a dead peer, a timeout) becomes the
-    collectives' ``CommunicationError`` naming this rank and the call; time counts as comm."""
-    return Comm(group, rec, "training exchange")._run(what, call)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

@@ -27,16 +27,7 @@ class Native(Algorithm):
     name = "native"
     code = 1
     order = 1
-
-    @classmethod
-    def prefers(cls, compressor, world_size):
-        return compressor.native
-
-    @classmethod
-    def unsuitable(cls, compressor):
-        if not compressor.native:
-            return f"{compressor.name} payloads cannot be summed as they are (it declares native=False)"
-        return None
+    needs = "native"
 
     def local(self, acc, dtype):
         src = as_dtype(acc, dtype)

@@ -36,7 +36,6 @@ from . import _telemetry as telemetry
 from . import allgather, native, rounds  # noqa: F401  (importing each registers its algorithm)
 from ._algorithm import ALGORITHMS, Algorithm, fresh
 from ._comm import Comm
-from ._header import build, verify
 from .scatter_reduce import server_feedback
 
 _named: Dict[str, Compressor] = {}
@@ -97,22 +96,32 @@ def choose_algorithm(compressor: Any, world_size: int, algorithm: Optional[str] 
 
 
 def reduce(tensor: Any, spec: Spec, comm: Comm, *, key: str, feedback: Any, part: int = 0, parts: int = 1) -> torch.Tensor:
-    """The compressed mean of ``tensor`` over ``comm``: header, algorithm, feedback, cast.
-    ``allreduce_fused`` runs the same two per-tensor phases (:func:`start`, :func:`finish`)
-    for many tensors, with their exchanges shared."""
-    name = choose_algorithm(spec.base, comm.size, spec.algorithm)
-    error, algo, acc, check, sizes = None, None, None, 0, []
+    """The compressed mean of ``tensor`` over ``comm``: :func:`reduce_many` of one tensor."""
+    cls = ALGORITHMS[choose_algorithm(spec.base, comm.size, spec.algorithm)]
+    return reduce_many(cls, [(key, tensor, spec.base)], [spec], comm, feedbacks=[feedback], part=part, parts=parts)[0]
+
+
+def reduce_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: List[Spec], comm: Comm, *,
+                feedbacks: List[Optional[Feedback]], shared: bool = False, part: int = 0,
+                parts: int = 1) -> List[torch.Tensor]:
+    """The compressed mean of every tensor of ``items`` (``(key, tensor, compressor)``) over
+    ``comm`` with algorithm ``cls``, in three phases: each tensor's local work (:func:`start`:
+    feedback accumulates, the algorithm compresses), the exchange (``cls.exchange``: the header
+    and the algorithm's communication, one tensor alone or the whole set sharing each
+    exchange), each tensor's finish (:func:`finish`: feedback keeps what the wire did not carry).
+    ``allreduce`` is the case of one tensor on its own wire, ``allreduce_fused`` of any number
+    sharing each exchange (``shared``)."""
+    started: List[Started] = []
+    error = None
     try:  # local work first: a failure here must reach the other ranks through the header
-        algo, acc, (check, sizes) = start(ALGORITHMS[name], tensor, spec, comm, key, feedback)
+        for (key, tensor, _), spec, feedback in zip(items, specs, feedbacks):
+            started.append(start(cls, tensor, spec, comm, key, feedback))
     except Exception as exc:
         error = exc
-    table = comm.exchange(build(comm.size, op="allreduce", algorithm=name, tensor=tensor, compressor=spec.desc,
-                                key=key, part=part, parts=parts, measure=spec.measure, error=error is not None,
-                                check=check, sizes=sizes))
-    verify(table, op="allreduce", error=error, local={"compressor": spec.desc, "key": key})
-    if algo is None or tensor.numel() == 0:
-        return torch.empty_like(tensor)
-    return finish(algo, tensor, acc, feedback, *algo.run(table))
+    started += [Started(None, None, (0, []))] * (len(items) - len(started))
+    results = cls.exchange(comm, items, specs, started, error, shared=shared, part=part, parts=parts)
+    return [torch.empty_like(tensor) if s.algo is None else finish(s.algo, tensor, s.acc, feedback, *result)
+            for (_, tensor, _), s, feedback, result in zip(items, started, feedbacks, results)]
 
 
 class Started(NamedTuple):

@@ -16,16 +16,7 @@ class Rounds(Algorithm):
     name = "rounds"
     code = 4
     order = 0
-
-    @classmethod
-    def prefers(cls, compressor, world_size):
-        return compressor.multi_round
-
-    @classmethod
-    def unsuitable(cls, compressor):
-        if not compressor.multi_round:
-            return f"{compressor.name} is not a multi-round compressor (it declares multi_round=False)"
-        return None
+    needs = "multi_round"
 
     def local(self, acc, dtype):
         self.acc = acc  # in fp32 under error feedback: the factors are computed in fp32 anyway

@@ -29,7 +29,7 @@ from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, wdtype
 from ._header import sizes as header_sizes
-from ._shared import header, pack, split, verify_many
+from ._shared import device_of, exact_sizes, header, pack, split, verify_many
 from ._wire import decode, encode, gather_bytes
 
 _servers: "weakref.WeakKeyDictionary[Any, ErrorFeedback]" = weakref.WeakKeyDictionary()
@@ -87,10 +87,11 @@ class ScatterReduce(Algorithm):
         return 0, self.out_sizes
 
     @classmethod
-    def exchange_many(cls, comm, items, specs, algos, device, error, exact):
+    def exchange_many(cls, comm, items, specs, algos, error):
         """``ScatterReduce``'s two phases for every tensor, each exchange shared: ``(avg, sent)``
         per tensor (None for an empty one)."""
         w, n = comm.size, len(items)
+        device, exact = device_of(items), exact_sizes(specs)
         # what goes to rank j: every tensor's chunk-j payload, behind n lengths
         per_dest = [[None] * n for _ in range(w)]
         for i, a in enumerate(algos):
