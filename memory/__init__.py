@@ -1,0 +1,17 @@
+"""gradcomp.memory: training in less memory (README, "Saving memory").
+
+- :func:`plan_memory`: per stage of a chain, keep / recompute / store compressed / offload
+  what autograd saves, the fastest choice within a byte budget (``memory/planner.py``);
+- :func:`compressed_activations`: what autograd saves, through a codec (``memory/saved.py``);
+- :func:`offload_activations`: what autograd saves, in host memory, prefetched for backward
+  (``memory/offload.py``);
+- :class:`MemoryMeter`: the peak bytes of saved activations, measured (``memory/meter.py``).
+"""
+from .codecs import available_codecs, get_codec
+from .meter import MemoryMeter
+from .offload import offload_activations
+from .planner import Plan, plan_memory
+from .saved import compressed_activations
+
+__all__ = ["plan_memory", "Plan", "compressed_activations", "offload_activations", "MemoryMeter",
+           "available_codecs", "get_codec"]
