@@ -1,4 +1,4 @@
-"""``python -m gradcomp.bench [train] [options]``: the command line of both benchmarks."""
+"""``python -m gradcomp.bench [train|memory] [options]``: the command line of the benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -256,6 +256,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
             argv.remove("train")
             return train.main(argv)
+        if "memory" in argv:
+            from . import memory
+
+            argv.remove("memory")
+            return memory.main(argv)
         return run_collective(argv)
     except netem.NetemUnavailable as exc:
         print(f"gradcomp.bench: --netem cannot run here: {exc}", file=sys.stderr)

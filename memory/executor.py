@@ -91,11 +91,12 @@ class StageStore:
         entry = self.seen.get(ident)
         if entry is None:
             entry = self.seen[ident] = _Stored(t.detach())  # no history: see meter._Held
-            entry.release = _ledger.hold(entry, ("storage",) + _ledger.storage_key(t), _ledger.storage_nbytes(t))
-            if _where(t) == self.input:  # known now: encoded at once, never held twice
+            if _where(t) == self.input:  # known now: encoded at once, never held as it is
                 self._encode(entry, (self.step, self.stage - 1, "out"))
             else:
                 self.pending.append(entry)
+            if entry.packed is None:
+                entry.release = _ledger.hold(entry, ("storage",) + _ledger.storage_key(t), _ledger.storage_nbytes(t))
         return entry
 
     def _encode(self, entry: _Stored, key: Tuple[Any, ...]) -> None:
@@ -235,7 +236,7 @@ def run_blocks(chain: Sequence[nn.Module], blocks: Sequence[Block], x: Any, step
     """Run ``blocks`` of ``chain`` on ``x`` with autograd. Where a run of compressing stages
     meets another block, its boundary activation is held once, in the form the schedule's
     cost model says (``schedule.boundary``): the run leaves its input as it is when what came
-    before holds it so (the caller, or a stage that saves its output), and its output when
+    before holds it so (the caller, or a kept stage that saves its output), and its output when
     what follows does (a recomputation, the end, a kept stage that saves its input)."""
     runs = list(_runs(blocks))
     for r, (mode, run) in enumerate(runs):
@@ -251,7 +252,8 @@ def run_blocks(chain: Sequence[nn.Module], blocks: Sequence[Block], x: Any, step
                 x = chain[b.stage](x)  # type: ignore[union-attr]
         elif mode.startswith("compress:"):
             first = run[0].stage  # type: ignore[union-attr]
-            before_holds = r == 0 or (isinstance(runs[r - 1][1][-1], Plain) and saves_out[first - 1])
+            prev = runs[r - 1][1][-1] if r else None  # a kept stage that saves its output holds it as it is
+            before_holds = prev is None or (isinstance(prev, Plain) and prev.mode == "keep" and saves_out[first - 1])
             store = StageStore(mode.split(":", 1)[1], step, exclude=[x] if before_holds else [])
             last = run[-1].stage  # type: ignore[union-attr]
             after_holds = after in ("end", "recompute") or (after == "keep" and saves_in[last + 1])

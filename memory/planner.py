@@ -125,13 +125,20 @@ def _stored(mode: str, stage: nn.Module, i: int, x: torch.Tensor, out_form: int,
     while it runs, and the seconds the storing adds to forward (encoding) and backward
     (decoding; 0 for offloading, whose copies overlap the compute)."""
     device = x.device
+    # the input as a stage meets it in a chain: an activation (not a leaf that requires grad,
+    # which the meter would take for a parameter), so views of it that the stage saves count
+    x = x.detach() * 1 if x.requires_grad else x.detach()
     enc = dec = 0.0
     with MemoryMeter() as meter:
         if mode.startswith("compress:"):
-            store = StageStore(mode.split(":", 1)[1], 0, exclude=[x])
+            store = StageStore(mode.split(":", 1)[1], 0)
             with store.stage_of(i, x):
                 y = stage(x)
             entries = list(store.pending)
+            # the input's own entry is the boundary before this stage: its caller's, not counted here
+            here = (_ledger.storage_key(x), x.storage_offset(), tuple(x.shape))
+            mine = [e for k, e in store.seen.items() if (k[0], k[1], k[2]) == here]
+            before = sum(e.packed.nbytes if e.packed is not None else _ledger.storage_nbytes(e.raw) for e in mine)
             _sync(device)
             t0 = _time.perf_counter()
             store.finish(y, last=True)  # the output stays as it is: counted apart
@@ -142,51 +149,69 @@ def _stored(mode: str, stage: nn.Module, i: int, x: torch.Tensor, out_form: int,
                 e.get()
             _sync(device)
             dec = _time.perf_counter() - t0
-            held = meter.live_saved_bytes - (y.untyped_storage().nbytes() if saves_out else 0)
+            held = meter.live_saved_bytes - before - (y.untyped_storage().nbytes() if saves_out else 0)
+            spike = meter.peak_saved_bytes - before
         else:
+            x = x.detach().requires_grad_(x.is_floating_point())  # offloaded or not, the caller's
             with offload_activations():
                 y = stage(x)
                 _sync(device)
             held = meter.live_saved_bytes - (out_form if saves_out else 0)
+            spike = meter.peak_saved_bytes
         del y
-    return max(0, held), meter.peak_saved_bytes, enc, dec
+    return max(0, held), max(0, spike), enc, dec
 
 
-def _out_form(mode: str, y: torch.Tensor) -> int:
-    """Device bytes of the stage's output ``y`` in ``mode``'s form."""
+def _out_form(mode: str, y: torch.Tensor) -> Tuple[int, float, float]:
+    """Device bytes of the stage's output ``y`` in ``mode``'s form, and the seconds to encode
+    and decode it (a compressing run encodes its stages' outputs)."""
     raw = y.untyped_storage().nbytes()
     if mode.startswith("compress:"):
         codec = get_codec(mode.split(":", 1)[1])
         if not codec.accepts(y.dtype) or y.numel() < MIN_NUMEL:
-            return raw
+            return raw, 0.0, 0.0
+        _sync(y.device)
+        t0 = _time.perf_counter()
         packed = codec.encode_if_smaller(y, 0, y.numel() * y.element_size())
-        return raw if packed is None else packed.nbytes
+        _sync(y.device)
+        t1 = _time.perf_counter()
+        if packed is None:
+            return raw, t1 - t0, 0.0
+        packed.decode()
+        _sync(y.device)
+        return packed.nbytes, t1 - t0, _time.perf_counter() - t1
     if mode == "offload":
-        return 0 if (y.is_cuda and y.is_floating_point() and y.numel() >= OFFLOAD_MIN_NUMEL) else raw
-    return raw
+        return (0 if (y.is_cuda and y.is_floating_point() and y.numel() >= OFFLOAD_MIN_NUMEL) else raw), 0.0, 0.0
+    return raw, 0.0, 0.0
 
 
-def _time_stage(stage: nn.Module, x: torch.Tensor, repeats: int) -> Tuple[float, float]:
-    """Median forward and backward seconds of one stage, what it saves kept."""
+def _time_stage(stage: nn.Module, x: torch.Tensor, repeats: int) -> Tuple[float, float, float]:
+    """Median seconds of one stage: forward and backward with what it saves kept, and
+    forward without autograd (as a recomputation first runs it)."""
     device = x.device
-    fw, bw = [], []
+    fw, bw, ng = [], [], []
     grad = None
     for _ in range(repeats + 1):  # the first is a warm-up
         xi = x.detach().requires_grad_(x.requires_grad)
         _sync(device)
         t0 = _time.perf_counter()
-        y = stage(xi)
+        with torch.no_grad():
+            stage(xi)
         _sync(device)
         t1 = _time.perf_counter()
+        y = stage(xi)
+        _sync(device)
+        t2 = _time.perf_counter()
         if grad is None:
             grad = torch.ones_like(y)
         if y.requires_grad:
             y.backward(grad)
         _sync(device)
-        t2 = _time.perf_counter()
-        fw.append(t1 - t0)
-        bw.append(t2 - t1)
-    return statistics.median(fw[1:]), statistics.median(bw[1:])
+        t3 = _time.perf_counter()
+        ng.append(t1 - t0)
+        fw.append(t2 - t1)
+        bw.append(t3 - t2)
+    return statistics.median(fw[1:]), statistics.median(bw[1:]), statistics.median(ng[1:])
 
 
 def profile(model: Any, sample_input: torch.Tensor, modes: Sequence[str], repeats: int = 3) -> Tuple[Costs, List[str]]:
@@ -205,6 +230,7 @@ def profile(model: Any, sample_input: torch.Tensor, modes: Sequence[str], repeat
     internal: List[Dict[str, int]] = [{} for _ in chain]
     form: List[Dict[str, int]] = [{} for _ in chain]
     spike: List[Dict[str, int]] = [{} for _ in chain]
+    rerun = [0.0] * n
     saves_in, saves_out, out = [False] * n, [False] * n, [0] * n
     with _Preserved(chain, sample_input.device), torch.enable_grad():
         x = sample_input.detach()
@@ -216,9 +242,9 @@ def profile(model: Any, sample_input: torch.Tensor, modes: Sequence[str], repeat
                 raise ValueError(f"not a chain: stage {i} ({name}: {type(stage).__name__}) returned a "
                                  f"{type(y).__name__}, not one tensor")
             saves_in[i], saves_out[i], out[i] = si, so, y.untyped_storage().nbytes()
-            f_keep, b_keep = _time_stage(stage, xi, repeats)
+            f_keep, b_keep, rerun[i] = _time_stage(stage, xi, repeats)
             for mode in modes:
-                form[i][mode] = _out_form(mode, y.detach())
+                form[i][mode], enc_out, dec_out = _out_form(mode, y.detach())
                 if mode == "keep":
                     internal[i][mode], spike[i][mode] = inner, 0
                     fwd[i][mode], bwd[i][mode] = f_keep, b_keep
@@ -226,12 +252,12 @@ def profile(model: Any, sample_input: torch.Tensor, modes: Sequence[str], repeat
                 # a storing mode costs the stage's own time plus its storing, measured apart
                 # (two noisy timings of the same compute would let noise choose the mode)
                 internal[i][mode], spike[i][mode], enc, dec = _stored(mode, stage, i, xi, form[i][mode], so)
-                fwd[i][mode], bwd[i][mode] = f_keep + enc, b_keep + dec
+                fwd[i][mode], bwd[i][mode] = f_keep + enc + enc_out, b_keep + dec + dec_out
             x = y.detach()
             needs_grad = True  # every later input is an activation with a history
     names = [f"{name}: {type(m).__name__}" for name, m in stages.items()]
     return Costs(fwd=fwd, bwd=bwd, internal=internal, form=form, out=out, saves_in=saves_in, saves_out=saves_out,
-                 inp=sample_input.untyped_storage().nbytes(), spike=spike), names
+                 inp=sample_input.untyped_storage().nbytes(), spike=spike, rerun=rerun), names
 
 
 def _mib(n: float) -> str:
@@ -334,7 +360,7 @@ class Plan:
                 "fingerprint": self.fingerprint, "notes": self.notes, "schedule": sch.to_json(self.blocks),
                 "costs": {"fwd": c.fwd, "bwd": c.bwd, "internal": c.internal, "form": c.form, "out": c.out,
                           "saves_in": c.saves_in, "saves_out": c.saves_out, "inp": c.inp,
-                          "spike": c.spike}}
+                          "spike": c.spike, "rerun": c.rerun}}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Plan":
@@ -345,7 +371,7 @@ class Plan:
         return cls(Costs(fwd=c["fwd"], bwd=c["bwd"], internal=ints(c["internal"]), form=ints(c["form"]),
                          out=[int(o) for o in c["out"]], saves_in=[bool(b) for b in c["saves_in"]],
                          saves_out=[bool(b) for b in c["saves_out"]], inp=int(c["inp"]),
-                         spike=ints(c["spike"])),
+                         spike=ints(c["spike"]), rerun=[float(r) for r in c["rerun"]]),
                    sch.from_json(d["schedule"]), d["budget"], d["names"], d["fingerprint"], d["device"], d["notes"])
 
     def to_json(self) -> str:

@@ -29,10 +29,12 @@ its caller::
     peak([Recompute(s, k, inner), *rest])
         = max(boundary_after_recompute(k, first(rest)) + peak(rest), peak(inner))
     time([Plain(s, m), *rest]) = fwd[s][m] + bwd[s][m] + time(rest)
-    time([Recompute(s, k, inner), *rest]) = sum(fwd[s..k]["keep"]) + time(rest) + time(inner)
+    time([Recompute(s, k, inner), *rest]) = sum(rerun[s..k]) + time(rest) + time(inner)
 
 The chain's own input (``inp`` bytes) is the caller's; it counts where a stage saves it
-(``saves_in[0]``: kept as it is) or a recomputation stores it (:func:`total_peak`).
+(``saves_in[0]``: kept as it is) or a recomputation stores it (:func:`total_peak`). The
+chain's output counts once, as what the loss saves (cross-entropy and MSE save a tensor of the
+output's size).
 
 :func:`solve` finds the fastest schedule whose peak fits a budget, exactly, for the budget
 discretised into ``slots`` (each cost rounded up to whole slots, so the schedule found always
@@ -84,6 +86,8 @@ class Costs:
     # bytes a stage holds at its own forward, above what it keeps afterwards: a compressing
     # stage holds what it saves as it is until it returns (then encodes it)
     spike: List[Dict[str, int]] = field(default_factory=list)
+    # seconds of the stage's forward without autograd (a recomputation's first pass)
+    rerun: List[float] = field(default_factory=list)
     modes: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -94,6 +98,8 @@ class Costs:
         self.modes = sorted(self.fwd[0], key=lambda m: (m != "keep", m))
         if not self.spike:
             self.spike = [{m: 0 for m in self.modes} for _ in range(n)]
+        if not self.rerun:
+            self.rerun = [f["keep"] for f in self.fwd]
         for i in range(n):
             if "keep" not in self.fwd[i] or not (set(self.fwd[i]) == set(self.bwd[i]) == set(self.internal[i])
                                                  == set(self.form[i]) == set(self.modes)):
@@ -108,17 +114,21 @@ def boundary(c: Costs, i: int, mode: str, after: str) -> int:
     """Device bytes of ``a[i]`` when stage ``i`` runs plain in ``mode`` and the next block is
     ``after`` (a mode, ``RECOMPUTE`` or ``END``)."""
     so = c.saves_out[i]
-    if after == END:  # held as it is by what uses the schedule's output (the loss, the outer backward)
+    if after == END:
+        if i == c.length - 1:  # the chain's output: the loss saves a tensor of its size (cross-entropy, MSE)
+            return c.out[i]
+        # a recomputed segment's last output: used as it is by the backward around it
         return c.out[i] if so and mode != "offload" else 0
     if after == RECOMPUTE:  # the recomputation stores it as it is; a compressing stage leaves it so
         return c.out[i]
     si = c.saves_in[i + 1]
     if after == mode:  # one run: held once, in the run's form
         return c.form[i][mode] if (so or si) else 0
-    if so:  # the next run leaves it to this stage, unless a kept stage holds it as it is anyway
-        if mode != "keep" and after == "keep" and si:
+    if so:
+        if mode == "keep" or (after == "keep" and si):  # held as it is: the other side shares it
             return c.out[i]
-        return c.form[i][mode]
+        # held in this stage's form; a compressing next stage stores its own copy if it saves it
+        return c.form[i][mode] + (c.form[i][after] if si else 0)
     return c.form[i][after] if si else 0
 
 
@@ -167,7 +177,7 @@ def time(blocks: Sequence[Block], c: Costs) -> float:
     b, rest = blocks[0], blocks[1:]
     if isinstance(b, Plain):
         return c.fwd[b.stage][b.mode] + c.bwd[b.stage][b.mode] + time(rest, c)
-    return sum(c.fwd[i]["keep"] for i in range(b.start, b.end + 1)) + time(rest, c) + time(b.inner, c)
+    return sum(c.rerun[i] for i in range(b.start, b.end + 1)) + time(rest, c) + time(b.inner, c)
 
 
 def min_peak(c: Costs, recompute: bool = True) -> Tuple[int, List[Block]]:
@@ -195,7 +205,7 @@ def min_peak(c: Costs, recompute: bool = True) -> Tuple[int, List[Block]]:
                 for k in range(s, t):
                     rec: List[Block]
                     p2, t2, inner = min(best[(s, k)].values(), key=lambda x: (x[0], x[1]))
-                    f = sum(c.fwd[i]["keep"] for i in range(s, k + 1))
+                    f = sum(c.rerun[i] for i in range(s, k + 1))
                     rec = [Recompute(s, k, tuple(inner))]
                     for kind, (p1, t1, rest) in best[(k + 1, t)].items():
                         opts.append((max(after_recompute(c, k, kind) + p1, p2), f + t1 + t2, rec + rest))
@@ -223,10 +233,11 @@ def solve(c: Costs, budget: int, slots: int = 500, recompute: bool = True) -> Op
     def units(nbytes: int) -> int:
         return int(math.ceil(nbytes / unit - 1e-9)) if nbytes > 0 else 0
 
-    def shift(a: np.ndarray, d: int) -> np.ndarray:
-        r = np.full(a.shape, inf)
-        if d <= M:
-            r[..., d:] = a[..., :M + 1 - d]
+    def shift(a: np.ndarray, d: int) -> np.ndarray:  # r[m] = a[m - d] (inf below d)
+        r = np.empty(a.shape)
+        d = min(d, M + 1)
+        r[..., :d] = inf
+        r[..., d:] = a[..., :M + 1 - d]
         return r
 
     internal = [[units(c.internal[i][m]) for m in modes] for i in range(n)]
@@ -236,35 +247,41 @@ def solve(c: Costs, budget: int, slots: int = 500, recompute: bool = True) -> Op
            for i in range(n)]
     bnd_end = [[units(boundary(c, i, m, END)) for m in modes] for i in range(n)]
     aft = [[units(after_recompute(c, k, kinds[b])) if k + 1 < n else 0 for b in range(K)] for k in range(n)]
-    prefix = np.concatenate([[0.0], np.cumsum([c.fwd[i]["keep"] for i in range(n)])])
-    opt = np.full((n, n, K, M + 1), inf)  # opt[s, t, kind, m]: schedule of s..t starting with kind
-    best = np.full((n, n, M + 1), inf)  # min over kinds
-    # after[u, t, m]: min over kinds b of opt[u, t, b] shifted by aft[u - 1][b] (a recompute ends at u - 1)
-    after = np.full((n + 1, n, M + 1), inf)
-    split = np.full((n, n, M + 1), -1, dtype=np.int32)  # the recomputation's last stage
-    nxt = np.full((n, n, K, M + 1), -1, dtype=np.int8)  # the kind of the block after the first
+    prefix = np.concatenate([[0.0], np.cumsum([c.rerun[i] for i in range(n)])])
+    # per interval (s, t), allocated as reached (half of an n x n table is never used):
+    opt: Dict[Tuple[int, int], np.ndarray] = {}  # (kinds, slots): schedule of s..t starting with a kind
+    # best[s][k]: min over kinds of opt[(s, k)], one table per start (a row of intervals)
+    best = [np.empty((n, M + 1)) for _ in range(n)]
+    # after[t][u]: min over kinds b of opt[(u, t)][b] shifted by aft[u - 1][b] (a recompute ends at
+    # u - 1), one table per end; np.empty: only what is written is ever touched
+    after = [np.empty((n + 1, M + 1)) for _ in range(n)]
+    split: Dict[Tuple[int, int], np.ndarray] = {}  # the recomputation's last stage
+    nxt: Dict[Tuple[int, int], np.ndarray] = {}  # the kind of the block after the first
     slots_m = np.arange(M + 1)
     for d in range(n):
         for s in range(n - d):
             t = s + d
+            o = np.full((K, M + 1), inf)
+            nx = np.zeros((K, M + 1), dtype=np.int8)
             for mi, m in enumerate(modes):
                 step = c.fwd[s][m] + c.bwd[s][m]
                 if s == t:
-                    need = max(spike[s][mi], internal[s][mi] + bnd_end[s][mi])
-                    opt[s, t, mi] = np.where(slots_m >= need, step, inf)
+                    o[mi, max(spike[s][mi], internal[s][mi] + bnd_end[s][mi]):] = step
                     continue
-                cands = np.stack([shift(opt[s + 1, t, b], internal[s][mi] + bnd[s][mi][b]) for b in range(K)])
+                cands = np.stack([shift(opt[(s + 1, t)][b], internal[s][mi] + bnd[s][mi][b]) for b in range(K)])
                 b = np.argmin(cands, axis=0)
-                opt[s, t, mi], nxt[s, t, mi] = np.where(slots_m >= spike[s][mi], cands[b, slots_m] + step, inf), b
+                o[mi] = cands[b, slots_m] + step
+                o[mi, :spike[s][mi]] = inf
+                nx[mi] = b
             if s < t and recompute:
-                ks = np.arange(s, t)
-                cands = (prefix[ks + 1] - prefix[s])[:, None] + after[s + 1:t + 1, t] + best[s, s:t]
+                cands = (prefix[s + 1:t + 1] - prefix[s])[:, None] + after[t][s + 1:t + 1] + best[s][s:t]
                 j = np.argmin(cands, axis=0)
-                opt[s, t, R], split[s, t] = cands[j, slots_m], s + j
-            best[s, t] = opt[s, t].min(axis=0)
+                o[R], split[(s, t)] = cands[j, slots_m], s + j
+            opt[(s, t)], nxt[(s, t)] = o, nx
+            o.min(axis=0, out=best[s][t])
             if s >= 1:
-                after[s, t] = np.stack([shift(opt[s, t, b], aft[s - 1][b]) for b in range(K)]).min(axis=0)
-    top = np.stack([shift(opt[0, n - 1, b], units(_top(c, kinds[b]))) for b in range(K)])
+                after[t][s] = np.min([shift(o[b], aft[s - 1][b]) for b in range(K)], axis=0)
+    top = np.stack([shift(opt[(0, n - 1)][b], units(_top(c, kinds[b]))) for b in range(K)])
     first = int(np.argmin(top[:, M]))
     if not np.isfinite(top[first, M]):
         return None
@@ -274,11 +291,11 @@ def solve(c: Costs, budget: int, slots: int = 500, recompute: bool = True) -> Op
             mode = modes[kind]
             if s == t:
                 return [Plain(s, mode)]
-            b = int(nxt[s, t, kind, m])
+            b = int(nxt[(s, t)][kind, m])
             return [Plain(s, mode)] + build(s + 1, t, b, m - internal[s][kind] - bnd[s][kind][b])
-        k = int(split[s, t, m])
-        inner_kind = int(np.argmin(opt[s, k, :, m]))
-        rest = int(np.argmin([opt[k + 1, t, b, m - aft[k][b]] if aft[k][b] <= m else inf for b in range(K)]))
+        k = int(split[(s, t)][m])
+        inner_kind = int(np.argmin(opt[(s, k)][:, m]))
+        rest = int(np.argmin([opt[(k + 1, t)][b, m - aft[k][b]] if aft[k][b] <= m else inf for b in range(K)]))
         return [Recompute(s, k, tuple(build(s, k, inner_kind, m)))] + build(k + 1, t, rest, m - aft[k][rest])
 
     return build(0, n - 1, first, M - units(_top(c, kinds[first])))

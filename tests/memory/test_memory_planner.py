@@ -294,3 +294,33 @@ def test_evaluation_runs_the_plain_chain():
     with torch.no_grad():
         assert torch.equal(planned(x), model(x))
     assert planned.step == 0
+
+
+def _random_schedule(rng, s, t, modes, depth=0):
+    blocks = []
+    while s <= t:
+        if s < t and depth < 3 and rng.random() < 0.3:
+            k = rng.randint(s, t - 1)
+            blocks.append(Recompute(s, k, tuple(_random_schedule(rng, s, k, modes, depth + 1))))
+            s = k + 1
+        else:
+            blocks.append(Plain(s, rng.choice(modes)))
+            s += 1
+    return blocks
+
+
+@pytest.mark.parametrize("name", ["mlp", "transformer"])
+def test_the_cost_model_is_what_the_meter_measures_for_any_schedule(name):
+    """Random schedules (storage modes mixed, recomputation nested): the predicted peak is the
+    measured one. This is what lets the dynamic programme's optimum be real."""
+    model, x = CHAINS[name]()
+    modes = ["keep", "compress:int8", "compress:lossless"]
+    costs, _ = profile(model, x, modes, repeats=1)
+    rng = random.Random(5)
+    flags = (costs.saves_in, costs.saves_out)
+    for _ in range(12):
+        blocks = _random_schedule(rng, 0, costs.length - 1, modes)
+        planned = PlannedSequential(OrderedDict(model.named_children()), blocks, *flags)
+        peak, _, _ = _step(planned, x)
+        predicted = total_peak(blocks, costs)
+        assert abs(peak - predicted) <= 0.02 * predicted, (blocks, peak, predicted)
