@@ -10,8 +10,8 @@
 from .codecs import available_codecs, get_codec
 from .meter import MemoryMeter
 from .offload import offload_activations
-from .planner import Plan, plan_memory
+from .planner import BudgetTooSmall, Plan, plan_memory
 from .saved import compressed_activations
 
-__all__ = ["plan_memory", "Plan", "compressed_activations", "offload_activations", "MemoryMeter",
+__all__ = ["plan_memory", "Plan", "BudgetTooSmall", "compressed_activations", "offload_activations", "MemoryMeter",
            "available_codecs", "get_codec"]

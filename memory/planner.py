@@ -42,9 +42,17 @@ from .meter import MemoryMeter, _Held, is_parameter
 from .offload import offload_activations
 from .schedule import Block, Costs, Plain, Recompute
 
-__all__ = ["plan_memory", "Plan", "CHOICES"]
+__all__ = ["plan_memory", "Plan", "BudgetTooSmall", "CHOICES"]
 
 CHOICES = ("recompute", "compress", "offload")
+
+
+class BudgetTooSmall(ValueError):
+    """No schedule fits the budget; ``smallest_budget`` is the least that does (bytes)."""
+
+    def __init__(self, message: str, smallest_budget: int) -> None:
+        super().__init__(message)
+        self.smallest_budget = smallest_budget
 
 
 def _stages(model: Any) -> "OrderedDict[str, nn.Module]":
@@ -393,7 +401,8 @@ def plan_memory(model: Any, sample_input: torch.Tensor, budget_bytes: Union[int,
     bit-identical — name ``"int8"`` etc. to allow lossy storage) and ``"offload"`` (CUDA only:
     on CPU there is no device memory to free, and the plan says so). ``slots``: the budget's
     resolution in the dynamic programme. ``repeats``: timed runs per stage and mode.
-    Raises ``ValueError`` when no schedule fits, with the smallest budget that does.
+    Raises :class:`BudgetTooSmall` (a ``ValueError``) when no schedule fits, with the smallest
+    budget that does (in its message and as ``smallest_budget``).
     """
     if isinstance(allow, str):
         allow = (allow,)
@@ -427,9 +436,10 @@ def plan_memory(model: Any, sample_input: torch.Tensor, budget_bytes: Union[int,
     if blocks is None:
         least, least_blocks = sch.min_peak(costs, recompute=recompute)
         if least > budget_bytes:
-            raise ValueError(f"plan_memory: no schedule keeps the saved activations within {int(budget_bytes)} bytes "
-                             f"({_mib(budget_bytes)}); the smallest budget that fits is {least} bytes ({_mib(least)}) "
-                             f"with allow={tuple(allow)}" + ("" if recompute else "; allowing 'recompute' lowers it"))
+            raise BudgetTooSmall(f"plan_memory: no schedule keeps the saved activations within {int(budget_bytes)} "
+                                 f"bytes ({_mib(budget_bytes)}); the smallest budget that fits is {least} bytes "
+                                 f"({_mib(least)}) with allow={tuple(allow)}"
+                                 + ("" if recompute else "; allowing 'recompute' lowers it"), least)
         blocks = least_blocks  # fits, but only finer than the resolution shows
     return Plan(costs, blocks, int(budget_bytes), names, _fingerprint(stages),
                 str(sample_input.device), notes)

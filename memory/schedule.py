@@ -218,11 +218,33 @@ def min_peak(c: Costs, recompute: bool = True) -> Tuple[int, List[Block]]:
 
 def solve(c: Costs, budget: int, slots: int = 500, recompute: bool = True) -> Optional[List[Block]]:
     """The fastest schedule of the whole chain whose total peak (:func:`total_peak`) is at
-    most ``budget`` bytes, optimal for costs rounded up to ``budget / slots`` bytes; None if
-    none fits at that resolution (:func:`min_peak` gives the exact minimum). ``recompute``:
-    whether it may recompute (otherwise only each stage's storage mode is chosen)."""
+    most ``budget`` bytes, optimal at a resolution of ``budget / slots`` bytes; None if none
+    fits at that resolution (:func:`min_peak` gives the exact minimum). ``recompute``: whether
+    it may recompute (otherwise only each stage's storage mode is chosen).
+
+    Costs are rounded down to whole slots first: every schedule that fits in exact bytes then
+    fits in slots too, so when the schedule found also fits in exact bytes it is the exact
+    optimum. While it overshoots, the programme runs again on the budget less the overshoot;
+    rounding every cost up instead (always fitting, losing up to one slot per stage) is the
+    last resort."""
     if budget < 0:
         return None
+    target = float(budget)
+    for _ in range(6):
+        blocks = _solve(c, target, slots, recompute, math.floor)
+        if blocks is None:  # not even the relaxation fits
+            return None
+        over = total_peak(blocks, c) - budget
+        if over <= 0:
+            return blocks
+        target -= over + budget / max(slots, 1)
+        if target <= 0:
+            break
+    return _solve(c, budget, slots, recompute, math.ceil)
+
+
+def _solve(c: Costs, budget: float, slots: int, recompute: bool, rounding: Any) -> Optional[List[Block]]:
+    """:func:`solve` at one budget, with each cost rounded to slots by ``rounding``."""
     n, M = c.length, (int(slots) if budget > 0 else 0)
     unit = budget / M if M else 1.0  # budget 0: only schedules that hold nothing
     inf = math.inf
@@ -231,7 +253,11 @@ def solve(c: Costs, budget: int, slots: int = 500, recompute: bool = True) -> Op
     K, R = len(kinds), len(modes)  # kind index R is "recompute"
 
     def units(nbytes: int) -> int:
-        return int(math.ceil(nbytes / unit - 1e-9)) if nbytes > 0 else 0
+        if nbytes <= 0:
+            return 0
+        if rounding is math.ceil:
+            return int(math.ceil(nbytes / unit - 1e-9))
+        return max(int(math.floor(nbytes / unit + 1e-9)), 0)
 
     def shift(a: np.ndarray, d: int) -> np.ndarray:  # r[m] = a[m - d] (inf below d)
         r = np.empty(a.shape)
@@ -240,63 +266,73 @@ def solve(c: Costs, budget: int, slots: int = 500, recompute: bool = True) -> Op
         r[..., d:] = a[..., :M + 1 - d]
         return r
 
-    internal = [[units(c.internal[i][m]) for m in modes] for i in range(n)]
-    spike = [[units(c.spike[i][m]) for m in modes] for i in range(n)]
-    # bnd[i][a][b]: slots of a[i] between plain mode a and the next kind b (END for the last)
-    bnd = [[[units(boundary(c, i, m, kinds[b])) if i + 1 < n else 0 for b in range(K)] for m in modes]
-           for i in range(n)]
-    bnd_end = [[units(boundary(c, i, m, END)) for m in modes] for i in range(n)]
-    aft = [[units(after_recompute(c, k, kinds[b])) if k + 1 < n else 0 for b in range(K)] for k in range(n)]
-    prefix = np.concatenate([[0.0], np.cumsum([c.rerun[i] for i in range(n)])])
-    # per interval (s, t), allocated as reached (half of an n x n table is never used):
-    opt: Dict[Tuple[int, int], np.ndarray] = {}  # (kinds, slots): schedule of s..t starting with a kind
-    # best[s][k]: min over kinds of opt[(s, k)], one table per start (a row of intervals)
-    best = [np.empty((n, M + 1)) for _ in range(n)]
-    # after[t][u]: min over kinds b of opt[(u, t)][b] shifted by aft[u - 1][b] (a recompute ends at
-    # u - 1), one table per end; np.empty: only what is written is ever touched
-    after = [np.empty((n + 1, M + 1)) for _ in range(n)]
-    split: Dict[Tuple[int, int], np.ndarray] = {}  # the recomputation's last stage
-    nxt: Dict[Tuple[int, int], np.ndarray] = {}  # the kind of the block after the first
     slots_m = np.arange(M + 1)
+
+    def shift_rows(a: np.ndarray, d: np.ndarray) -> np.ndarray:  # r[s, m] = a[s, m - d[s]] (inf below)
+        idx = slots_m[None, :] - d[:, None]
+        return np.where(idx >= 0, np.take_along_axis(a, np.maximum(idx, 0), axis=1), np.float32(inf))
+
+    nm = len(modes)
+    internal = np.array([[units(c.internal[i][m]) for m in modes] for i in range(n)], dtype=np.int64)
+    spike = np.array([[units(c.spike[i][m]) for m in modes] for i in range(n)], dtype=np.int64)
+    step = np.array([[c.fwd[i][m] + c.bwd[i][m] for m in modes] for i in range(n)])
+    # bnd[i, a, b]: slots of a[i] between plain mode a and the next kind b
+    bnd = np.array([[[units(boundary(c, i, m, kinds[b])) if i + 1 < n else 0 for b in range(K)] for m in modes]
+                    for i in range(n)], dtype=np.int64)
+    bnd_end = np.array([[units(boundary(c, i, m, END)) for m in modes] for i in range(n)], dtype=np.int64)
+    aft = np.array([[units(after_recompute(c, k, kinds[b])) if k + 1 < n else 0 for b in range(K)] for k in range(n)],
+                   dtype=np.int64)
+    prefix = np.concatenate([[0.0], np.cumsum([c.rerun[i] for i in range(n)])]).astype(np.float32)
+    # by interval length d, all starts s at once (intervals of one length do not depend on each
+    # other): opt[d][s, kind, m] is the fastest schedule of s..s+d starting with kind within m slots
+    opt: List[np.ndarray] = []
+    # float32: seconds to 7 digits are plenty to rank schedules, and half the memory traffic
+    best = np.empty((n, n, M + 1), dtype=np.float32)  # best[s, t]: min over kinds (only t >= s is used)
+    after = np.empty((n + 1, n, M + 1), dtype=np.float32)  # after[u, t]: u..t after a recomputation ending at u - 1
+    # only minima here: which choice reached one is found again when the schedule is built
+    # (for the few entries it visits), not stored for every entry
     for d in range(n):
-        for s in range(n - d):
-            t = s + d
-            o = np.full((K, M + 1), inf)
-            nx = np.zeros((K, M + 1), dtype=np.int8)
-            for mi, m in enumerate(modes):
-                step = c.fwd[s][m] + c.bwd[s][m]
-                if s == t:
-                    o[mi, max(spike[s][mi], internal[s][mi] + bnd_end[s][mi]):] = step
-                    continue
-                cands = np.stack([shift(opt[(s + 1, t)][b], internal[s][mi] + bnd[s][mi][b]) for b in range(K)])
-                b = np.argmin(cands, axis=0)
-                o[mi] = cands[b, slots_m] + step
-                o[mi, :spike[s][mi]] = inf
-                nx[mi] = b
-            if s < t and recompute:
-                cands = (prefix[s + 1:t + 1] - prefix[s])[:, None] + after[t][s + 1:t + 1] + best[s][s:t]
-                j = np.argmin(cands, axis=0)
-                o[R], split[(s, t)] = cands[j, slots_m], s + j
-            opt[(s, t)], nxt[(s, t)] = o, nx
-            o.min(axis=0, out=best[s][t])
-            if s >= 1:
-                after[t][s] = np.min([shift(o[b], aft[s - 1][b]) for b in range(K)], axis=0)
-    top = np.stack([shift(opt[(0, n - 1)][b], units(_top(c, kinds[b]))) for b in range(K)])
+        S = n - d
+        s_idx = np.arange(S)
+        o = np.full((S, K, M + 1), inf, dtype=np.float32)
+        for mi in range(nm):
+            if d == 0:
+                o[:, mi] = np.where(slots_m[None, :] >= np.maximum(spike[:, mi], internal[:, mi] + bnd_end[:, mi])[:, None],
+                                    step[:, mi, None], inf)
+                continue
+            prev = opt[d - 1][1:]  # (s + 1 .. s + d) for every s
+            cands = np.stack([shift_rows(prev[:, b], internal[:S, mi] + bnd[:S, mi, b]) for b in range(K)])
+            o[:, mi] = cands.min(axis=0) + step[:S, mi, None]
+            o[:, mi][slots_m[None, :] < spike[:S, mi, None]] = inf
+        if d > 0 and recompute:
+            j = np.arange(d)[:, None]
+            s_ = s_idx[None, :]
+            cands = ((prefix[s_ + j + 1] - prefix[s_])[..., None] + after[s_ + j + 1, s_ + d] + best[s_, s_ + j])
+            o[:, R] = cands.min(axis=0)
+        opt.append(o)
+        best[s_idx, s_idx + d] = o.min(axis=1)
+        if S > 1:  # after[u, t] for u >= 1
+            u = s_idx[1:]
+            after[u, u + d] = np.min([shift_rows(o[1:, b], aft[u - 1, b]) for b in range(K)], axis=0)
+    top = np.stack([shift(opt[n - 1][0, b], units(_top(c, kinds[b]))) for b in range(K)])
     first = int(np.argmin(top[:, M]))
     if not np.isfinite(top[first, M]):
         return None
 
     def build(s: int, t: int, kind: int, m: int) -> List[Block]:
+        d = t - s
         if kind < R:
             mode = modes[kind]
             if s == t:
                 return [Plain(s, mode)]
-            b = int(nxt[(s, t)][kind, m])
-            return [Plain(s, mode)] + build(s + 1, t, b, m - internal[s][kind] - bnd[s][kind][b])
-        k = int(split[(s, t)][m])
-        inner_kind = int(np.argmin(opt[(s, k)][:, m]))
-        rest = int(np.argmin([opt[(k + 1, t)][b, m - aft[k][b]] if aft[k][b] <= m else inf for b in range(K)]))
-        return [Recompute(s, k, tuple(build(s, k, inner_kind, m)))] + build(k + 1, t, rest, m - aft[k][rest])
+            cost = [int(internal[s, kind] + bnd[s, kind, b]) for b in range(K)]
+            b = int(np.argmin([opt[d - 1][s + 1, b, m - cost[b]] if cost[b] <= m else inf for b in range(K)]))
+            return [Plain(s, mode)] + build(s + 1, t, b, m - cost[b])
+        vals = [prefix[s + j + 1] - prefix[s] + after[s + j + 1, t, m] + best[s, s + j, m] for j in range(d)]
+        k = s + int(np.argmin(vals))
+        inner_kind = int(np.argmin(opt[k - s][s, :, m]))
+        rest = int(np.argmin([opt[t - k - 1][k + 1, b, m - aft[k, b]] if aft[k, b] <= m else inf for b in range(K)]))
+        return [Recompute(s, k, tuple(build(s, k, inner_kind, m)))] + build(k + 1, t, rest, m - int(aft[k, rest]))
 
     return build(0, n - 1, first, M - units(_top(c, kinds[first])))
 

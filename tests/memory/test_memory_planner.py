@@ -181,6 +181,7 @@ def test_a_budget_too_small_names_the_smallest_that_fits():
     with pytest.raises(ValueError, match=r"smallest budget that fits is (\d+) bytes") as info:
         plan_memory(model, x, 1000, allow=("recompute",), repeats=1)
     least = int(info.value.args[0].split("smallest budget that fits is ")[1].split(" ")[0])
+    assert info.value.smallest_budget == least
     plan = plan_memory(model, x, least, allow=("recompute",), repeats=1)
     assert plan.predicted_peak <= least
     peak, _, _ = _step(plan.apply(model), x)
@@ -324,3 +325,15 @@ def test_the_cost_model_is_what_the_meter_measures_for_any_schedule(name):
         peak, _, _ = _step(planned, x)
         predicted = total_peak(blocks, costs)
         assert abs(peak - predicted) <= 0.02 * predicted, (blocks, peak, predicted)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_plan_may_offload_and_still_predicts_the_meter():
+    model, x = _mlp()
+    model, x = model.cuda(), x.cuda()
+    base_peak, base_grads, _ = _step(model, x)
+    plan = plan_memory(model, x, int(base_peak * 0.3), allow=("recompute", "compress", "offload"), repeats=2)
+    peak, grads, _ = _step(plan.apply(model), x)
+    assert all(torch.equal(a, b) for a, b in zip(grads, base_grads))
+    assert abs(peak - plan.predicted_peak) <= 0.1 * max(plan.predicted_peak, 1)
+    assert peak <= base_peak * 0.3 * 1.1
