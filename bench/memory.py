@@ -302,7 +302,7 @@ def frontier_plot(results: List[Dict[str, Any]], path: str, title: str) -> None:
     from .plot import _pyplot
 
     plt = _pyplot()
-    fig, axes = plt.subplots(1, len(results), figsize=(6.2 * len(results), 5.0), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(6.2 * len(results), 5.6), squeeze=False)
     styles = {"none": ("black", "o"), "checkpoint": ("tab:red", "s"), "offload": ("tab:purple", "D"),
               "codec": ("tab:orange", "^")}
     for ax, res in zip(axes[0], results):
@@ -311,9 +311,9 @@ def frontier_plot(results: List[Dict[str, Any]], path: str, title: str) -> None:
             pts = [r for r in recs if r["kind"] == kind]
             for r in pts:
                 ax.scatter(r["peak_bytes"] / 2**20, r["time_ratio"], color=color, marker=marker, s=46, zorder=3)
-                ax.annotate(r["method"].replace("compressed_activations", "ca").replace("checkpoint_sequential", "ckpt"),
-                            (r["peak_bytes"] / 2**20, r["time_ratio"]), textcoords="offset points", xytext=(5, 4),
-                            fontsize=7, color=color)
+                ax.annotate(r["method"].replace("compressed_activations", "").replace("checkpoint_sequential", "ckpt"),
+                            (r["peak_bytes"] / 2**20, r["time_ratio"]), textcoords="offset points",
+                            xytext=(5, -9 if kind == "checkpoint" else 4), fontsize=7, color=color)
         lossy = "+".join(res.get("plan_codecs", ["int8"]))
         for kind, color in (("plan-lossless", "tab:blue"), (f"plan-{lossy}", "tab:green")):
             pts = sorted((r for r in recs if r["kind"] == kind), key=lambda r: r["peak_bytes"])
@@ -329,7 +329,9 @@ def frontier_plot(results: List[Dict[str, Any]], path: str, title: str) -> None:
         ax.set_xlim(left=0)
         ax.set_title(res["model"], fontsize=10)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="upper right")
+        ax.set_ylim(bottom=min(0.95, ax.get_ylim()[0]))
+        ax.margins(x=0.08)
+        ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
