@@ -7,11 +7,12 @@ import json
 import math
 import signal
 import sys
+import textwrap
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from gradcomp import collectives as _collectives
 
-from . import collective, launch, netem, shapes
+from . import collective, launch, netem, projection, shapes
 from . import env as envmod
 
 DEFAULT_NUMEL = 1 << 22  # 16 MB of fp32: the default run stays well under 3 minutes on 2 cores
@@ -136,6 +137,11 @@ def collective_parser() -> argparse.ArgumentParser:
                    help="collective algorithm (default: chosen per compressor)")
     p.add_argument("--repeats", type=int, default=5, metavar="N", help="timed calls per method (default 5)")
     p.add_argument("--warmup", type=int, default=1, metavar="N", help="untimed calls first (default 1)")
+    p.add_argument("--links", default=None, metavar="R,R",
+                   help="link rates to project the measured run to, e.g. 1gbit,10gbit (default "
+                        "1gbit,10gbit,25gbit,100gbit; 'none' to skip): the link model in bench/projection.py "
+                        "keeps the measured compute time and puts each method's measured bytes on a link of "
+                        "that rate; a projection, labelled as such")
     p.add_argument("--local-size", type=int, default=1, metavar="L",
                    help="ranks per node (with --model): with --netem the ranks of a node share one namespace "
                         "(loopback inside) and one shaped link; each gradcomp method then runs twice, flat and "
@@ -190,7 +196,23 @@ def run_collective(argv: Sequence[str]) -> int:
         f"timing: median over {args.repeats} calls after {args.warmup} warm-up, slowest rank per call; "
         f"algorithm {args.algorithm}; error feedback {args.error_feedback}; seed {args.seed}",
     ]), flush=True)
+    links = None if (args.links or "").lower() == "none" else projection.parse_links(args.links or projection.DEFAULT_LINKS)
     records = run_and_report("collective", cfg, args, link, env, collective_table)
+    ok = [r for r in records if not r.get("error") and r.get("collective_ms")]
+    if links and ok and args.world_size > 1 and args.local_size == 1:
+        proj = projection.project(records, links, link.rate_bit if link else None, int(records[0]["numel"]))
+        print()
+        print(projection.table(proj, env["link"]))
+        print()
+        print(textwrap.fill(projection.summary(proj, link is None), 100))
+        if args.json:
+            for r in records:
+                row = next((x for x in proj["rows"] if x["compressor"] == r["compressor"]), None)
+                if row is not None:
+                    r["projection"] = {"efficiency": proj["efficiency"], "pass_ms": proj["pass_ms"],
+                                       "compute_ms": row["compute_ms"],
+                                       "links": {str(R): v for R, v in row["at"].items()}}
+            write_json(args.json, records)
     if args.plot:
         from . import plot
 

@@ -55,8 +55,33 @@ def test_two_ranks_json_fields_and_plot(tmp_path):
     assert by["fp16"]["ratio"] == pytest.approx(2.0, rel=0.05) and by["fp16"]["rel_error"] < 1e-3
     assert by["torch-fp16"]["rel_error"] == pytest.approx(by["fp16"]["rel_error"], rel=1e-3)
     assert by["fp16"]["compress_ms"] is not None and by["torch-fp16"]["compress_ms"] is None
+    # the default output projects the run to link rates, labelled as a projection, with the limit
+    assert "projected (link model, not measured)" in proc.stdout and "@1Gbit/s" in proc.stdout
+    assert "of limit" in proc.stdout and "rel.err is" in proc.stdout
+    for r in records:
+        at = r["projection"]["links"][str(10**9)]
+        assert at["ms"] >= at["limit_ms"] * 0.5 and at["speedup"] > 0
+    assert by["dense"]["projection"]["links"][str(10**9)]["speedup"] == pytest.approx(1.0)
     if HAVE_MPL:
         assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_link_model_keeps_compute_and_puts_the_bytes_on_the_link():
+    from gradcomp.bench import projection
+
+    records = [{"compressor": "dense", "method": "dense", "collective_ms": 850.0, "bytes_per_rank": 100e6},
+               {"compressor": "topk", "method": "gradcomp", "collective_ms": 120.0, "bytes_per_rank": 2e6}]
+    proj = projection.project(records, [10**9, 10**10], 10**9, 1000)
+    eff = proj["efficiency"]
+    assert eff == pytest.approx(800 / 850)  # the dense row: 100 MB at 1 Gbit/s took 850 ms
+    dense, topk = proj["rows"]
+    assert dense["compute_ms"] == pytest.approx(0.0, abs=1e-9)
+    assert topk["compute_ms"] == pytest.approx(120 - 16 / eff)  # 2 MB at 1 Gbit/s is 16 ms of wire
+    assert topk["at"][10**10]["ms"] == pytest.approx(topk["compute_ms"] + 1.6 / eff)
+    assert topk["at"][10**9]["speedup"] == pytest.approx(850 / 120)  # at the run's own rate: as measured
+    assert projection.parse_links("100mbit, 25gbit") == [10**8, 25 * 10**9]
+    with pytest.raises(ValueError, match="--links"):
+        projection.parse_links("fast")
 
 
 @pytest.mark.skipif(not HAVE_MPL, reason="the plot needs matplotlib (the bench extra)")

@@ -1,0 +1,179 @@
+"""The link model: what a measured run says about links this machine does not have.
+
+A collective's time splits into what does not depend on the link (compressing, decoding,
+summing, the ranks' own overhead) and the wire: the bytes each rank sends, at the link's rate.
+From one run, on loopback or an emulated link, the model keeps the first part as measured and
+replaces the second::
+
+    compute = collective time - bytes * 8 / (rate of the run's link * efficiency)
+    projected(R) = compute + bytes * 8 / (R * efficiency)
+
+so what the link does not set -- compressing, decoding, summing, and the latency of each
+message (PowerSGD's rounds, the header exchanges) -- carries over as measured.
+
+``bytes`` is the most any rank sent in one call, counted by the collectives (the pattern of
+each algorithm is in it: a ring allreduce sends ``2 (w - 1) / w`` of the tensor, allgather
+``w - 1`` payloads, scatter-reduce two partial payloads, PowerSGD its rounds of ``P`` and
+``Q``). ``efficiency`` is the share of the nominal rate that TCP over the emulated link
+delivers to a large transfer (headers, the shaper's bursts): measured from the dense row of an
+emulated run, and ``EFFICIENCY`` otherwise (bench/RESULTS.md, section 12, where the model is
+checked against emulated runs). On a loopback run the "wire" is memory copies through the
+kernel's TCP stack; they are taken out at the rate the run's own dense allreduce shows. Where it breaks down: latency measured on one link is kept
+on every other (a real network's round trip differs from the emulated one's), links whose
+rate the ranks cannot fill (a slow CPU compressing at under the link rate is in
+``compute`` and projects correctly; a NIC or switch that cannot take ``w`` full-duplex
+streams is not modelled), and overlap with backward computation (a DDP step hides part of the
+wire time; the model is the collective alone).
+
+The **limit** of a method on a link is a lower bound on this machine: its wire time plus one
+pass over the gradient at the memory bandwidth measured here (reading and writing the fp32
+gradient once, what the cheapest compressor must at least do). ``% of limit`` says how far the
+method is from it.
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import time
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+EFFICIENCY = 0.94  # TCP payload rate over a tbf-shaped link, as a share of its nominal rate (section 12)
+DEFAULT_LINKS = "1gbit,10gbit,25gbit,100gbit"
+_UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
+
+
+def parse_links(text: str) -> List[int]:
+    """``"1gbit,10gbit"`` -> rates in bit/s."""
+    out = []
+    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+)(kbit|mbit|gbit)", part)
+        if not m:
+            raise ValueError(f"--links {part!r}: give rates such as 1gbit, 10gbit, 100mbit (comma-separated)")
+        out.append(int(float(m.group(1)) * _UNITS[m.group(2)]))
+    if not out:
+        raise ValueError("--links: name at least one rate")
+    return out
+
+
+def rate_label(bits: int) -> str:
+    for unit, scale in (("Gbit", 10**9), ("Mbit", 10**6), ("kbit", 10**3)):
+        if bits >= scale:
+            return f"{bits / scale:g} {unit}/s"
+    return f"{bits} bit/s"
+
+
+def pass_ms(numel: int, repeats: int = 5) -> float:
+    """Milliseconds of one pass over an fp32 gradient of ``numel`` elements on this machine:
+    read it and write a result (``torch.add`` into a preallocated tensor), median of a few, on
+    at least 32M elements (so that caches do not flatter it), scaled to ``numel``."""
+    n = max(numel, 32 * 2**20)
+    x = torch.randn(n)
+    y = torch.empty_like(x)
+    torch.add(x, x, out=y)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        torch.add(x, x, out=y)
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times) * numel / n
+
+
+def efficiency_from(records: List[Dict[str, Any]], rate_bit: Optional[int]) -> float:
+    """The link efficiency this run shows (its dense row on an emulated link), else the default."""
+    if rate_bit is None:
+        return EFFICIENCY
+    dense = next((r for r in records if r.get("method") == "dense" and r.get("collective_ms")), None)
+    if dense is None or not dense.get("bytes_per_rank"):
+        return EFFICIENCY
+    wire_ms = dense["bytes_per_rank"] * 8 / rate_bit * 1e3
+    return min(1.0, wire_ms / dense["collective_ms"])
+
+
+def loopback_rate(records: List[Dict[str, Any]]) -> Optional[float]:
+    """The rate at which a loopback run's dense allreduce moved its bytes (bit/s): the memory
+    copies through the kernel's TCP stack that stand in for a wire there."""
+    dense = next((r for r in records if r.get("method") == "dense" and r.get("collective_ms")), None)
+    if dense is None or not dense.get("bytes_per_rank"):
+        return None
+    return dense["bytes_per_rank"] * 8 / (dense["collective_ms"] / 1e3)
+
+
+def compute_ms(r: Dict[str, Any], rate_bit: Optional[float], eff: float) -> float:
+    """The part of a record's time the link rate does not set (see the module docstring)."""
+    if rate_bit is None:
+        return r["collective_ms"]
+    return max(0.0, r["collective_ms"] - r["bytes_per_rank"] * 8 / (rate_bit * eff) * 1e3)
+
+
+def project(records: List[Dict[str, Any]], links: Sequence[int], rate_bit: Optional[int],
+            numel: int) -> Dict[str, Any]:
+    """Per record and link: projected ms, speed-up over dense, limit and % of limit."""
+    eff = efficiency_from(records, rate_bit)
+    if rate_bit is None:  # loopback: take out its own transfers at the rate its dense row shows
+        run_rate, run_eff = loopback_rate(records), 1.0
+    else:
+        run_rate, run_eff = float(rate_bit), eff
+    one_pass = pass_ms(numel)
+    dense = next((r for r in records if r.get("method") == "dense" and r.get("collective_ms")), None)
+    out: Dict[str, Any] = {"efficiency": eff, "pass_ms": one_pass, "links": list(links), "rows": []}
+    for r in records:
+        if r.get("error") or r.get("collective_ms") is None:
+            continue
+        c = compute_ms(r, run_rate, run_eff)
+        row = {"compressor": r["compressor"], "compute_ms": c, "bytes_per_rank": r["bytes_per_rank"], "at": {}}
+        for R in links:
+            t = c + r["bytes_per_rank"] * 8 / (R * eff) * 1e3
+            limit = r["bytes_per_rank"] * 8 / R * 1e3 + one_pass
+            row["at"][R] = {"ms": t, "limit_ms": limit, "of_limit": t / limit}
+        out["rows"].append(row)
+    if dense is not None:
+        base = next(row for row in out["rows"] if row["compressor"] == dense["compressor"])
+        for row in out["rows"]:
+            for R in links:
+                row["at"][R]["speedup"] = base["at"][R]["ms"] / row["at"][R]["ms"]
+    return out
+
+
+def table(proj: Dict[str, Any], measured_on: str) -> str:
+    links = proj["links"]
+    head = ["method", "compute"] + [f"@{rate_label(R).replace(' ', '')}" for R in links] + \
+        [f"limit@{rate_label(links[0]).replace(' ', '')}", "of limit"]
+    rows = []
+    for row in proj["rows"]:
+        cells = [row["compressor"], f"{row['compute_ms']:.1f}"]
+        cells += [f"{row['at'][R].get('speedup', float('nan')):.2f}x" for R in links]
+        first = row["at"][links[0]]
+        cells += [f"{first['limit_ms']:.1f}", f"{100 * first['of_limit']:.0f} %"]
+        rows.append(cells)
+    widths = [max(len(head[0]), *(len(r[0]) for r in rows))] + [max(9, len(h)) for h in head[1:]]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    units = ["", "ms"] + ["speed-up"] * len(links) + ["ms", ""]
+    lines = [f"projected (link model, not measured): speed-up over dense allreduce at each link rate, from the "
+             f"run above ({measured_on}); link efficiency {proj['efficiency']:.2f}, one pass over the gradient "
+             f"{proj['pass_ms']:.1f} ms", line(head), line(units)] + [line(r) for r in rows]
+    return "\n".join(lines)
+
+
+def summary(proj: Dict[str, Any], loopback: bool) -> str:
+    """One plain sentence on what the numbers mean and where compression pays."""
+    links = proj["links"]
+    best = {}
+    for R in links:
+        rows = [r for r in proj["rows"] if r["compressor"] != "dense"]
+        if rows:
+            top = max(rows, key=lambda r: r["at"][R].get("speedup", 0))
+            best[R] = (top["compressor"], top["at"][R].get("speedup", 0))
+    pays = [R for R in links if best.get(R, ("", 0))[1] > 1.05]
+    where = (f"compression pays up to {rate_label(max(pays))} links here (best there: {best[max(pays)][0]}, "
+             f"{best[max(pays)][1]:.2f}x)" if pays else "no method beats dense allreduce at these rates on this machine")
+    first = (f"On loopback the 'link' is memory copies inside this machine, far faster than a network, so most "
+             f"methods measure slower than dense above; " if loopback else "")
+    return (f"{first}from the measured compute time and bytes, {where}; at {rate_label(links[0])}, "
+            f"{best.get(links[0], ('-', 0))[0]} projects {best.get(links[0], ('-', 0))[1]:.2f}x. "
+            f"rel.err is ||mean - exact mean|| / ||exact mean|| for one call; error feedback carries what a call "
+            f"drops into the next, so for sparsifiers (randomk, topk) a large value per call is expected.")
