@@ -177,9 +177,18 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
     if buffer is not None and items and len(codecs) == 1 and sum(g.numel() for _, g, _ in items) == buffer.numel():
         codec = next(iter(codecs.values()))
         if codec is None or isinstance(codec, CastCompressor):
-            whole = _whole(items, buffer, codec, group, world)
+            whole, averaged = _whole(items, buffer, codec, group, world)
+            if txn is not None:  # the 16-bit mean is finite exactly when its fp32 copy is: half the bytes to read
+                txn.observe(averaged)
+            return whole
+    casts = [c for c in codecs.values() if c is not None]
+    if (buffer is not None and len(casts) == 1 and isinstance(casts[0], CastCompressor)
+            and sum(g.numel() for _, g, _ in items) == buffer.numel()):
+        dense = [i for i, (_, _, c) in enumerate(items) if c is None]
+        if sum(items[i][1].numel() for i in dense) * 20 <= buffer.numel():  # a few small dense tensors
+            whole, averaged = _whole(items, buffer, casts[0], group, world, exact=dense)
             if txn is not None:
-                txn.observe(buffer)
+                txn.observe(averaged)
             return whole
     out: List[Optional[torch.Tensor]] = [None] * len(items)
     gens: Dict[int, Rounds] = {}
@@ -220,23 +229,39 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
     return out  # type: ignore[return-value]
 
 
-def _whole(items: Sequence[Item], buffer: torch.Tensor, cast: Optional[CastCompressor], group, world: int
-           ) -> List[torch.Tensor]:
+def _whole(items: Sequence[Item], buffer: torch.Tensor, cast: Optional[CastCompressor], group, world: int,
+           exact: Sequence[int] = ()) -> Tuple[List[torch.Tensor], List[torch.Tensor]]:
     """The whole bucket in one allreduce, in place: dense (as DDP's own allreduce does), or
     cast to 16 bits (as PyTorch's fp16/bf16 hooks do). A cast is element-wise and keeps no
-    state, so casting the bucket equals casting each gradient, with a pass less each way."""
+    state, so casting the bucket equals casting each gradient, with a pass less each way.
+    ``exact``: items the policy keeps dense inside a cast bucket (biases, small tensors): they
+    ride along in the cast (a few bytes more than leaving them out) and are then overwritten by
+    their own exact fp32 mean, one small allreduce of their concatenation, so a bucket with a
+    few dense tensors costs two passes, not one per tensor. Returns the gradients' views and
+    the averaged tensors as they travelled."""
     rec = Record("allreduce", "bucket", "none" if cast is None else cast.name, "bucket", world,
                  dense_bytes=_nbytes(buffer))
-    flat = buffer if cast is None else buffer.to(cast.wire_dtype)
-    rec.payload_bytes = _nbytes(flat)
-    _mean_(flat, group, world, rec)
-    if flat is not buffer:
-        buffer.copy_(flat)
-    commit(rec)
+    if cast is not None:  # each cast tensor's call counts, as if it had been cast alone
+        for key, _, codec in items:
+            if codec is cast:
+                cast.count(key)
     offsets = [0]
     for _, g, _ in items:
         offsets.append(offsets[-1] + g.numel())
-    return [buffer[a:b].view(g.shape) for (_, g, _), a, b in zip(items, offsets, offsets[1:])]
+    views = [buffer[a:b] for a, b in zip(offsets, offsets[1:])]
+    dense = torch.cat([views[i] for i in exact]) if exact else None
+    flat = buffer if cast is None else buffer.to(cast.wire_dtype)
+    rec.payload_bytes = _nbytes(flat) + (_nbytes(dense) if dense is not None else 0)
+    _mean_(flat, group, world, rec)
+    if dense is not None:
+        _mean_(dense, group, world, rec)
+    if flat is not buffer:
+        buffer.copy_(flat)
+    if dense is not None:
+        for i, piece in zip(exact, dense.split([views[i].numel() for i in exact])):
+            views[i].copy_(piece)
+    commit(rec)
+    return [v.view(g.shape) for (_, g, _), v in zip(items, views)], [flat] + ([dense] if dense is not None else [])
 
 
 def _lockstep(gens: Dict[int, Rounds], group, world: int, rec: Record

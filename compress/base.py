@@ -265,6 +265,11 @@ class Compressor(_ReadsCapabilities, ABC):
         tensors, meta, _ = self._compress_residual(flat, skey, step)
         return Payload(self.name, tuple(acc.shape), acc.dtype, list(tensors), dict(meta))
 
+    def count(self, key: Optional[str]) -> int:
+        """Advance ``key``'s step counter as a call would, without compressing (a bucket that
+        casts a whole buffer at once still counts each tensor's call); the step it had."""
+        return self._step(key, None)[1]
+
     def _step(self, key: Optional[str], step: Optional[int]) -> Tuple[str, int]:
         """The key as a string and this call's step (the key's counter, advanced, by default)."""
         skey = "" if key is None else str(key)
