@@ -129,7 +129,10 @@ EXPECT_PASSED=1 run_part "GPU tests: select, sparse" 70 python -m pytest -q -m g
 EXPECT_PASSED=1 run_part "GPU tests: quant, plumbing, compressors" 90 \
   python -m pytest -q -m gpu -rfEs --durations=5 "$KT" -k "not ($GROUP_A or $GROUP_B)"
 # every other GPU test of the project (exit code 5: none collected, which is fine)
-run_part "GPU tests, others" 60 bash -c "python -m pytest -q -m gpu -rfEs --ignore=$KT tests; rc=\$?; [ \$rc -eq 5 ] && exit 0; exit \$rc"
+run_part "GPU tests, others" 120 bash -c "python -m pytest -q -m gpu -rfEs --ignore=$KT tests; rc=\$?; [ \$rc -eq 5 ] && exit 0; exit \$rc"
+# the memory layer on the device: save_on_cpu, offload and the codecs' cost where they are meant to run
+TAIL_LINES=40 run_part "memory benchmark (transformer-like)" 150 python -m gradcomp.bench memory --model transformer-like \
+  --repeats 3 --plan-repeats 2 --codecs int8,bf16 --budgets 0.25 --json "$LOGS/memory.json"
 TAIL_LINES=80 run_part "kernel benchmarks" 120 python -m gradcomp.bench.kernel_bench --out "$LOGS/kernel_bench.md"
 
 if [ -s "$LOGS/kernel_bench.md" ]; then
