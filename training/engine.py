@@ -30,34 +30,75 @@ class Compression:
         self.policy = policy
         self.group = group
         self.iteration = 0  # completed exchanges of the whole model; drives ``start_iter``
-        self.world = world_of(group)
         self._worker: Optional[worker.Worker] = None
         if local_size is not None:
-            if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1 \
-                    or self.world % local_size:
-                raise ValueError(f"local_size={local_size!r} must be an int >= 1 that divides the number of ranks "
-                                 f"({self.world})")
+            if isinstance(local_size, bool) or not isinstance(local_size, int) or local_size < 1:
+                raise ValueError(f"local_size={local_size!r} must be an int >= 1 that divides the number of ranks")
             if group is not None:
                 raise ValueError("local_size (dense inside a node, compressed across nodes) works on the default "
                                  "process group only; pass process_group=None")
-        # ranks per node for the hierarchical exchange (None: flat); one node of one rank is flat
-        self.local_size = local_size if local_size is not None and self.world > 1 else None
+        self._local_size_arg = local_size
+        # the ranks are counted when first needed, not here: frameworks (PyTorch Lightning)
+        # create the hook before they start the process group
+        self._world: Optional[int] = None
+        self._local: Optional[int] = None
         self._nodes: Any = None  # NodeGroups when hierarchical
         self._txn: Optional[Transaction] = None  # the state changes of the iteration in flight
         self._checked: set = set()  # bucket layouts every rank has agreed on
         self._registered = False  # start() checked the configuration
         self.names: List[str] = []  # the parameter names, when the caller knows them (identity of a checkpoint)
         self._owners: Dict[str, int] = {}  # parameter name -> the local rank that sends it across nodes
-        self._loads = [0] * (self.local_size or 1)  # elements owned per local rank
-        # the ranks a compressed exchange spans: one per node when hierarchical
-        self.exchange_world = self.world // self.local_size if self.local_size else self.world
+        self._loads_: Optional[List[int]] = None  # elements owned per local rank
+        # the parameters to check at registration when start() runs later than the hook's creation
+        self.deferred: Optional[Sequence[Tuple[str, torch.Tensor]]] = None
         codec = policy.default.codec
         self.label = base_of(codec).name if codec is base_of(codec) else f"{codec.kind}+{base_of(codec).name}"
+
+    def _resolve(self) -> None:
+        world = world_of(self.group)
+        local = self._local_size_arg
+        if local is not None and world % local:
+            raise ValueError(f"local_size={local!r} must be an int >= 1 that divides the number of ranks ({world})")
+        self._world = world
+        # ranks per node for the hierarchical exchange (None: flat); one node of one rank is flat
+        self._local = local if local is not None and world > 1 else None
+
+    @property
+    def world(self) -> int:
+        """The number of ranks (counted at first use)."""
+        if self._world is None:
+            self._resolve()
+        assert self._world is not None
+        return self._world
+
+    @property
+    def local_size(self) -> Optional[int]:
+        """Ranks per node for the hierarchical exchange; None when flat."""
+        if self._world is None:
+            self._resolve()
+        return self._local
+
+    @property
+    def exchange_world(self) -> int:
+        """The ranks a compressed exchange spans: one per node when hierarchical."""
+        return self.world // self.local_size if self.local_size else self.world
+
+    @property
+    def _loads(self) -> List[int]:
+        if self._loads_ is None:
+            self._loads_ = [0] * (self.local_size or 1)
+        return self._loads_
+
+    @_loads.setter
+    def _loads(self, value: List[int]) -> None:
+        self._loads_ = value
 
     def start(self, params: Optional[Sequence[Tuple[str, torch.Tensor]]] = None) -> None:
         """Check that every rank has the same configuration (and ``params``: names, shapes and
         dtypes, when known), then create the worker (and its twin group, and the node groups
         when hierarchical); every rank must call this at the same point."""
+        if params is None:
+            params = self.deferred
         if not self._registered:
             self._registered = True
             self.check(params, "at registration")

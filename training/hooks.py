@@ -12,6 +12,7 @@ Names come from ``model`` (the module DDP wraps, or the DDP model itself); witho
 ``param{i}`` in the order the parameters are first seen, which is the same on every rank and
 in every run of the same model.
 """
+import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -89,6 +90,13 @@ def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.
     return state.compression.submit(names, grads, buffer=buffer, then=write, advance=last, inline=last)
 
 
+def _before_init() -> bool:
+    """Whether this process is one of several (``WORLD_SIZE`` > 1) whose process group is not
+    started yet."""
+    world = os.environ.get("WORLD_SIZE", "").strip()
+    return not (dist.is_available() and dist.is_initialized()) and world.isdigit() and int(world) > 1
+
+
 def ddp_comm_hook(compressor: Any = "none", *, model: Optional[torch.nn.Module] = None,
                   process_group=None, local_size: Optional[int] = None, **options: Any) -> Tuple[HookState, Hook]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
@@ -108,7 +116,11 @@ def ddp_comm_hook(compressor: Any = "none", *, model: Optional[torch.nn.Module] 
         module = model.module if isinstance(model, DistributedDataParallel) else model
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         compression.names = [n for n, _ in named]
-    compression.start(named if model is not None else None)
+    params = named if model is not None else None
+    if not _before_init():
+        compression.start(params)
+    else:  # a framework (PyTorch Lightning) creates the hook before it starts the process group:
+        compression.deferred = params  # registration runs at the first bucket, on every rank alike
     return state, compressed_hook
 
 

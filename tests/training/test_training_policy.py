@@ -180,3 +180,17 @@ def test_an_unknown_compressor_name_suggests_the_closest():
         get_compressor("TopK")
     with pytest.raises(ValueError, match=r"unknown compressor 'powersdg' \(did you mean 'powersgd'\?\)"):
         get_compressor("powersdg")
+
+
+def test_a_hook_made_before_the_process_group_registers_later(monkeypatch):
+    """A framework (PyTorch Lightning) builds the hook in each launched process before it
+    starts the process group: creating it must not fail, and registration waits for use."""
+    from gradcomp.training import ddp_comm_hook
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    model = torch.nn.Linear(8, 4)
+    state, _ = ddp_comm_hook("topk", model=model, ratio=0.5)
+    assert not state.compression.started
+    assert [n for n, _ in state.compression.deferred] == ["weight", "bias"]
+    with pytest.raises(ValueError, match="WORLD_SIZE=2"):  # used without a process group: refused, as before
+        state.compression.start()
