@@ -80,11 +80,16 @@ def pass_ms(numel: int, repeats: int = 5) -> float:
     return 1e3 * statistics.median(times) * numel / n
 
 
+def _dense_row(records: List[Dict[str, Any]]) -> Optional[Dict[str, Any]]:
+    """The run's dense allreduce record (the baseline), if it ran."""
+    return next((r for r in records if r.get("method") == "dense" and r.get("collective_ms")), None)
+
+
 def efficiency_from(records: List[Dict[str, Any]], rate_bit: Optional[int]) -> float:
     """The link efficiency this run shows (its dense row on an emulated link), else the default."""
     if rate_bit is None:
         return EFFICIENCY
-    dense = next((r for r in records if r.get("method") == "dense" and r.get("collective_ms")), None)
+    dense = _dense_row(records)
     if dense is None or not dense.get("bytes_per_rank"):
         return EFFICIENCY
     wire_ms = dense["bytes_per_rank"] * 8 / rate_bit * 1e3
@@ -94,7 +99,7 @@ def efficiency_from(records: List[Dict[str, Any]], rate_bit: Optional[int]) -> f
 def loopback_rate(records: List[Dict[str, Any]]) -> Optional[float]:
     """The rate at which a loopback run's dense allreduce moved its bytes (bit/s): the memory
     copies through the kernel's TCP stack that stand in for a wire there."""
-    dense = next((r for r in records if r.get("method") == "dense" and r.get("collective_ms")), None)
+    dense = _dense_row(records)
     if dense is None or not dense.get("bytes_per_rank"):
         return None
     return dense["bytes_per_rank"] * 8 / (dense["collective_ms"] / 1e3)
@@ -116,7 +121,7 @@ def project(records: List[Dict[str, Any]], links: Sequence[int], rate_bit: Optio
     else:
         run_rate, run_eff = float(rate_bit), eff
     one_pass = pass_ms(numel)
-    dense = next((r for r in records if r.get("method") == "dense" and r.get("collective_ms")), None)
+    dense = _dense_row(records)
     out: Dict[str, Any] = {"efficiency": eff, "pass_ms": one_pass, "links": list(links), "rows": []}
     for r in records:
         if r.get("error") or r.get("collective_ms") is None:
@@ -171,8 +176,8 @@ def summary(proj: Dict[str, Any], loopback: bool) -> str:
     pays = [R for R in links if best.get(R, ("", 0))[1] > 1.05]
     where = (f"compression pays up to {rate_label(max(pays))} links here (best there: {best[max(pays)][0]}, "
              f"{best[max(pays)][1]:.2f}x)" if pays else "no method beats dense allreduce at these rates on this machine")
-    first = (f"On loopback the 'link' is memory copies inside this machine, far faster than a network, so most "
-             f"methods measure slower than dense above; " if loopback else "")
+    first = ("On loopback the 'link' is memory copies inside this machine, far faster than a network, so most "
+             "methods measure slower than dense above; " if loopback else "")
     return (f"{first}from the measured compute time and bytes, {where}; at {rate_label(links[0])}, "
             f"{best.get(links[0], ('-', 0))[0]} projects {best.get(links[0], ('-', 0))[1]:.2f}x. "
             f"rel.err is ||mean - exact mean|| / ||exact mean|| for one call; error feedback carries what a call "

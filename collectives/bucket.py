@@ -174,20 +174,14 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
     """
     codecs = {id(codec): codec for _, _, codec in items}
     txn = transaction.current() if observe else None
-    if buffer is not None and items and len(codecs) == 1 and sum(g.numel() for _, g, _ in items) == buffer.numel():
-        codec = next(iter(codecs.values()))
-        if codec is None or isinstance(codec, CastCompressor):
-            whole, averaged = _whole(items, buffer, codec, group, world)
-            if txn is not None:  # the 16-bit mean is finite exactly when its fp32 copy is: half the bytes to read
-                txn.observe(averaged)
-            return whole
     casts = [c for c in codecs.values() if c is not None]
-    if (buffer is not None and len(casts) == 1 and isinstance(casts[0], CastCompressor)
-            and sum(g.numel() for _, g, _ in items) == buffer.numel()):
-        dense = [i for i, (_, _, c) in enumerate(items) if c is None]
-        if sum(items[i][1].numel() for i in dense) * 20 <= buffer.numel():  # a few small dense tensors
-            whole, averaged = _whole(items, buffer, casts[0], group, world, exact=dense)
-            if txn is not None:
+    if (buffer is not None and items and sum(g.numel() for _, g, _ in items) == buffer.numel()
+            and (not casts or (len(casts) == 1 and isinstance(casts[0], CastCompressor)))):
+        # all dense, or one 16-bit cast with at most a few small dense tensors beside it
+        dense = [i for i, (_, _, c) in enumerate(items) if c is None] if casts else []
+        if sum(items[i][1].numel() for i in dense) * 20 <= buffer.numel():
+            whole, averaged = _whole(items, buffer, casts[0] if casts else None, group, world, exact=dense)
+            if txn is not None:  # the 16-bit mean is finite exactly when its fp32 copy is: half the bytes to read
                 txn.observe(averaged)
             return whole
     out: List[Optional[torch.Tensor]] = [None] * len(items)

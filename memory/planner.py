@@ -29,7 +29,7 @@ import math
 import statistics
 import time as _time
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, Iterable, List, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -38,9 +38,9 @@ from . import schedule as sch
 from .codecs import get_codec
 from . import _ledger
 from .executor import MIN_NUMEL, OFFLOAD_MIN_NUMEL, PlannedSequential, StageStore
-from .meter import MemoryMeter, _Held, is_parameter
+from .meter import MemoryMeter, _Held, _unpack, is_parameter
 from .offload import offload_activations
-from .schedule import Block, Costs, Plain, Recompute
+from .schedule import Block, Costs, Plain
 
 __all__ = ["plan_memory", "Plan", "BudgetTooSmall", "CHOICES"]
 
@@ -111,7 +111,7 @@ def _classify(stage: nn.Module, x: torch.Tensor) -> Tuple[bool, bool, int, Any]:
         saved.append((_ledger.storage_key(t), _ledger.storage_nbytes(t), is_parameter(t)))
         return _Held(t)
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack_held):
+    with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
         y = stage(x)
     if not isinstance(y, torch.Tensor):
         return False, False, 0, y
@@ -120,10 +120,6 @@ def _classify(stage: nn.Module, x: torch.Tensor) -> Tuple[bool, bool, int, Any]:
     saves_out = any(k == kout for k, _, _ in saved)
     internal = {k: n for k, n, param in saved if k not in (kin, kout) and not param}
     return saves_in, saves_out, sum(internal.values()), y
-
-
-def _unpack_held(h: Any) -> torch.Tensor:
-    return h.tensor
 
 
 def _stored(mode: str, stage: nn.Module, i: int, x: torch.Tensor, out_form: int,
@@ -289,8 +285,7 @@ class Plan:
 
     def __init__(self, costs: Costs, blocks: Sequence[Block], budget: int, names: List[str],
                  fingerprint: List[Any], device: str, notes: Sequence[str] = ()) -> None:
-        sch.stages_of(blocks)  # a valid schedule covers every stage once
-        if sch.stages_of(blocks) != list(range(costs.length)):
+        if sch.stages_of(blocks) != list(range(costs.length)):  # every stage once, in order
             raise ValueError("the schedule does not cover the chain's stages in order")
         self.costs, self.blocks, self.budget = costs, list(blocks), int(budget)
         self.names, self.fingerprint, self.device = names, fingerprint, device
