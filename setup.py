@@ -12,7 +12,7 @@ from setuptools.command.build_py import build_py
 # bench, tests and setup importable as top-level names. Wheels and sdists get the files
 # behind the links. A checkout needs symlinks (git on Windows: core.symlinks=true).
 # tests/test_layout.py keeps the links, this list and the folders in step.
-_PACKAGES = ["compress", "kernels", "collectives", "training", "memory", "bench"]
+_PACKAGES = ["compress", "kernels", "collectives", "training", "memory", "optim", "pipeline", "bench"]
 
 # developer-only modules of a package that stay out of wheels and sdists
 _NOT_SHIPPED = {("gradcomp.bench", "test_bench_compressors")}  # pytest-benchmark, bench/gpu_check.sh

@@ -1,4 +1,4 @@
-"""``python -m gradcomp.bench [train|memory] [options]``: the command line of the benchmarks."""
+"""``python -m gradcomp.bench [train|memory|sharded|optim|pipeline] [options]``: the command line of the benchmarks."""
 from __future__ import annotations
 
 import argparse
@@ -17,6 +17,8 @@ from . import env as envmod
 
 DEFAULT_NUMEL = 1 << 22  # 16 MB of fp32: the default run stays well under 3 minutes on 2 cores
 ALGORITHMS = ("auto", *_collectives.ALGORITHMS)
+# python -m gradcomp.bench <subcommand>: the module of bench/ that runs it (each has main(argv) -> int)
+SUBCOMMANDS = {"train": "train", "memory": "memory", "sharded": "sharded", "optim": "optim", "pipeline": "pipeline"}
 
 
 # ---- shared pieces ---------------------------------------------------------------------------
@@ -273,16 +275,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     previous = netem.exit_on_signals()
     try:
-        if "train" in argv:  # the subcommand, wherever it stands among the options
-            from . import train
-
-            argv.remove("train")
-            return train.main(argv)
-        if "memory" in argv:
-            from . import memory
-
-            argv.remove("memory")
-            return memory.main(argv)
+        sub = next((a for a in argv if a in SUBCOMMANDS), None)  # wherever it stands among the options
+        if sub is not None:
+            argv.remove(sub)
+            module = importlib.import_module(f".{SUBCOMMANDS[sub]}", __package__)
+            return module.main(argv)
         return run_collective(argv)
     except netem.NetemUnavailable as exc:
         print(f"gradcomp.bench: --netem cannot run here: {exc}", file=sys.stderr)

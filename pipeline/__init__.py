@@ -1,0 +1,1 @@
+"""gradcomp.pipeline: pipeline-parallel training over compressed point-to-point links."""
