@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import traceback
 from datetime import timedelta
 from typing import Any, Callable, List
@@ -19,33 +20,56 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _entry(rank: int, world_size: int, store_path: str, out_dir: str, fn: Callable, args: tuple, timeout_s: float) -> None:
+def _entry(rank: int, world_size: int, store_path: str, out_dir: str, fn: Callable, args: tuple, timeout_s: float,
+           port: int) -> None:
     torch.set_num_threads(1)
     result: Any
     try:
-        store = dist.FileStore(store_path, world_size)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=timeout_s))
+        if port:  # what torchrun gives a rank; fn initialises (and may destroy) the group itself
+            os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                              LOCAL_WORLD_SIZE=str(world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        else:
+            store = dist.FileStore(store_path, world_size)
+            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                    timeout=timedelta(seconds=timeout_s))
         try:
             result = ("ok", fn(rank, world_size, *args))
         finally:
             from gradcomp.training import shutdown
 
             shutdown()
-            dist.destroy_process_group()
+            if dist.is_initialized():
+                dist.destroy_process_group()
     except BaseException as exc:  # report everything to the parent
         result = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
         pickle.dump(result, f)
 
 
-def run_ranks(fn: Callable, world_size: int, tmp_path, *args: Any, timeout_s: float = 60.0) -> List[Any]:
-    """Results of ``fn(rank, world_size, *args)`` on every rank; raises if any rank failed."""
+def free_ports(n: int) -> List[int]:
+    """``n`` distinct TCP ports free on the loopback now."""
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def run_ranks(fn: Callable, world_size: int, tmp_path, *args: Any, timeout_s: float = 60.0,
+              torchrun_env: bool = False) -> List[Any]:
+    """Results of ``fn(rank, world_size, *args)`` on every rank; raises if any rank failed.
+    ``torchrun_env=True``: no group is made; each rank gets torchrun's environment variables
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...) and ``fn`` calls
+    ``init_process_group`` itself, as a script under torchrun does."""
     store_path = os.path.join(str(tmp_path), f"store-{os.getpid()}-{id(fn)}-{world_size}")
     out_dir = os.path.join(str(tmp_path), f"out-{os.getpid()}-{id(fn)}-{world_size}")
     os.makedirs(out_dir, exist_ok=True)
+    port = free_ports(1)[0] if torchrun_env else 0
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, out_dir, fn, args, timeout_s))
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store_path, out_dir, fn, args, timeout_s, port))
              for r in range(world_size)]
     for p in procs:
         p.start()

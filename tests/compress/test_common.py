@@ -1,7 +1,7 @@
 """Behaviour every compressor must have, checked for every registered name.
 
 Per-compressor properties (bits per element, exactness, unbiasedness) live in the
-per-compressor test files; this file holds the contract they all share (README, "Compressors").
+per-compressor test files; this file holds the contract they all share (docs/compressors.md).
 """
 import math
 
@@ -19,7 +19,7 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 
 def test_every_design_name_is_registered():
     missing = sorted(set(DESIGN_NAMES) - set(NAMES))
-    assert not missing, f"compressors the README promises but not registered: {missing}"
+    assert not missing, f"compressors the docs promise but not registered: {missing}"
 
 
 @pytest.mark.parametrize("name", NAMES)
