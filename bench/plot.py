@@ -85,28 +85,56 @@ def _smooth(values: List[float], window: int) -> List[float]:
     return out
 
 
+# one colour per method family (``topk`` and ``topk+ef`` alike; the line style tells them apart),
+# ordered so that neighbours in the legend never get two warm colours in a row
+_FAMILY_COLOURS = ("#1f77b4", "#2ca02c", "#d62728", "#9467bd", "#17becf", "#8c564b", "#e377c2", "#bcbd22",
+                   "#ff7f0e", "#7f7f7f")
+_REFERENCE = "torch-allreduce"  # dense: drawn wide and grey under the others, which often share its bits
+
+
+def _family(method: str) -> str:
+    return method.split("+")[0].split(":")[0]
+
+
 def training_plot(runs: List[Dict[str, Any]], path: str, title: str = "") -> None:
-    """Training loss per step (left, smoothed over an epoch) and test accuracy per epoch (right):
-    PyTorch's hooks dashed, gradcomp's with error feedback solid, without it dotted."""
+    """Training loss per step (left, smoothed over an epoch) and test error per epoch (right, log
+    scale: the first epochs and the last tenths of a point both show): PyTorch's hooks dashed,
+    gradcomp's with error feedback solid, without it dotted; one colour per method family; the
+    legend below both panels."""
+    from matplotlib.ticker import MaxNLocator, NullFormatter, ScalarFormatter
+
     plt = _pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-    colors = plt.get_cmap("tab20").colors
-    for i, run in enumerate(runs):
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.8))
+    families: List[str] = []
+    for run in runs:
+        if run["method"] != _REFERENCE and _family(run["method"]) not in families:
+            families.append(_family(run["method"]))
+    for run in runs:
         style = "--" if run.get("source") == "torch" else ("-" if run.get("error_feedback") else ":")
         window = max(1, run["steps"] // max(run["epochs"], 1))
-        kw = {"color": colors[i % len(colors)], "ls": style, "lw": 1.3, "label": run["method"],
+        family = _family(run["method"])
+        colour = _FAMILY_COLOURS[families.index(family) % len(_FAMILY_COLOURS)] if family in families else ""
+        kw = {"color": colour, "ls": style, "lw": 1.4, "label": run["method"],
               "zorder": 3 if run.get("source") == "torch" else 2}  # the references stay visible
+        if run["method"] == _REFERENCE:
+            kw.update(color="#b0b0b0", ls="-", lw=4.0, zorder=1, label=f"{_REFERENCE} (dense)")
         ax1.plot(_smooth(run["loss_curve"], window), **kw)
-        ax2.plot(range(1, len(run["accuracy_curve"]) + 1), [100 * a for a in run["accuracy_curve"]], marker=".", **kw)
+        ax2.plot(range(1, len(run["accuracy_curve"]) + 1), [100 * (1 - a) for a in run["accuracy_curve"]],
+                 marker=".", **kw)
     ax1.set_yscale("log")
     ax1.set_xlabel("step")
     ax1.set_ylabel("training loss (mean over ranks, moving average over an epoch)")
     ax2.set_xlabel("epoch")
-    ax2.set_ylabel("test accuracy (%)")
-    best = max((max(r["accuracy_curve"]) for r in runs if r["accuracy_curve"]), default=1.0)
-    ax2.set_ylim(max(0.0, 100 * best - 15), 100 * best + 1.5)  # the interesting band, not epoch 1
-    ax2.legend(fontsize=7, ncol=2, loc="lower right")
+    ax2.set_ylabel("test error (%, log scale; accuracy = 100 - error)")
+    ax2.set_yscale("log")
+    ax2.yaxis.set_major_formatter(ScalarFormatter())
+    ax2.yaxis.set_minor_formatter(NullFormatter())
+    ax2.set_yticks([t for t in (1, 2, 3, 5, 10, 20, 30, 50, 100)
+                    if any(t / 2 <= 100 * (1 - a) <= 2 * t for r in runs for a in r["accuracy_curve"])])
+    ax2.xaxis.set_major_locator(MaxNLocator(integer=True))
+    handles, labels = ax1.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 7), fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
