@@ -45,6 +45,7 @@ class Compression:
         self._nodes: Any = None  # NodeGroups when hierarchical
         self._txn: Optional[Transaction] = None  # the state changes of the iteration in flight
         self._checked: set = set()  # bucket layouts every rank has agreed on
+        self._warned: set = set()  # layers patterns already warned about
         self._registered = False  # start() checked the configuration
         self.names: List[str] = []  # the parameter names, when the caller knows them (identity of a checkpoint)
         self._owners: Dict[str, int] = {}  # parameter name -> the local rank that sends it across nodes
@@ -116,17 +117,21 @@ class Compression:
         return self._registered
 
     def check(self, params: Optional[Sequence[Tuple[str, torch.Tensor]]], when: str) -> None:
-        """``ValueError`` on every rank unless all agree on the configuration and ``params``; a
-        warning for a ``layers`` pattern that matches none of ``params`` (a typo sends those
-        parameters with the default rule, silently otherwise)."""
+        """``ValueError`` on every rank unless all agree on the configuration and ``params``."""
         if params is not None:
-            names = [n for n, _ in params]
-            for rule in self.policy.rules:
-                if not any(fnmatch.fnmatchcase(n, rule.pattern) for n in names):
-                    warnings.warn(f"layers pattern {rule.pattern!r} matches no parameter of the model (e.g. "
-                                  f"{names[0] if names else 'none'!r}); check the pattern", stacklevel=4)
+            self.warn_unmatched([n for n, _ in params])
         if self.world > 1:
             agree(self._config(params), self.group, when)
+
+    def warn_unmatched(self, names: Sequence[str]) -> None:
+        """A warning for each ``layers`` pattern that matches none of ``names`` (a typo would send
+        those parameters with the default rule, silently otherwise); local, needs no group, and
+        said once per pattern."""
+        for rule in self.policy.rules:
+            if rule.pattern not in self._warned and not any(fnmatch.fnmatchcase(n, rule.pattern) for n in names):
+                self._warned.add(rule.pattern)
+                warnings.warn(f"layers pattern {rule.pattern!r} matches no parameter of the model (e.g. "
+                              f"{names[0] if names else 'none'!r}); check the pattern", stacklevel=3)
 
     def _config(self, params: Optional[Sequence[Tuple[str, torch.Tensor]]] = None) -> Dict[str, str]:
         """What every rank must agree on, as printable fields (see :func:`agree`)."""

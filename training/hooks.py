@@ -12,7 +12,6 @@ Names come from ``model`` (the module DDP wraps, or the DDP model itself); witho
 ``param{i}`` in the order the parameters are first seen, which is the same on every rank and
 in every run of the same model.
 """
-import os
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -91,10 +90,11 @@ def compressed_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.
 
 
 def _before_init() -> bool:
-    """Whether this process is one of several (``WORLD_SIZE`` > 1) whose process group is not
-    started yet."""
-    world = os.environ.get("WORLD_SIZE", "").strip()
-    return not (dist.is_available() and dist.is_initialized()) and world.isdigit() and int(world) > 1
+    """Whether the default process group is not started yet. Frameworks (PyTorch Lightning)
+    create the hook first; the launching process may not even know yet that it will be one of
+    several (its ``WORLD_SIZE`` is set later), so the hook never counts ranks before the group
+    exists: every rank defers alike, and registration runs at the first bucket."""
+    return not (dist.is_available() and dist.is_initialized())
 
 
 def ddp_comm_hook(compressor: Any = "none", *, model: Optional[torch.nn.Module] = None,
@@ -117,6 +117,8 @@ def ddp_comm_hook(compressor: Any = "none", *, model: Optional[torch.nn.Module] 
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         compression.names = [n for n, _ in named]
     params = named if model is not None else None
+    if params is not None:
+        compression.warn_unmatched([n for n, _ in params])  # now, where the user's code is
     if not _before_init():
         compression.start(params)
     else:  # a framework (PyTorch Lightning) creates the hook before it starts the process group:

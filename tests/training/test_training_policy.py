@@ -194,3 +194,14 @@ def test_a_hook_made_before_the_process_group_registers_later(monkeypatch):
     assert [n for n, _ in state.compression.deferred] == ["weight", "bias"]
     with pytest.raises(ValueError, match="WORLD_SIZE=2"):  # used without a process group: refused, as before
         state.compression.start()
+
+
+def test_the_launching_process_defers_too(monkeypatch):
+    """Lightning's launching process is rank 0 but has no ``WORLD_SIZE`` yet when the hook is
+    made: it must defer like its children, or it would count one rank and skip the agreement
+    check the others wait in (a hang), then average nothing."""
+    from gradcomp.training import ddp_comm_hook
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    state, _ = ddp_comm_hook("topk", model=torch.nn.Linear(8, 4), ratio=0.5)
+    assert not state.compression.started and state.compression._world is None
