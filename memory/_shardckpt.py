@@ -1,0 +1,226 @@
+"""Checkpoints of a :class:`~gradcomp.memory.ShardedOptimizer`: per rank, or consolidated.
+
+- **sharded** (``state_dict()``): this rank's inner optimizer state (its shard tensors'),
+  its master shards and its error-feedback state, under its identity (rank, world size,
+  parameter names and shapes, configuration fingerprint). Loads on the same rank of the same
+  world size only; resumes bit-identically.
+- **consolidated** (``consolidated_state_dict(to)``): every rank's shard gathered on one rank
+  and joined along each group's flat vector: per-element state (moments, 8-bit codes and
+  their per-block scales — shards start on block boundaries, so joined blocks are the blocks
+  of the whole vector), scalar state (``step``) once, the master vectors, the weights'
+  error-feedback residuals joined, and the gradients' residuals as their mean over ranks (a
+  rank's residual spans the whole vector but its own shard; the mean is what the average
+  gradient still owes). Loads at any world size: each rank cuts its shard out of it, and each
+  of the ``w - 1`` senders of a piece takes ``w / (w - 1)`` of the owed mean, so the mass owed
+  is kept (on one rank nothing is sent and the gradients' residuals are dropped).
+
+A checkpoint is checked on every rank before anything loads, and every rank raises the same
+``ValueError`` when any rank's does not fit (another rank, world size, model or configuration).
+"""
+from __future__ import annotations
+
+import copy
+from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+from .lowbit import cut_packed, is_packed, join_packed
+
+if TYPE_CHECKING:
+    from .sharded import ShardedOptimizer
+
+FORMAT = "gradcomp.sharded/1"
+
+
+def _cpu(tree: Any) -> Any:
+    """A deep copy of ``tree`` with its tensors on the CPU."""
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu().clone()
+    if isinstance(tree, dict):
+        return {k: _cpu(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(_cpu(v) for v in tree)
+    return copy.deepcopy(tree)
+
+
+def sharded(opt: "ShardedOptimizer") -> Dict[str, Any]:
+    return {"format": FORMAT, "kind": "sharded", "identity": opt.identity(),
+            "inner": _cpu(opt.optimizer.state_dict()), "master": _cpu(opt.masters),
+            "grad_feedback": None if opt.grad_feedback is None else opt.grad_feedback.state_dict(),
+            "weight_feedback": None if opt.weight_feedback is None else opt.weight_feedback.state_dict(),
+            "skipped": opt.skipped}
+
+
+# ---- consolidated ------------------------------------------------------------------------------
+def _grad_residuals(opt: "ShardedOptimizer") -> Optional[List[torch.Tensor]]:
+    """This rank's gradient residuals laid out on each group's flat vector (zeros where none)."""
+    ef = opt.grad_feedback
+    if ef is None:
+        return None
+    out = [torch.zeros(lay.numel, dtype=torch.float32) for lay in opt.layouts]
+    for k, b in enumerate(opt._buckets):
+        splits = opt.layouts[b.group].splits(b.start, b.stop)
+        at = b.start
+        for j, n in enumerate(splits):
+            res = ef.residual(f"g{b.group}/b{k}/to{j}")
+            if n and res.numel() == n:
+                out[b.group][at:at + n] = res.reshape(-1).float().cpu()
+            at += n
+    return out
+
+
+def _weight_residuals(opt: "ShardedOptimizer") -> Optional[List[torch.Tensor]]:
+    ef = opt.weight_feedback
+    if ef is None:
+        return None
+    out = []
+    for g, m in enumerate(opt.masters):
+        res = ef.residual(f"w{g}")
+        out.append(res.reshape(-1).cpu().clone() if res.numel() == m.numel() else torch.zeros(m.numel()))
+    return out
+
+
+def consolidated(opt: "ShardedOptimizer", to: int) -> Optional[Dict[str, Any]]:
+    if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < opt.world:
+        raise ValueError(f"to={to!r} must be a rank of the group (0 .. {opt.world - 1})")
+    inner = opt.optimizer.state_dict()
+    mine = {"state": [_cpu(opt.optimizer.state.get(m, {})) for m in opt.masters], "master": _cpu(opt.masters),
+            "grad": _grad_residuals(opt), "weight": _weight_residuals(opt)}
+    if opt.world == 1:
+        parts = [mine]
+    else:
+        gathered: Optional[List[Any]] = [None] * opt.world if opt.rank == to else None
+        dst = to if opt.group is None else dist.get_global_rank(opt.group, to)
+        dist.gather_object(mine, gathered, dst=dst, group=opt.group)
+        if opt.rank != to:
+            return None
+        assert gathered is not None
+        parts = gathered
+    ident = {k: v for k, v in opt.identity().items() if k != "rank"}
+    groups = range(len(opt.masters))
+    return {"format": FORMAT, "kind": "consolidated", "identity": ident,
+            "param_groups": _cpu(inner["param_groups"]), "lowbit": _cpu(inner.get("lowbit")),
+            "state": [_join_state([p["state"][g] for p in parts]) for g in groups],
+            "master": [torch.cat([p["master"][g] for p in parts]) for g in groups],
+            "grad_residual": None if mine["grad"] is None else
+            [torch.stack([p["grad"][g] for p in parts]).mean(0) for g in groups],
+            "weight_residual": None if mine["weight"] is None else
+            [torch.cat([p["weight"][g] for p in parts]) for g in groups],
+            "skipped": opt.skipped}
+
+
+def _join_state(states: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One group's state from every rank's shard state, joined along the flat vector."""
+    out: Dict[str, Any] = {}
+    for key in dict.fromkeys(k for s in states for k in s):
+        values = [s[key] for s in states if key in s]
+        packed = [v for v in values if is_packed(v)]
+        if packed:
+            out[key] = join_packed(packed)
+        elif isinstance(values[0], torch.Tensor) and values[0].dim() == 1:
+            out[key] = torch.cat(values)
+        else:
+            out[key] = values[0]  # scalar state (step): the same on every rank
+    return out
+
+
+def _cut_state(state: Mapping[str, Any], numel: int, lo: int, hi: int) -> Dict[str, Any]:
+    """This rank's ``[lo, hi)`` of a joined group state."""
+    out: Dict[str, Any] = {}
+    for key, v in state.items():
+        if is_packed(v):
+            out[key] = cut_packed(v, lo, hi) if hi > lo else torch.zeros(0)
+        elif isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == numel:
+            out[key] = v[lo:hi].clone()
+        else:
+            out[key] = copy.deepcopy(v)
+    return out
+
+
+# ---- loading -----------------------------------------------------------------------------------
+def _problem(opt: "ShardedOptimizer", sd: Any) -> str:
+    """What is wrong with ``sd`` for this rank, or ``""``."""
+    if not isinstance(sd, Mapping) or sd.get("format") != FORMAT or sd.get("kind") not in ("sharded", "consolidated"):
+        return ("the state_dict is not a ShardedOptimizer checkpoint of this gradcomp version (format "
+                f"{sd.get('format') if isinstance(sd, Mapping) else type(sd).__name__!r}, expected {FORMAT!r})")
+    saved, mine = sd.get("identity") or {}, opt.identity()
+    if saved.get("names") != mine["names"] or saved.get("shapes") != mine["shapes"]:
+        diff = [f"{a} {s}" for a, s in zip(saved.get("names") or [], saved.get("shapes") or [])
+                if [a, s] not in [list(x) for x in zip(mine["names"], mine["shapes"])]][:3]
+        return (f"the checkpoint holds the optimizer of other parameters (e.g. {diff or 'a different count'}); "
+                f"load it into the model it was saved with")
+    if saved.get("trainable") != mine["trainable"]:
+        return "the checkpoint was saved with other parameters frozen; freeze the same parameters to load it"
+    if saved.get("config") != mine["config"]:
+        return ("the checkpoint was saved with another optimizer class, options, compressor, weight compressor, "
+                "state_bits or stage than this run's; resume with the same configuration")
+    if sd["kind"] == "sharded":
+        if saved.get("world") != mine["world"]:
+            return (f"the checkpoint is one shard of {saved.get('world')} ranks, this run has {mine['world']}; "
+                    f"a shard loads only at its own world size: save consolidated_state_dict() to reshard")
+        if saved.get("rank") != mine["rank"]:
+            return (f"the checkpoint is rank {saved.get('rank')}'s shard; every rank loads its own "
+                    f"(e.g. ckpt-rank{mine['rank']}.pt)")
+    return ""
+
+
+def _agree(opt: "ShardedOptimizer", problem: str) -> None:
+    """Raise the same ``ValueError`` on every rank when any rank has a ``problem``."""
+    problems = [problem]
+    if opt.world > 1:
+        problems = [""] * opt.world
+        dist.all_gather_object(problems, problem, group=opt.group)
+    bad = [(r, p) for r, p in enumerate(problems) if p]
+    if bad:
+        r, p = bad[0]
+        raise ValueError(f"ShardedOptimizer.load_state_dict refused the checkpoint (rank {r}: {p}); nothing was loaded")
+
+
+def load(opt: "ShardedOptimizer", sd: Mapping[str, Any]) -> None:
+    _agree(opt, _problem(opt, sd))
+    if sd["kind"] == "sharded":
+        opt.optimizer.load_state_dict(sd["inner"])
+        for m, saved in zip(opt.masters, sd["master"]):
+            m.copy_(saved)
+        for ef, saved in ((opt.grad_feedback, sd["grad_feedback"]), (opt.weight_feedback, sd["weight_feedback"])):
+            if ef is not None:
+                ef.load_state_dict(saved)
+    else:
+        _load_consolidated(opt, sd)
+    opt.skipped = int(sd["skipped"])
+
+
+def _load_consolidated(opt: "ShardedOptimizer", sd: Mapping[str, Any]) -> None:
+    bounds = [lay.shard(opt.rank) for lay in opt.layouts]
+    inner: Dict[str, Any] = {
+        "state": {g: _cut_state(s, lay.numel, lo, hi)
+                  for g, (s, lay, (lo, hi)) in enumerate(zip(sd["state"], opt.layouts, bounds)) if s},
+        "param_groups": copy.deepcopy(sd["param_groups"])}
+    if sd.get("lowbit") is not None:
+        inner["lowbit"] = copy.deepcopy(sd["lowbit"])
+    opt.optimizer.load_state_dict(inner)
+    for m, full, (lo, hi) in zip(opt.masters, sd["master"], bounds):
+        m.copy_(full[lo:hi])
+    if opt.weight_feedback is not None:
+        _set_residuals(opt.weight_feedback, {f"w{g}": full[lo:hi] for g, (full, (lo, hi))
+                                             in enumerate(zip(sd["weight_residual"], bounds)) if hi > lo})
+    if opt.grad_feedback is not None and opt.world > 1:
+        # what the mean gradient still owes is the mean of the residuals; here w - 1 ranks send
+        # each piece (its owner does not), so each holds w / (w - 1) of it
+        mean = [r * (opt.world / (opt.world - 1)) for r in sd["grad_residual"]]
+        pieces: Dict[str, torch.Tensor] = {}
+        for k, b in enumerate(opt._buckets):
+            at = b.start
+            for j, n in enumerate(opt.layouts[b.group].splits(b.start, b.stop)):
+                if n and j != opt.rank:
+                    pieces[f"g{b.group}/b{k}/to{j}"] = mean[b.group][at:at + n]
+                at += n
+        _set_residuals(opt.grad_feedback, pieces)
+
+
+def _set_residuals(ef: Any, residuals: Mapping[str, torch.Tensor]) -> None:
+    """Make ``residuals`` the error-feedback state of ``ef`` (through its own state_dict)."""
+    state = ef.state_dict()
+    state["state"] = {k: v.clone() for k, v in residuals.items()}
+    ef.load_state_dict(state)

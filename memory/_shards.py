@@ -1,0 +1,107 @@
+"""Where every element of a sharded optimizer lives: the flat layout of parameter groups,
+their shards and the buckets their gradients travel in. Pure arithmetic, no communication.
+
+Each parameter group's trainable parameters are laid end to end (in the order given) into
+one flat vector of ``numel`` elements. That vector is cut into ``world`` contiguous shards
+on :data:`ALIGN`-element boundaries, as evenly as whole blocks allow (``tensor_split`` of the
+blocks: the first ranks get one block more), so a shard starts where a block of the group's
+vector starts whatever the world size — the blocks of 8-bit state are the same blocks on any
+number of ranks, and resharding only re-cuts them. A group smaller than ``world`` blocks
+leaves the last ranks without a shard of it (an empty tensor).
+
+Buckets: each group's parameters, last first (the order backward produces them), are packed
+into buckets of at most ``bucket_numel`` elements (a larger parameter is a bucket alone); a
+bucket is a contiguous range of the group's vector, and its piece for rank ``j`` is the part
+of that range inside rank ``j``'s shard.
+"""
+from __future__ import annotations
+
+from typing import List, NamedTuple, Sequence, Tuple
+
+import torch
+
+from .lowbit import BLOCK
+
+ALIGN = BLOCK
+
+
+class Bucket(NamedTuple):
+    group: int
+    members: Tuple[int, ...]  # positions in the group's trainable parameters, ascending
+    start: int  # the bucket's range in the group's flat vector
+    stop: int
+
+
+class GroupLayout(NamedTuple):
+    offsets: Tuple[int, ...]  # start of each trainable parameter in the flat vector
+    numels: Tuple[int, ...]
+    numel: int
+    bounds: Tuple[int, ...]  # world + 1 shard boundaries
+
+    def shard(self, rank: int) -> Tuple[int, int]:
+        return self.bounds[rank], self.bounds[rank + 1]
+
+    def splits(self, start: int, stop: int) -> List[int]:
+        """Per rank, how many elements of ``[start, stop)`` lie in its shard."""
+        return [max(0, min(stop, b) - max(start, a)) for a, b in zip(self.bounds[:-1], self.bounds[1:])]
+
+
+def shard_bounds(numel: int, world: int) -> Tuple[int, ...]:
+    """``world + 1`` boundaries of ``numel`` elements cut on :data:`ALIGN` boundaries."""
+    blocks = -(-numel // ALIGN)
+    base, extra = divmod(blocks, world)
+    bounds, at = [0], 0
+    for r in range(world):
+        at += base + (1 if r < extra else 0)
+        bounds.append(min(at * ALIGN, numel))
+    return tuple(bounds)
+
+
+def group_layout(numels: Sequence[int], world: int) -> GroupLayout:
+    offsets, at = [], 0
+    for n in numels:
+        offsets.append(at)
+        at += int(n)
+    return GroupLayout(tuple(offsets), tuple(int(n) for n in numels), at, shard_bounds(at, world))
+
+
+def plan_buckets(layout: GroupLayout, group: int, bucket_numel: int) -> List[Bucket]:
+    """The group's buckets in launch order (the last parameters first)."""
+    buckets: List[Bucket] = []
+    members: List[int] = []
+    size = 0
+    for i in reversed(range(len(layout.numels))):
+        if members and size + layout.numels[i] > bucket_numel:
+            buckets.append(_bucket(layout, group, members))
+            members, size = [], 0
+        members.append(i)
+        size += layout.numels[i]
+    if members:
+        buckets.append(_bucket(layout, group, members))
+    return buckets
+
+
+def _bucket(layout: GroupLayout, group: int, members: List[int]) -> Bucket:
+    ordered = tuple(sorted(members))
+    start = layout.offsets[ordered[0]]
+    stop = layout.offsets[ordered[-1]] + layout.numels[ordered[-1]]
+    return Bucket(group, ordered, start, stop)
+
+
+def layer_slices(layout: GroupLayout, rank: int, layers: Sequence[int]) -> List[Tuple[int, int, int]]:
+    """``(layer, start, stop)`` for every parameter with elements in this rank's shard, in
+    shard coordinates; ``layers[i]`` is the layer number of the group's parameter ``i``."""
+    lo, hi = layout.shard(rank)
+    out = []
+    for i, (off, n) in enumerate(zip(layout.offsets, layout.numels)):
+        a, b = max(lo, off), min(hi, off + n)
+        if a < b:
+            out.append((int(layers[i]), a - lo, b - lo))
+    return out
+
+
+def flat_of(tensors: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
+    """The tensors end to end as one new 1-D tensor of ``dtype``."""
+    if not tensors:
+        return torch.empty(0, dtype=dtype)
+    return torch.cat([t.detach().reshape(-1).to(dtype) for t in tensors])

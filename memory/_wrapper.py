@@ -1,0 +1,40 @@
+"""The base of the optimizers of this package that wrap another one (``LowBitState``,
+``ShardedOptimizer``): a ``torch.optim.Optimizer`` whose ``param_groups``, ``state`` and
+``defaults`` are the wrapped optimizer's, so LR schedulers, gradient clipping and hooks work
+on it as on any optimizer."""
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Any, Dict, List
+
+import torch
+
+_HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
+          "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
+          "_optimizer_load_state_dict_post_hooks")
+
+
+class Wrapper(torch.optim.Optimizer):
+    """Set ``self.optimizer`` (the wrapped one) before reading the properties."""
+
+    optimizer: torch.optim.Optimizer
+
+    def __init__(self) -> None:  # what Optimizer.__init__ sets up, without copying any param groups
+        for name in _HOOKS:
+            setattr(self, name, OrderedDict())
+        self._patch_step_function()
+
+    @property
+    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
+        return self.optimizer.param_groups
+
+    @property
+    def state(self) -> Any:  # type: ignore[override]
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
+        return self.optimizer.defaults
+
+    def __getstate__(self) -> Dict[str, Any]:
+        raise ValueError(f"a {type(self).__name__} cannot be pickled; save state_dict() instead")

@@ -1,0 +1,420 @@
+"""``ShardedOptimizer``: sharded data parallel (ZeRO stage 1/2) on gradcomp's collectives.
+
+Every rank keeps the full parameters (for forward and backward) but only its *shard* of the
+optimizer: each parameter group's trainable parameters are laid end to end into one flat
+vector, cut into balanced contiguous shards (``memory/_shards.py``), and rank ``r`` holds,
+per group, one flat tensor of its shard — the **master copy** of those elements, in fp32
+(fp64 for fp64 parameters) — and the inner optimizer's state for it alone. One step:
+
+1. backward: as each bucket's gradients are complete, its exchange starts on gradcomp's
+   worker thread (overlapping the rest of backward, as ``CompressedOptimizer`` does): a
+   **reduce-scatter** — each rank receives the mean over ranks of its part of the bucket,
+   dense (gradcomp's one rounding rule) or compressed with error feedback on the sender
+   (``collectives/shards.py``). With ``stage=2`` the bucket's ``.grad`` tensors are freed as it
+   leaves; with ``stage=1`` they stay;
+2. ``step()``: every rank checks its reduced shard; one flag all-reduce lets every rank skip
+   a non-finite step together (nothing changes: error feedback undone, no inner step) or
+   raise together when one rank's exchange failed. Otherwise the inner optimizer — any
+   ``torch.optim`` class, built on the shard tensors with the groups' hyper-parameters — steps
+   the master shard;
+3. an **all-gather** of the master shards writes the parameters of every rank: exact (fp32),
+   or compressed (``weight_compressor="bf16"``/``"int8"``, ZeRO++'s qwZ) with error feedback on
+   the weights: the owner sends ``Q(master + e)`` and keeps ``e`` (its residual), and every rank,
+   the owner too, sets the parameters to the decoded bits — replicas stay identical, and the
+   master copy stays exact (it is moved only by the optimizer).
+
+``state_bits=8`` stores the inner optimizer's moment tensors in 8 bits between steps
+(:class:`~gradcomp.memory.lowbit.LowBitState`; the small-tensor rule is decided on the whole
+group, not on the shard). Optimizer classes with ``layerwise = True`` are told which slices of
+their shard belong to which parameter (``inner.shard_layout(layout, num_layers, group)``).
+
+Checkpoints: ``state_dict()`` is this rank's shard (loaded by the same rank of the same world
+size); ``consolidated_state_dict(to=0)`` gathers a whole checkpoint on one rank, which
+``load_state_dict`` accepts at any world size (resharding). See docs/sharding.md.
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives import rank_of, world_of
+from gradcomp.collectives import worker
+from gradcomp.collectives.shards import all_gather, any_rank, reduce_scatter
+from gradcomp.compress import ErrorFeedback, get_compressor
+from gradcomp.compress.base import Compressor
+from gradcomp.compress.transaction import Transaction, all_finite
+from gradcomp.training.engine import agree, h64, names_of
+
+from . import _shardckpt
+from ._shards import Bucket, GroupLayout, flat_of, group_layout, layer_slices, plan_buckets
+from ._wrapper import Wrapper
+from .lowbit import _COMPENSATIONS, MIN_NUMEL, LowBitState
+
+__all__ = ["ShardedOptimizer"]
+
+_STAGES = (1, 2)
+_STATE_BITS = (32, 8)
+
+
+def _feedback(compressor: Any, options: Mapping[str, Any], what: str) -> Optional[ErrorFeedback]:
+    """``None`` for dense, else the compressor wrapped in error feedback."""
+    if compressor is None or compressor == "none":
+        return None
+    if isinstance(compressor, ErrorFeedback):
+        return compressor
+    if isinstance(compressor, str):
+        return ErrorFeedback(get_compressor(compressor, **options))
+    if isinstance(compressor, Compressor):
+        return ErrorFeedback(compressor)
+    raise ValueError(f"{what}={compressor!r} is not allowed; pass None (dense), a compressor name "
+                     f"(gradcomp.compress.available_compressors()), a Compressor or an ErrorFeedback")
+
+
+def _groups(params: Any) -> List[Dict[str, Any]]:
+    groups = list(params) if not isinstance(params, torch.Tensor) else [params]
+    if not groups:
+        raise ValueError("ShardedOptimizer got an empty parameter list")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    out = []
+    for g in groups:
+        if not isinstance(g, dict) or "params" not in g:
+            raise ValueError("parameter groups must all be dicts with 'params' (or pass tensors only)")
+        ps = g["params"]
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps)
+        if any(not isinstance(p, torch.Tensor) for p in ps):
+            raise ValueError("ShardedOptimizer: every parameter must be a torch.Tensor")
+        out.append({**g, "params": ps})
+    return out
+
+
+class ShardedOptimizer(Wrapper):
+    """Sharded data parallel with ``optimizer_class`` stepping this rank's shard (see the module
+    docstring).
+
+    ``compressor``: gradients' reduce-scatter — None (dense) or a compressor name/object (its
+    options in ``compressor_options``), always with error feedback. ``weight_compressor``: the
+    parameters' all-gather — None (exact) or e.g. ``"bf16"``, ``"int8"``, with error feedback on
+    the weights. ``state_bits``: 32 or 8. ``stage``: 1 keeps the full gradients after the
+    reduce-scatter, 2 frees them. ``bucket_mb`` caps a bucket; ``model`` names the parameters in
+    checkpoints (else ``param{i}``); ``process_group`` defaults to every rank. The remaining
+    keywords are the inner optimizer's defaults (``lr=...``). ``state_compensation``: how
+    8-bit state compensates its rounding (:class:`~gradcomp.memory.LowBitState`). ``param_groups`` and ``state`` are
+    the inner optimizer's (its tensors are the shards), so LR schedulers work as usual.
+    """
+
+    def __init__(self, params: Iterable[Any], optimizer_class: type, *, compressor: Any = None,
+                 weight_compressor: Any = None, state_bits: int = 32, process_group: Any = None, stage: int = 2,
+                 bucket_mb: float = 25.0, model: Optional[torch.nn.Module] = None,
+                 compressor_options: Optional[Mapping[str, Any]] = None,
+                 weight_options: Optional[Mapping[str, Any]] = None, state_compensation: str = "stochastic",
+                 **defaults: Any) -> None:
+        if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+            raise ValueError(f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
+                             f"got {optimizer_class!r}")
+        if state_bits not in _STATE_BITS:
+            raise ValueError(f"state_bits={state_bits!r} is not allowed; allowed: {', '.join(map(str, _STATE_BITS))}")
+        if state_compensation not in _COMPENSATIONS:
+            raise ValueError(f"state_compensation={state_compensation!r} is not allowed; allowed: "
+                             f"{', '.join(_COMPENSATIONS)}")
+        if stage not in _STAGES:
+            raise ValueError(f"stage={stage!r} is not allowed; allowed: 1 (keep gradients), 2 (free them)")
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
+            raise ValueError(f"bucket_mb={bucket_mb!r} is not allowed; it must be a number > 0")
+        super().__init__()
+        self.group = process_group
+        self.world, self.rank = world_of(process_group), rank_of(process_group)
+        self.stage, self.state_bits, self.bucket_mb = stage, state_bits, float(bucket_mb)
+        self.state_compensation = state_compensation
+        self.grad_feedback = _feedback(compressor, compressor_options or {}, "compressor")
+        self.weight_feedback = _feedback(weight_compressor, weight_options or {}, "weight_compressor")
+        self.optimizer_class = optimizer_class
+        self.skipped = 0  # steps skipped together because a reduced gradient was not finite
+        groups = _groups(params)
+        self._all = [p for g in groups for p in g["params"]]  # layer numbers: positions here, frozen included
+        self.names = names_of(self._all, model)
+        self._trainable = [[p for p in g["params"] if p.requires_grad] for g in groups]
+        position = {id(p): i for i, p in enumerate(self._all)}
+        if len(position) != len(self._all):
+            raise ValueError("a parameter appears more than once in the parameters given to ShardedOptimizer")
+        self._layers = [[position[id(p)] for p in ps] for ps in self._trainable]
+        self._check_dtypes()
+        hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+        self._config = self._describe(hyper, defaults)
+        if self.world > 1:
+            agree(self._config, process_group, "when the ShardedOptimizer was built")
+            self._broadcast()
+        self.layouts: List[GroupLayout] = [group_layout([p.numel() for p in ps], self.world) for ps in self._trainable]
+        self.masters = [self._master_of(g) for g in range(len(groups))]
+        self.optimizer = self._build_inner(hyper, defaults)
+        bucket_numel = max(1, int(self.bucket_mb * 2 ** 20 // 4))
+        self._buckets: List[Bucket] = [b for g, lay in enumerate(self.layouts) for b in plan_buckets(lay, g, bucket_numel)]
+        self._bucket_of = {(b.group, i): k for k, b in enumerate(self._buckets) for i in b.members}
+        self._index = {id(p): (g, i) for g, ps in enumerate(self._trainable) for i, p in enumerate(ps)}
+        self._worker = worker.worker_for((process_group,)) if self.world > 1 else None
+        self._handles = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for ps in self._trainable for p in ps]
+        self._no_sync = False
+        self._reset()
+
+    # ---- construction -----------------------------------------------------------------------
+    def _check_dtypes(self) -> None:
+        for g, ps in enumerate(self._trainable):
+            kinds = {(p.dtype, p.device) for p in ps}
+            if len(kinds) > 1:
+                raise ValueError(f"parameter group {g} mixes dtypes/devices {sorted(map(str, kinds))}; a group is "
+                                 f"one flat vector: put parameters of each dtype and device in their own group")
+            if any(not p.is_floating_point() for p in ps):
+                raise ValueError(f"parameter group {g} has a non-floating trainable parameter")
+
+    def _describe(self, hyper: List[Dict[str, Any]], defaults: Mapping[str, Any]) -> Dict[str, str]:
+        """What every rank must agree on (printable), field by field."""
+        params = "; ".join(f"{n} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
+                           f"{'' if p.requires_grad else ' frozen'}" for n, p in zip(self.names, self._all))
+        groups = " | ".join(str(len(ps)) for ps in self._trainable)
+        return {"optimizer": f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}",
+                "optimizer options": repr(sorted(defaults.items())),
+                "parameter groups": f"{groups} {sorted(repr(sorted(h.items())) for h in hyper)}",
+                "compressor": repr(self.grad_feedback), "weight compressor": repr(self.weight_feedback),
+                "state bits": f"{self.state_bits} {self.state_compensation if self.state_bits < 32 else ''}",
+                "stage": str(self.stage), "parameters": params}
+
+    def _broadcast(self) -> None:
+        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for ps in self._trainable:
+                for p in ps:
+                    dist.broadcast(p.data, src=src, group=self.group)
+
+    def _master_dtype(self, g: int) -> torch.dtype:
+        ps = self._trainable[g]
+        return torch.float64 if ps and ps[0].dtype == torch.float64 else torch.float32
+
+    def _device(self, g: int) -> torch.device:
+        ps = self._trainable[g]
+        return ps[0].device if ps else torch.device("cpu")
+
+    def _master_of(self, g: int) -> torch.Tensor:
+        lo, hi = self.layouts[g].shard(self.rank)
+        flat = flat_of(self._trainable[g], self._master_dtype(g)).to(self._device(g))
+        return flat[lo:hi].clone()
+
+    def _build_inner(self, hyper: List[Dict[str, Any]], defaults: Mapping[str, Any]) -> torch.optim.Optimizer:
+        try:
+            inner = self.optimizer_class([{**h, "params": [m]} for h, m in zip(hyper, self.masters)], **defaults)
+        except TypeError as exc:
+            raise ValueError(f"{self.optimizer_class.__name__} refused the options {sorted(defaults)}: {exc}") from None
+        if getattr(self.optimizer_class, "layerwise", False):
+            layout = [layer_slices(lay, self.rank, layers) for lay, layers in zip(self.layouts, self._layers)]
+            inner.shard_layout(layout, len(self._all), self.group)  # type: ignore[attr-defined]
+        if self.state_bits == 8:
+            whole = {id(m): lay.numel for m, lay in zip(self.masters, self.layouts)}
+            inner = LowBitState(inner, compensation=self.state_compensation,
+                                quantize=lambda t: whole.get(id(t), t.numel()) >= MIN_NUMEL)
+        return inner
+
+    # ---- the wrapped optimizer --------------------------------------------------------------
+    def __repr__(self) -> str:
+        return (f"ShardedOptimizer({self.optimizer_class.__name__}, rank {self.rank} of {self.world}, "
+                f"compressor={self.grad_feedback!r}, weight_compressor={self.weight_feedback!r}, "
+                f"state_bits={self.state_bits}, stage={self.stage})")
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        raise ValueError("ShardedOptimizer cannot add parameter groups after construction (the shards are laid "
+                         "out once); pass every group to the constructor")
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._drain()
+        for ps in self._trainable:
+            for p in ps:
+                if set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.detach_().zero_()
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside only accumulate gradients (keep ``stage=1`` semantics for them:
+        nothing is freed); the next one outside exchanges them."""
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    # ---- one step ---------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Run ``closure`` (once) if given; finish the reduce-scatter; step the shard; gather the
+        parameters. A step with a non-finite reduced gradient on any rank changes nothing."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        pieces = self._reduced()
+        if pieces is None:  # skipped on every rank
+            return loss
+        grads = self._shard_grads(pieces)
+        for m, g in zip(self.masters, grads):
+            m.grad = g
+        try:
+            self.optimizer.step()
+        finally:
+            for m in self.masters:
+                m.grad = None
+        self._gather()
+        return loss
+
+    def _reduced(self) -> Optional[List[Optional[torch.Tensor]]]:
+        """Every bucket's piece of this rank's shard, once every rank knows that none failed
+        and all are finite; None when some are not (the iteration is undone and skipped)."""
+        while self._next < len(self._buckets):
+            self._launch(self._next)
+            self._next += 1
+        pieces: List[Optional[torch.Tensor]] = []
+        error: Optional[BaseException] = None
+        for fut in self._futures:
+            try:
+                pieces.append(None if fut is None else fut.wait())
+            except Exception as exc:
+                pieces.append(None)
+                error = error or exc
+        txn = self._txn
+        finite = error is None and all_finite([p for p in pieces if p is not None])
+        failed, infinite = any_rank([error is not None, not finite], self.group)
+        bad = failed or infinite
+        self._reset()
+        if bad:
+            txn.rollback()
+            if error is not None:
+                raise error
+            if failed:
+                raise ValueError("ShardedOptimizer: the gradient exchange failed on another rank (the error is raised "
+                                 "there); this step changed nothing")
+            self.skipped += 1
+            return None
+        txn.commit()
+        return pieces
+
+    def _shard_grads(self, pieces: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
+        grads = [torch.zeros_like(m) for m in self.masters]
+        for b, piece in zip(self._buckets, pieces):
+            lo, hi = self.layouts[b.group].shard(self.rank)
+            a, z = max(lo, b.start), min(hi, b.stop)
+            if piece is not None and a < z:
+                grads[b.group][a - lo:z - lo] = piece.to(grads[b.group].dtype)
+        return grads
+
+    def _gather(self) -> None:
+        """Every rank's master shards into every rank's parameters (compressed when asked)."""
+        for g, (m, lay) in enumerate(zip(self.masters, self.layouts)):
+            ps = self._trainable[g]
+            if not ps:
+                continue
+            sizes = [b - a for a, b in zip(lay.bounds[:-1], lay.bounds[1:])]
+            dense = self.weight_feedback is None
+            shard = m.to(ps[0].dtype) if dense else m
+            full = all_gather(shard, sizes, compressor=self.weight_feedback, key=f"w{g}", group=self.group)
+            for p, off, n in zip(ps, lay.offsets, lay.numels):
+                p.data.copy_(full[off:off + n].view_as(p))
+
+    # ---- the backward hooks -----------------------------------------------------------------
+    def _reset(self) -> None:
+        self._missing = [len(b.members) for b in self._buckets]
+        self._ready: set = set()
+        self._futures: List[Optional[torch.futures.Future]] = [None] * len(self._buckets)
+        self._next = 0
+        self._txn = Transaction()
+
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if self._no_sync:
+            return
+        g, i = self._index[id(param)]
+        k = self._bucket_of[(g, i)]
+        if self._futures[k] is not None:
+            raise ValueError(f"the gradient of {self.names[self._layers[g][i]]!r} was accumulated again after its "
+                             f"bucket was sent; call step() between backward passes, or run the extra passes under "
+                             f"`with optimizer.no_sync():`")
+        if (g, i) in self._ready:
+            return
+        self._ready.add((g, i))
+        self._missing[k] -= 1
+        while self._next < len(self._buckets) and self._missing[self._next] <= 0:
+            self._launch(self._next)
+            self._next += 1
+
+    def _launch(self, k: int) -> None:
+        b = self._buckets[k]
+        params = [self._trainable[b.group][i] for i in b.members]
+        flat = flat_of([p.grad if p.grad is not None else torch.zeros_like(p) for p in params],
+                       params[0].dtype).to(params[0].device)
+        if self.stage == 2:
+            for p in params:
+                p.grad = None
+        splits = self.layouts[b.group].splits(b.start, b.stop)
+        key, comp, group, txn = f"g{b.group}/b{k}", self.grad_feedback, self.group, self._txn
+
+        def job(eff: Callable[[Any], Any]) -> torch.Tensor:
+            with txn.active():
+                return reduce_scatter(flat, splits, compressor=comp, key=key, group=eff(group))
+
+        if self._worker is None:
+            self._futures[k] = worker.completed(job, eff=lambda g: None)
+        else:
+            self._futures[k] = self._worker.submit(job, device=flat.device, inline=k == len(self._buckets) - 1)
+
+    def _drain(self) -> None:
+        """Wait for exchanges in flight and undo them (their gradients never reach the shard)."""
+        if any(f is not None for f in self._futures):
+            for fut in self._futures:
+                if fut is not None:
+                    with contextlib.suppress(Exception):
+                        fut.wait()
+            self._txn.rollback()
+            self._reset()
+
+    def __del__(self) -> None:
+        for handle in getattr(self, "_handles", ()):
+            handle.remove()
+
+    # ---- checkpoints ------------------------------------------------------------------------
+    def identity(self) -> Dict[str, Any]:
+        """Whose optimizer this is: rank, world size, parameter names and shapes, and a
+        fingerprint of the configuration."""
+        cfg = {k: v for k, v in self._config.items() if k != "parameters"}
+        return {"rank": self.rank, "world": self.world, "names": list(self.names),
+                "shapes": [list(p.shape) for p in self._all],
+                "trainable": [bool(p.requires_grad) for p in self._all],
+                "config": h64(repr(sorted(cfg.items())))}
+
+    def state_dict(self) -> Dict[str, Any]:
+        """This rank's shard: inner optimizer state, master shards, error feedback."""
+        self._drain()
+        return _shardckpt.sharded(self)
+
+    def consolidated_state_dict(self, to: int = 0) -> Optional[Dict[str, Any]]:
+        """The whole optimizer, gathered on rank ``to`` (None on the others; every rank must
+        call it): loads at any world size."""
+        self._drain()
+        return _shardckpt.consolidated(self, to)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Load this rank's ``state_dict()`` or a ``consolidated_state_dict()`` of any world
+        size; every rank raises the same error when any rank's checkpoint does not fit."""
+        self._drain()
+        _shardckpt.load(self, state_dict)
+
+
+def _weak_hook(opt: ShardedOptimizer) -> Callable[[torch.Tensor], None]:
+    """The gradient hook, holding the optimizer weakly (a dropped optimizer stops exchanging)."""
+    ref = weakref.ref(opt)
+
+    def hook(param: torch.Tensor) -> None:
+        target = ref()
+        if target is not None:
+            target._grad_ready(param)
+
+    return hook

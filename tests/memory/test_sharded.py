@@ -1,0 +1,549 @@
+"""``ShardedOptimizer`` on real gloo ranks (2, 3 and 4), one spawn per world size.
+
+Invariants protected:
+- dense, fp32 state: the parameters after N steps are bit-identical to
+  ``ZeroRedundancyOptimizer`` + the same inner optimizer fed the same mean gradients (the mean
+  summed in rank order, gradcomp's rule), and equal to plain DDP up to fp32 rounding (gloo's
+  allreduce sums in another order);
+- replicas are identical after every step, for every configuration (compressed too);
+- uneven shards, parameters smaller than the world size, frozen parameters, param groups with
+  their own hyper-parameters and an LR scheduler give what one process with the averaged
+  gradients gives; stage 1 and stage 2 step alike (stage 2 frees the gradients);
+- a layer-wise optimizer told the shard layout equals its unsharded run;
+- resume from ``state_dict()`` is bit-identical; a consolidated checkpoint loads at another
+  world size (4 -> 2, 2 -> 3), round-trips bit-identically and goes on training;
+- optimizer state per rank is 1/world of the unsharded one (measured), ~1/4 of that in 8 bits;
+- bad input (ranks with other parameters, another rank's or world size's checkpoint, bad
+  options) raises the same clear error on every rank; a non-finite gradient on one rank
+  changes no state anywhere.
+"""
+from __future__ import annotations
+
+import io
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from ranks import run_ranks  # noqa: E402
+
+STEPS = 4
+
+
+class Net(nn.Module):
+    """Uneven shapes, a 1-element parameter and a frozen one."""
+
+    def __init__(self, seed: int = 0, width: int = 33) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.a = nn.Linear(7, width)
+        self.b = nn.Linear(width, 5)
+        self.gain = nn.Parameter(torch.ones(1))
+        self.frozen = nn.Linear(5, 5)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x):
+        return self.frozen(self.b(torch.tanh(self.a(x))) * self.gain)
+
+
+def _batch(rank: int, step: int, n: int = 8):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 7, generator=g), torch.randint(0, 5, (n,), generator=g)
+
+
+def _loss(model, rank, step):
+    x, y = _batch(rank, step)
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def _trainable(model):
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def _ordered_mean_(params, world):
+    """Each gradient replaced by the mean over ranks summed in rank order (gradcomp's rule)."""
+    for p in params:
+        parts = [torch.empty_like(p.grad) for _ in range(world)]
+        dist.all_gather(parts, p.grad)
+        acc = parts[0].mul(1.0 / world)
+        for q in parts[1:]:
+            acc += q.mul(1.0 / world)
+        p.grad.copy_(acc)
+
+
+def _flat(model):
+    return torch.cat([p.detach().reshape(-1).clone() for p in model.parameters()])
+
+
+def _replicas_equal(model, world):
+    mine = _flat(model)
+    rows = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(rows, mine)
+    return all(torch.equal(r, rows[0]) for r in rows)
+
+
+def _save(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _load(data: bytes):
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
+def _sharded(model, cls=torch.optim.AdamW, **kw):
+    from gradcomp.memory import ShardedOptimizer
+
+    kw.setdefault("lr", 0.01)
+    kw.setdefault("bucket_mb", 0.0005)  # several buckets on a small model
+    return ShardedOptimizer(_trainable(model), cls, model=model, **kw)
+
+
+def _run(model, opt, rank, world, steps, start=0, check=True):
+    same = True
+    for s in range(start, start + steps):
+        opt.zero_grad()
+        _loss(model, rank, s).backward()
+        opt.step()
+        if check:
+            same = same and _replicas_equal(model, world)
+    return same
+
+
+# ---- cases (each returns plain data) ------------------------------------------------------
+def case_zero(rank, world):
+    """Ours (stage 2 and stage 1) against ZeroRedundancyOptimizer and DDP-style allreduce."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ours, ours1, oracle, ddp = Net(), Net(), Net(), Net()
+    opt = _sharded(ours)
+    opt1 = _sharded(ours1, stage=1)
+    zero = ZeroRedundancyOptimizer(_trainable(oracle), torch.optim.AdamW, lr=0.01)
+    plain = torch.optim.AdamW(_trainable(ddp), lr=0.01)
+    same, freed, kept = True, True, True
+    for s in range(STEPS):
+        for m, o in ((ours, opt), (ours1, opt1)):
+            o.zero_grad()
+            _loss(m, rank, s).backward()
+            if o is opt:
+                freed = freed and all(p.grad is None for p in _trainable(m))
+            else:
+                kept = kept and all(p.grad is not None for p in _trainable(m))
+            o.step()
+        zero.zero_grad()
+        _loss(oracle, rank, s).backward()
+        _ordered_mean_(_trainable(oracle), world)
+        zero.step()
+        plain.zero_grad()
+        _loss(ddp, rank, s).backward()
+        for p in _trainable(ddp):
+            p.grad.mul_(1.0 / world)
+            dist.all_reduce(p.grad)
+        plain.step()
+        same = same and _replicas_equal(ours, world)
+    return {"zero_exact": torch.equal(_flat(ours), _flat(oracle)), "stage1_exact": torch.equal(_flat(ours1), _flat(oracle)),
+            "ddp_diff": float((_flat(ours) - _flat(ddp)).abs().max()), "replicas": same, "freed": freed, "kept": kept,
+            "state_bytes": _state_bytes(opt), "full_state_bytes": _state_bytes(plain)}
+
+
+def _state_bytes(opt):
+    from gradcomp.memory import state_nbytes
+
+    return state_nbytes(getattr(opt, "optimizer", opt))
+
+
+def _side_by_side(rank, world, ours, opt, ref, plain, schedulers=()):
+    """STEPS steps of ours and of a plain optimizer fed the rank-ordered mean gradients."""
+    for s in range(STEPS):
+        for model, o in ((ours, opt), (ref, plain)):
+            o.zero_grad()
+            _loss(model, rank, s).backward()
+            if o is plain:
+                _ordered_mean_(_trainable(ref), world)
+            o.step()
+        for sched in schedulers:
+            sched.step()
+
+
+def case_groups(rank, world):
+    """Param groups with their own hyper-parameters, a scheduler, frozen and tiny parameters:
+    equal to one optimizer on every rank fed the averaged gradients."""
+    ours, ref = Net(), Net()
+
+    def groups(m):
+        return [{"params": [m.a.weight, m.gain], "lr": 0.02, "weight_decay": 0.1},
+                {"params": [m.a.bias, m.b.weight, m.b.bias], "lr": 0.005, "betas": (0.8, 0.99)},
+                {"params": list(m.frozen.parameters())}]
+
+    from gradcomp.memory import ShardedOptimizer
+
+    opt = ShardedOptimizer(groups(ours), torch.optim.AdamW, lr=0.01, bucket_mb=0.0002)
+    plain = torch.optim.AdamW(groups(ref), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    sched_ref = torch.optim.lr_scheduler.StepLR(plain, step_size=2, gamma=0.5)
+    _side_by_side(rank, world, ours, opt, ref, plain, (sched, sched_ref))
+    return {"exact": torch.equal(_flat(ours), _flat(ref)), "lrs": [g["lr"] for g in opt.param_groups],
+            "lrs_ref": [g["lr"] for g in plain.param_groups], "frozen": torch.equal(ours.frozen.weight, Net().frozen.weight)}
+
+
+class LayerNormSGD(torch.optim.Optimizer):
+    """A test-local layer-wise optimizer on the ShardedOptimizer contract: each layer moves by
+    ``lr * g / ||g||`` (its gradient's norm over the whole layer)."""
+
+    layerwise = True
+
+    def __init__(self, params, lr=0.1):
+        super().__init__(params, {"lr": lr})
+        self._layout = None
+
+    def shard_layout(self, layout, num_layers, group):
+        self._layout, self._num, self._group = layout, num_layers, group
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        tensors = [p for g in self.param_groups for p in g["params"]]
+        lrs = [g["lr"] for g in self.param_groups for _ in g["params"]]
+        if self._layout is None:  # each tensor its own layer
+            for p, lr in zip(tensors, lrs):
+                if p.grad is not None:
+                    p.sub_(lr * p.grad / p.grad.double().norm().clamp(min=1e-12).float())
+            return None
+        sq = torch.zeros(1, self._num, dtype=torch.float64)
+        for p, slices in zip(tensors, self._layout):
+            for layer, a, b in slices:
+                sq[0, layer] += p.grad[a:b].double().pow(2).sum()
+        dist.all_reduce(sq, group=self._group)
+        norms = sq.sqrt().clamp(min=1e-12)
+        for p, lr, slices in zip(tensors, lrs, self._layout):
+            for layer, a, b in slices:
+                p[a:b].sub_(lr * p.grad[a:b] / norms[0, layer].float())
+        return None
+
+
+def case_layerwise(rank, world):
+    ours, ref = Net(), Net()
+    opt = _sharded(ours, LayerNormSGD, lr=0.05)
+    plain = LayerNormSGD(_trainable(ref), lr=0.05)
+    _side_by_side(rank, world, ours, opt, ref, plain)
+    return {"diff": float((_flat(ours) - _flat(ref)).abs().max()), "replicas": _replicas_equal(ours, world)}
+
+
+def case_planner(rank, world):
+    """A memory plan (recompute, lossless storage) under ShardedOptimizer ends where the
+    unplanned model ends, bit for bit."""
+    from gradcomp.memory import Plan, plan_memory
+
+    def chain(seed=0):
+        torch.manual_seed(seed)
+        return nn.Sequential(*[nn.Sequential(nn.Linear(7, 7), nn.Tanh()) for _ in range(6)], nn.Linear(7, 5))
+
+    planned, plain = chain(), chain()
+    plan = plan_memory(planned, _batch(0, 0)[0], 1500, allow=("recompute", "compress"), repeats=1)
+    text = [plan.to_json()]
+    dist.broadcast_object_list(text, src=0)  # the same plan on every rank
+    planned = Plan.from_json(text[0]).apply(planned)
+    opt_a, opt_b = _sharded(planned), _sharded(plain)
+    for s in range(STEPS):
+        for m, o in ((planned, opt_a), (plain, opt_b)):
+            o.zero_grad()
+            _loss(m, rank, s).backward()
+            o.step()
+    recomputes = "recompute" in text[0]
+    return {"exact": torch.equal(_flat(planned), _flat(plain)), "recomputes": recomputes}
+
+
+def case_lamb(rank, world):
+    """gradcomp.optim's LAMB (layer-wise, on the same contract) sharded equals it unsharded."""
+    try:
+        from gradcomp.optim import Lamb
+    except ImportError:  # the optimizers' layer is not there: nothing to check
+        return None
+    ours, ref = Net(width=160), Net(width=160)
+    opt = _sharded(ours, Lamb, lr=0.01)
+    plain = Lamb(_trainable(ref), lr=0.01)
+    _side_by_side(rank, world, ours, opt, ref, plain)
+    return {"diff": float((_flat(ours) - _flat(ref)).abs().max()), "replicas": _replicas_equal(ours, world)}
+
+
+COMPRESSED = {"compressor": "int8", "weight_compressor": "bf16"}
+EVERYTHING = {"compressor": "int8", "weight_compressor": "int8", "state_bits": 8}
+
+
+def case_compressed(rank, world):
+    """int8 gradients + bf16 weights: replicas identical, close to dense, master exact."""
+    dense, comp = Net(width=160), Net(width=160)
+    opt_d, opt_c = _sharded(dense), _sharded(comp, **COMPRESSED)
+    same = _run(comp, opt_c, rank, world, STEPS)
+    _run(dense, opt_d, rank, world, STEPS, check=False)
+    # every parameter equals its master's bf16 decoding (+ error feedback): bf16-representable
+    bf16 = all(torch.equal(p.detach(), p.detach().bfloat16().float()) for p in _trainable(comp))
+    rel = float((_flat(comp) - _flat(dense)).norm() / _flat(dense).norm())
+    return {"replicas": same, "bf16_params": bf16, "rel": rel}
+
+
+def case_resume(rank, world):
+    """Resume from each rank's state_dict is bit-identical (compressed everything, 8-bit state)."""
+    out = {}
+    for name, kw in (("dense", {}), ("everything", EVERYTHING)):
+        model = Net(width=160)
+        opt = _sharded(model, **kw)
+        _run(model, opt, rank, world, 2, check=False)
+        saved_model, saved_opt = _save(model.state_dict()), _save(opt.state_dict())
+        _run(model, opt, rank, world, 3, start=2, check=False)
+        again = Net(width=160, seed=5)
+        again.load_state_dict(_load(saved_model))
+        opt2 = _sharded(again, **kw)
+        opt2.load_state_dict(_load(saved_opt))
+        same = _run(again, opt2, rank, world, 3, start=2)
+        out[name] = {"exact": torch.equal(_flat(model), _flat(again)), "replicas": same}
+    return out
+
+
+def case_nonfinite(rank, world):
+    """A NaN gradient on rank 0 only: every rank skips the step, nothing changes."""
+    model = Net(width=160)
+    opt = _sharded(model, **EVERYTHING)
+    _run(model, opt, rank, world, 2, check=False)
+    before_params, before_opt = _flat(model), opt.state_dict()
+    opt.zero_grad()
+    loss = _loss(model, rank, 9) * (float("nan") if rank == 0 else 1.0)
+    loss.backward()
+    opt.step()
+    after_opt = opt.state_dict()
+    unchanged = torch.equal(before_params, _flat(model)) and all(
+        _equal(after_opt[k], before_opt[k]) for k in before_opt if k != "skipped")
+    return {"unchanged": unchanged, "skipped": opt.skipped,
+            "goes_on": _run(model, opt, rank, world, 1, start=10)}
+
+
+def case_errors(rank, world, ckpt_other_world):
+    """Every rank raises the same clear error."""
+    out = {}
+
+    def catch(key, fn):
+        try:
+            fn()
+            out[key] = None
+        except ValueError as exc:
+            out[key] = str(exc)
+
+    catch("params", lambda: _sharded(Net(width=33 if rank == 0 else 34)))
+    catch("optimizer", lambda: _sharded(Net(), lr=0.01 if rank == 0 else 0.02))
+    model = Net()
+    opt = _sharded(model)
+    _run(model, opt, rank, world, 1, check=False)
+    mine = opt.state_dict()
+    others = [None] * world
+    dist.all_gather_object(others, _save(mine))
+    catch("other_rank", lambda: opt.load_state_dict(_load(others[(rank + 1) % world]) if rank == 0 else mine))
+    catch("other_world", lambda: _sharded(Net(width=160)).load_state_dict(_load(ckpt_other_world)))
+    catch("other_model", lambda: _sharded(Net(width=34)).load_state_dict(mine))
+    catch("bits", lambda: _sharded(Net(), state_bits=4))
+    catch("stage", lambda: _sharded(Net(), stage=3))
+    catch("compressor", lambda: _sharded(Net(), compressor="int9"))
+    out["still_works"] = _run(model, opt, rank, world, 1, start=1)
+    return out
+
+
+def _consolidated(rank, world, kw, steps=3):
+    model = Net(width=160)
+    opt = _sharded(model, **kw)
+    _run(model, opt, rank, world, steps, check=False)
+    full = opt.consolidated_state_dict(to=0)
+    shard = opt.state_dict()
+    return model, opt, full, shard
+
+
+def case_saves(rank, world):
+    """Consolidated checkpoints (dense and everything) and one shard, for the other spawns."""
+    out = {}
+    for name, kw in (("dense", {}), ("everything", EVERYTHING)):
+        model, opt, full, shard = _consolidated(rank, world, kw)
+        out[name] = {"model": _save(model.state_dict()), "full": _save(full) if rank == 0 else None,
+                     "shard": _save(shard)}
+    return out
+
+
+def case_reshard(rank, world, saves):
+    """Load a consolidated checkpoint of another world size: same state, training goes on."""
+    out = {}
+    for name, kw in (("dense", {}), ("everything", EVERYTHING)):
+        model = Net(width=160, seed=3)
+        model.load_state_dict(_load(saves[name]["model"]))
+        opt = _sharded(model, **kw)
+        full = _load(saves[name]["full"])
+        opt.load_state_dict(full)
+        again = opt.consolidated_state_dict(to=0)
+        same_state = None if rank else _same_checkpoint(again, full)
+        out[name] = {"same_state": same_state, "goes_on": _run(model, opt, rank, world, 2, start=3)}
+    return out
+
+
+def _equal(a, b):
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _same_checkpoint(again, full):
+    """Everything bit-identical but the world size (resharding changes it) and the gradients'
+    residual mean (kept up to one rounding of the rescale)."""
+    exact = all(_equal(again[k], full[k]) for k in ("state", "master", "weight_residual", "param_groups", "lowbit"))
+    if full["grad_residual"] is None:
+        return exact and again["grad_residual"] is None
+    close = all(torch.allclose(a, b, rtol=1e-5, atol=1e-9) for a, b in zip(again["grad_residual"], full["grad_residual"]))
+    return exact and close
+
+
+def spawn_two(rank, world, saves4):
+    return {"zero": case_zero(rank, world), "groups": case_groups(rank, world),
+            "layerwise": case_layerwise(rank, world), "compressed": case_compressed(rank, world),
+            "planner": case_planner(rank, world), "lamb": case_lamb(rank, world),
+            "resume": case_resume(rank, world), "nonfinite": case_nonfinite(rank, world),
+            "errors": case_errors(rank, world, saves4["dense"]["shard"]),
+            "reshard": case_reshard(rank, world, saves4), "saves": case_saves(rank, world)}
+
+
+def case_memory(rank, world):
+    """Optimizer-state bytes per rank: fp32 and 8-bit state, on a group above the small-tensor
+    threshold (7,806 elements)."""
+    out = {}
+    for bits in (32, 8):
+        model = Net(width=600)
+        opt = _sharded(model, state_bits=bits)
+        out[bits] = {"replicas": _run(model, opt, rank, world, 2), "bytes": _state_bytes(opt)}
+    return out
+
+
+def spawn_four(rank, world):
+    return {"zero": case_zero(rank, world), "saves": case_saves(rank, world), "memory": case_memory(rank, world)}
+
+
+def spawn_three(rank, world, saves2):
+    return {"zero": case_zero(rank, world), "groups": case_groups(rank, world),
+            "layerwise": case_layerwise(rank, world), "lamb": case_lamb(rank, world),
+            "reshard": case_reshard(rank, world, saves2)}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("sharded")
+    four = run_ranks(spawn_four, 4, tmp, timeout_s=120)
+    two = run_ranks(spawn_two, 2, tmp, four[0]["saves"], timeout_s=120)
+    three = run_ranks(spawn_three, 3, tmp, two[0]["saves"], timeout_s=120)
+    return {2: two, 3: three, 4: four}
+
+
+def _saves(per_rank):
+    """Rank 0's consolidated checkpoints (the one every rank loads)."""
+    return per_rank[0]["saves"]
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_dense_equals_zero_redundancy_optimizer_bit_for_bit(results, world):
+    for r in results[world]:
+        z = r["zero"]
+        assert z["zero_exact"] and z["stage1_exact"], "ours differs from ZeroRedundancyOptimizer"
+        assert z["replicas"]
+        assert z["ddp_diff"] < 1e-5  # DDP's allreduce sums in another order: fp32 rounding only
+        assert z["freed"] and z["kept"]  # stage 2 frees the gradients, stage 1 keeps them
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_state_memory_is_one_world_th(results, world):
+    total = sum(r["zero"]["state_bytes"] for r in results[world])
+    full = results[world][0]["zero"]["full_state_bytes"]
+    per_rank = [r["zero"]["state_bytes"] for r in results[world]]
+    assert abs(total - full) <= 8 * world * 4  # the shards add up to one copy (scalars repeat per rank)
+    assert max(per_rank) <= full / world + 2 * 256 * 4 * 2 + 64  # balanced to within one block per moment
+
+
+def test_eight_bit_state_is_a_quarter(results):
+    for r in results[4]:
+        m = r["memory"]
+        assert m[32]["replicas"] and m[8]["replicas"]
+        assert m[8]["bytes"] / m[32]["bytes"] == pytest.approx(0.254, abs=0.01)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_param_groups_scheduler_frozen_tiny(results, world):
+    for r in results[world]:
+        g = r["groups"]
+        assert g["exact"] and g["frozen"]
+        assert g["lrs"] == g["lrs_ref"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_layerwise_optimizer_gets_the_layout(results, world):
+    for r in results[world]:
+        assert r["layerwise"]["replicas"]
+        assert r["layerwise"]["diff"] < 1e-6
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_lamb_from_the_optimizers_layer(results, world):
+    if results[world][0]["lamb"] is None:
+        pytest.skip("gradcomp.optim has no Lamb")
+    for r in results[world]:
+        assert r["lamb"]["replicas"] and r["lamb"]["diff"] < 1e-6
+
+
+def test_compressed_gradients_and_weights(results):
+    for r in results[2]:
+        c = r["compressed"]
+        assert c["replicas"] and c["bf16_params"]
+        assert 0 < c["rel"] < 0.02
+
+
+def test_composes_with_the_memory_planner(results):
+    for r in results[2]:
+        assert r["planner"]["exact"]
+    assert results[2][0]["planner"]["recomputes"]  # the budget makes the plan do something
+
+
+def test_resume_is_bit_identical(results):
+    for r in results[2]:
+        for name, res in r["resume"].items():
+            assert res["exact"] and res["replicas"], name
+
+
+def test_nonfinite_step_changes_nothing_anywhere(results):
+    for r in results[2]:
+        n = r["nonfinite"]
+        assert n["unchanged"] and n["skipped"] == 1 and n["goes_on"]
+
+
+def test_errors_are_the_same_on_every_rank(results):
+    per_rank = [r["errors"] for r in results[2]]
+    for key in ("params", "optimizer", "other_rank", "other_world", "other_model", "bits", "stage", "compressor"):
+        messages = [e[key] for e in per_rank]
+        assert all(messages), key
+        if key in ("params", "optimizer", "other_rank", "other_world"):
+            assert len(set(messages)) == 1, (key, messages)
+    assert "disagree on the parameters" in per_rank[0]["params"]
+    assert "optimizer options" in per_rank[0]["optimizer"]
+    assert "rank 1's shard" in per_rank[0]["other_rank"]
+    assert "shard of 4 ranks" in per_rank[0]["other_world"] and "consolidated_state_dict" in per_rank[0]["other_world"]
+    assert "other parameters" in per_rank[0]["other_model"]
+    assert "state_bits=4" in per_rank[0]["bits"] and "stage=3" in per_rank[0]["stage"]
+    assert "int9" in per_rank[0]["compressor"]
+    assert all(e["still_works"] for e in per_rank)
+
+
+@pytest.mark.parametrize("src,dst", [(4, 2), (2, 3)])
+def test_consolidated_checkpoint_reshards(results, src, dst):
+    for rank, r in enumerate(results[dst]):
+        for name, res in r["reshard"].items():
+            assert res["goes_on"], name
+            if rank == 0:
+                assert res["same_state"], name

@@ -1,0 +1,88 @@
+"""``ShardedOptimizer`` without a process group: one rank holds every shard, and the run is
+plain ``torch.optim`` bit for bit (dense), checkpoints round-trip, and bad options are refused
+with a message naming what is allowed."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from gradcomp.memory import ShardedOptimizer
+
+
+def _pair(seed=0):
+    torch.manual_seed(seed)
+    a = nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 3))
+    torch.manual_seed(seed)
+    return a, nn.Sequential(nn.Linear(6, 40), nn.Tanh(), nn.Linear(40, 3))
+
+
+def _steps(model, opt, n, start=0):
+    for s in range(start, start + n):
+        g = torch.Generator().manual_seed(s)
+        opt.zero_grad()
+        model(torch.randn(5, 6, generator=g)).pow(2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, {"lr": 0.01}), (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})])
+def test_alone_it_is_the_inner_optimizer(cls, kw):
+    ours, ref = _pair()
+    opt = ShardedOptimizer(ours.parameters(), cls, bucket_mb=0.0005, **kw)
+    plain = cls(ref.parameters(), **kw)
+    _steps(ours, opt, 4)
+    _steps(ref, plain, 4)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("compensation", ["stochastic", "feedback"])
+def test_checkpoints_alone(compensation):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 800), nn.Tanh(), nn.Linear(800, 3))  # 8,003 elements: 8-bit state
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01, compressor="int8",
+                           weight_compressor="bf16", state_bits=8, state_compensation=compensation)
+    _steps(model, opt, 2)
+    full, shard = opt.consolidated_state_dict(), opt.state_dict()
+    assert full is not None and full["kind"] == "consolidated" and shard["kind"] == "sharded"
+    packed = full["state"][0]["exp_avg"]
+    assert isinstance(packed, dict) and ("rcodes" in packed) == (compensation == "feedback")
+    opt.load_state_dict(full)
+    again = opt.consolidated_state_dict()
+    assert again is not None and torch.equal(again["state"][0]["exp_avg"]["codes"], packed["codes"])
+    opt.load_state_dict(shard)
+    _steps(model, opt, 1, start=2)
+    with pytest.raises(ValueError, match="to=1 must be a rank"):
+        opt.consolidated_state_dict(to=1)
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"state_bits": 16}, "state_bits=16 is not allowed; allowed: 32, 8"),
+    ({"stage": 0}, "stage=0 is not allowed"),
+    ({"bucket_mb": 0}, "bucket_mb=0 is not allowed"),
+    ({"state_compensation": "kahan"}, "state_compensation='kahan' is not allowed; allowed: stochastic, feedback, none"),
+    ({"compressor": 3}, "compressor=3 is not allowed"),
+    ({"weight_compressor": "bf17"}, "bf17"),
+    ({"betas": 0.9}, "AdamW refused the options"),
+])
+def test_bad_options(kw, message):
+    model, _ = _pair()
+    with pytest.raises(ValueError, match=message):
+        ShardedOptimizer(model.parameters(), torch.optim.AdamW, **{"lr": 0.01, **kw})
+
+
+def test_bad_parameters():
+    model, _ = _pair()
+    with pytest.raises(ValueError, match="optimizer_class must be a torch.optim.Optimizer subclass"):
+        ShardedOptimizer(model.parameters(), "adamw")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="empty parameter list"):
+        ShardedOptimizer([], torch.optim.AdamW)
+    w = nn.Parameter(torch.ones(3))
+    with pytest.raises(ValueError, match="more than once"):
+        ShardedOptimizer([w, w], torch.optim.AdamW)
+    with pytest.raises(ValueError, match="mixes dtypes"):
+        ShardedOptimizer([w, nn.Parameter(torch.ones(3, dtype=torch.float64))], torch.optim.AdamW)
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW)
+    with pytest.raises(ValueError, match="cannot add parameter groups"):
+        opt.add_param_group({"params": [w]})
+    with pytest.raises(ValueError, match="not a ShardedOptimizer checkpoint"):
+        opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
