@@ -1,0 +1,215 @@
+"""``DistributedOptimizer``: what the compressed-momentum optimizers (1-bit Adam, 0/1 Adam,
+1-bit LAMB) share.
+
+They are data-parallel themselves: some steps need the dense mean of the gradients, the others
+only this rank's gradient (its momentum is exchanged compressed instead). Without DDP the
+optimizer averages the gradients itself on the steps that need it. Under DDP, DDP would
+average every step; register :meth:`comm_hook` instead of DDP's own reduction and it averages
+densely (DDP's bits) exactly on the steps that need it and leaves the local gradient elsewhere.
+
+A parameter without a gradient counts as a zero gradient, so every rank steps the same
+parameters. At construction the parameters are broadcast from the group's first rank and the
+ranks check that they agree on the configuration and the parameters (the same ``ValueError``
+on every rank otherwise). ``state_dict`` adds the error-feedback residuals and counters to
+torch's optimizer state, with whose they are; ``load_state_dict`` refuses another rank's,
+another world size's or another model's.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from gradcomp.collectives import rank_of, world_of
+
+from . import _common as common
+from .momentum import MomentumExchange, make_compressor
+
+
+_SCHEDULED = ("params", "lr", "initial_lr")
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Base of the optimizers that exchange compressed momentum; see the module docstring."""
+
+    #: the name used in messages and in a checkpoint's identity
+    who = "optimizer"
+
+    def __init__(self, params: Any, defaults: Dict[str, Any], *, compressor: Any, compressor_options: Any,
+                 process_group: Any, exchanges: Sequence[str]) -> None:
+        self._built = False  # torch's __init__ adds the first groups through add_param_group
+        super().__init__(params, defaults)
+        self.process_group = process_group
+        self._params = common.trained([p for g in self.param_groups for p in g["params"]], self.who)
+        self._group_by_id = {id(p): g for g in self.param_groups for p in g["params"]}
+        self._built = True
+        codec = make_compressor(compressor, compressor_options, self.who)
+        self.compressor_name = codec.name
+        # one exchange (its own residuals on both sides) per quantity that travels compressed
+        self.exchanges: Dict[str, MomentumExchange] = {}
+        for name in exchanges:  # one codec: its per-key state is kept apart by the keys
+            self.exchanges[name] = MomentumExchange(codec, process_group, key=f"{self.who}/{name}")
+        self._ddp = False  # comm_hook() was taken: DDP hands step() the gradients it needs
+        self.steps = 0  # completed steps
+        self._masks: Optional[List[Optional[torch.Tensor]]] = None
+        if common.live(process_group):
+            common.agree_config({"configuration": self._config(),
+                                 "parameters": common.describe_params(self._params)}, process_group, self.who)
+            common.broadcast_params(self._params, process_group)
+
+    # ---- what a subclass says ----------------------------------------------------------------
+    def wants_dense(self) -> bool:
+        """Whether the coming step needs the dense mean of the gradients."""
+        raise NotImplementedError
+
+    def _state_of(self, p: torch.Tensor) -> Dict[str, Any]:
+        """The state of ``p``, created at first use (with ``exp_avg`` and ``exp_avg_sq``)."""
+        raise NotImplementedError
+
+    def _dense_step(self, grads: List[torch.Tensor]) -> None:
+        """A step on the dense mean ``grads``."""
+        raise NotImplementedError
+
+    def _compressed_step(self, grads: List[torch.Tensor]) -> None:
+        """A step on this rank's own ``grads``."""
+        raise NotImplementedError
+
+    def _forget(self) -> None:
+        """Drop what is derived from the state (after a load)."""
+
+    def _config(self) -> str:
+        """Every option that must be the same on every rank and in a resumed run."""
+        # not the learning rate: schedulers change it, and a resumed run is the same run
+        hyper = [{k: v for k, v in g.items() if k not in _SCHEDULED} for g in self.param_groups]
+        return f"{self.who} {self._options()} compressor={self.compressor_name} groups={hyper}"
+
+    def _options(self) -> str:
+        raise NotImplementedError
+
+    def _extra_state(self) -> Dict[str, Any]:
+        """Counters a subclass keeps beyond torch's per-parameter state."""
+        return {}
+
+    def _load_extra_state(self, state: Mapping[str, Any]) -> None:
+        pass
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        loss = common.run_closure(closure)
+        dense = self.wants_dense()
+        grads = self._grads(dense)
+        if dense:
+            self._dense_step(grads)
+        else:
+            self._compressed_step(grads)
+        return loss
+
+    def masks(self) -> List[Optional[torch.Tensor]]:
+        """Per parameter, the elements masked out of the exchange (a bool tensor, True where
+        masked; None: none): where the variance is zero, fixed when it is frozen."""
+        if self._masks is None:
+            self._masks = zero_masks([self._state_of(p)["exp_avg_sq"] for p in self._params])
+        return self._masks
+
+    def _group_of(self, p: torch.Tensor) -> Dict[str, Any]:
+        return self._group_by_id[id(p)]
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        if self._built:
+            raise ValueError(f"{self.who}: parameters cannot be added after construction (the exchanged "
+                             f"tensor and its residuals are laid out over them); pass every group at once")
+        super().add_param_group(param_group)
+
+    # ---- gradients ---------------------------------------------------------------------------
+    @property
+    def world(self) -> int:
+        return world_of(self.process_group) if common.live(self.process_group) else 1
+
+    @property
+    def rank(self) -> int:
+        return rank_of(self.process_group) if common.live(self.process_group) else 0
+
+    def _local_grads(self) -> List[torch.Tensor]:
+        """Every parameter's gradient (zeros where it has none), as it is on this rank."""
+        return [p.grad.detach() if p.grad is not None else torch.zeros_like(p) for p in self._params]
+
+    def _grads(self, dense: bool) -> List[torch.Tensor]:
+        """The gradients of this step: the dense mean over ranks when ``dense`` (done by DDP's
+        hook when :meth:`comm_hook` was registered), else this rank's own."""
+        grads = self._local_grads()
+        if not dense or self._ddp or not common.live(self.process_group):
+            return grads
+        for dtype, idx in _by_dtype(grads).items():
+            flat = common.dense_mean(torch.cat([grads[i].reshape(-1) for i in idx]), self.process_group,
+                                     key=f"{self.who}/dense/{dtype}")
+            for i, piece in zip(idx, flat.split([grads[i].numel() for i in idx])):
+                grads[i] = piece.view_as(grads[i])
+        return grads
+
+    def comm_hook(self) -> Tuple[Any, Callable[..., Any]]:
+        """``(state, hook)`` for ``ddp_model.register_comm_hook``: dense mean on the steps that
+        need it (the bits of DDP's own allreduce), this rank's gradient on the others."""
+        from .ddp import dense_or_local_hook
+
+        self._ddp = True
+        return self, dense_or_local_hook
+
+    # ---- state -------------------------------------------------------------------------------
+    def _identity(self) -> Dict[str, Any]:
+        return common.identity(self.process_group, self._config(), self._params)
+
+    def state_dict(self) -> Dict[str, Any]:
+        """torch's optimizer state plus the residuals and counters, with whose they are."""
+        sd = super().state_dict()
+        sd["gradcomp"] = {"identity": self._identity(), "steps": self.steps,
+                          "exchanges": {k: e.state_dict() for k, e in self.exchanges.items()},
+                          "extra": self._extra_state()}
+        return sd
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Refuses a state_dict of another rank, world size, model or configuration."""
+        ours = state_dict.get("gradcomp") if isinstance(state_dict, Mapping) else None
+        if not isinstance(ours, Mapping):
+            raise ValueError(f"{self.who}: the state_dict holds no gradcomp state (saved by another optimizer?)")
+        common.check_identity(ours.get("identity"), self._identity(), self.who)
+        rest = {k: v for k, v in state_dict.items() if k != "gradcomp"}
+        super().load_state_dict(rest)
+        for k, e in self.exchanges.items():
+            e.load_state_dict(ours["exchanges"][k])
+        self.steps = int(ours["steps"])
+        self._load_extra_state(ours["extra"])
+        self._masks = None  # recomputed from the loaded variance
+        self._forget()
+
+
+def _by_dtype(tensors: Sequence[torch.Tensor]) -> Dict[torch.dtype, List[int]]:
+    out: Dict[torch.dtype, List[int]] = {}
+    for i, t in enumerate(tensors):
+        out.setdefault(t.dtype, []).append(i)
+    return out
+
+
+def flat(tensors: Sequence[torch.Tensor], masks: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
+    """Every tensor in fp32, zero where its mask (see :func:`zero_masks`) is True, as one flat
+    tensor."""
+    parts = [(t.float() if m is None else t.float().masked_fill(m, 0.0)).reshape(-1) for t, m in zip(tensors, masks)]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+def unflat_(out: Sequence[torch.Tensor], masks: Sequence[Optional[torch.Tensor]], values: torch.Tensor) -> None:
+    """Write ``values`` (as :func:`flat` laid them out) back into ``out``; masked elements
+    become zero (whatever a code that cannot say zero decoded there)."""
+    for t, m, piece in zip(out, masks, values.split([t.numel() for t in out])):
+        t.copy_(piece.view_as(t))
+        if m is not None:
+            t.masked_fill_(m, 0.0)
+
+
+def zero_masks(tensors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
+    """Per tensor: where it is zero (a bool tensor of its shape), or None when nowhere. Applied
+    by ``masked_fill_``: one pass, and the exchanged tensor keeps its size."""
+    out: List[Optional[torch.Tensor]] = []
+    for t in tensors:
+        zero = t == 0
+        out.append(zero if bool(zero.any()) else None)
+    return out

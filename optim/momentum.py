@@ -1,0 +1,87 @@
+"""``MomentumExchange``: the compressed mean of a flat tensor with error feedback on both sides.
+
+1-bit Adam's exchange (Tang et al. 2021): every rank compresses its tensor plus its *worker*
+residual, the chunk owners average the decoded chunks, compress that average plus their
+*server* residual, and every rank decodes the result. It is gradcomp's ``scatter-reduce``
+allreduce with an ``ErrorFeedback`` wrapper (``gradcomp.collectives``), so, exactly at every
+step, ``mean_r(sent_r + worker_old_r) + server_old == delivered + mean_r(worker_new_r) +
+server_new``: nothing is lost, only delayed. A compressor that scatter-reduce cannot carry
+(multi-round PowerSGD, or one that declares ``native``) travels by the algorithm the
+collectives choose for it, with error feedback on the worker side only.
+
+A step whose mean is not finite keeps no residual change (the collectives' transaction), and
+the residuals survive ``state_dict`` / ``load_state_dict`` bit-identically.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional
+
+import torch
+
+from gradcomp.collectives import ALGORITHMS, allreduce, choose_algorithm, server_feedback
+from gradcomp.collectives._algorithm import chunk_key
+from gradcomp.compress import Compressor, ErrorFeedback, get_compressor
+
+SCATTER_REDUCE = "scatter-reduce"
+
+
+def make_compressor(compressor: Any, options: Optional[Mapping[str, Any]], who: str) -> Compressor:
+    """A gradcomp compressor from a registered name (with ``options``) or an instance."""
+    if isinstance(compressor, ErrorFeedback) or hasattr(compressor, "accumulate"):
+        raise ValueError(f"{who}: pass the compressor itself (a name or a Compressor); {who} adds its own "
+                         f"error feedback on both sides")
+    if isinstance(compressor, str):
+        return get_compressor(compressor, **dict(options or {}))
+    if not isinstance(compressor, Compressor):
+        raise ValueError(f"{who}: compressor must be a registered name or a Compressor, "
+                         f"got {type(compressor).__name__}")
+    if options:
+        raise ValueError(f"{who}: compressor_options go with a compressor name, not with a Compressor instance")
+    return compressor
+
+
+class MomentumExchange:
+    """The compressed, error-compensated mean of one flat tensor per step over ``group``."""
+
+    def __init__(self, compressor: Compressor, group=None, key: str = "momentum") -> None:
+        self.feedback = ErrorFeedback(compressor)
+        self.group = group
+        self.key = key
+        cls = ALGORITHMS[SCATTER_REDUCE]
+        # the two-sided exchange when scatter-reduce takes the codec, else the collectives' choice
+        self.algorithm: Optional[str] = SCATTER_REDUCE if cls.unsuitable(compressor) is None else None
+
+    @property
+    def compressor(self) -> Compressor:
+        return self.feedback.compressor
+
+    def algorithm_on(self, world: int) -> str:
+        return choose_algorithm(self.feedback, world, self.algorithm)
+
+    def mean(self, flat: torch.Tensor) -> torch.Tensor:
+        """The compressed mean of ``flat`` (a new tensor, the same bits on every rank); the
+        residuals of both sides take what the wire did not carry."""
+        return allreduce(flat, self.feedback, key=self.key, group=self.group, algorithm=self.algorithm)
+
+    # ---- the residuals -----------------------------------------------------------------------
+    def worker_residual(self, numel: int) -> torch.Tensor:
+        """This rank's worker residual over the whole flat tensor (zeros before the first step;
+        scatter-reduce compresses each chunk of it in place)."""
+        res = self.feedback.residual(self.key)
+        return res.reshape(-1) if res.numel() == numel else torch.zeros(numel)
+
+    def server_residual(self, numel: int, rank: int, world: int) -> torch.Tensor:
+        """The server residual of the chunk this rank owns (empty without scatter-reduce)."""
+        if self.algorithm_on(world) != SCATTER_REDUCE:
+            return torch.zeros(0)
+        q, extra = divmod(numel, world)  # torch.tensor_split's sizes: the first chunks one larger
+        n = q + (rank < extra)
+        res = server_feedback(self.feedback).residual(chunk_key(self.key, rank) + "/server")
+        return res.reshape(-1) if res.numel() == n else torch.zeros(n)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"worker": self.feedback.state_dict(), "server": server_feedback(self.feedback).state_dict()}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.feedback.load_state_dict(state["worker"])
+        server_feedback(self.feedback).load_state_dict(state["server"])

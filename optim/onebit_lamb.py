@@ -1,0 +1,166 @@
+"""``OneBitLamb``: 1-bit LAMB (Li et al. 2021) — LAMB's layer-wise coefficients frozen after
+a dense warm-up, the momentum exchanged compressed.
+
+Warm-up (steps ``1 .. freeze_step``): LAMB on the dense mean of the gradients
+(``update = m / (sqrt(v) + eps) + weight_decay * p``, trust ratio ``||p|| / ||update||``
+clipped to ``[min_coeff, max_coeff]``), keeping an exponential average (``coeff_beta``) of each
+layer's ratio. At the freeze the variance is frozen, a fresh copy of it starts, and every
+layer's momentum gets a scale that brings all layers to one magnitude (one compressed tensor
+carries them all). Then each step: the local momentum, divided by the frozen denominator (as
+in ``OneBitAdam``) and scaled, is averaged compressed with error feedback on both sides and
+unscaled; the fresh variance follows the gradient
+reconstructed from the momentum change; the layer's coefficient is its frozen ratio times a
+factor ``max(denominator_frozen / denominator_fresh)``, clipped to ``[factor_min, factor_max]``
+and to ``1 +- factor_threshold`` of the previous step's factor. Zero-variance elements are
+masked as in ``OneBitAdam``.
+
+The update norms it needs are of whole tensors that every rank holds (the averaged update), so
+they are right under data parallel. It is itself the data-parallel layer (it exchanges the
+momentum), so it is not meant to run inside a sharded optimizer: ``shard_layout`` refuses.
+A step whose mean is not finite changes nothing.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Mapping, Optional, Tuple
+
+import torch
+
+from . import _common as common
+from ._base import DistributedOptimizer, flat, unflat_
+
+
+class OneBitLamb(DistributedOptimizer):
+    """1-bit LAMB; see the module docstring. Under DDP register ``comm_hook()``."""
+
+    who = "OneBitLamb"
+    layerwise = False  # see shard_layout
+
+    def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
+                 eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100_000, *,
+                 max_coeff: float = 10.0, min_coeff: float = 0.01, coeff_beta: float = 0.9,
+                 factor_max: float = 4.0, factor_min: float = 0.5, factor_threshold: float = 0.1,
+                 compressor: Any = "onebit", compressor_options: Optional[Mapping[str, Any]] = None,
+                 process_group: Any = None) -> None:
+        common.check_adam_options(lr, betas, eps, weight_decay)
+        self.freeze_step = common.check_int("freeze_step", freeze_step, low=1)
+        common.check_number("min_coeff", min_coeff, low_open=True)
+        common.check_number("max_coeff", max_coeff, low=min_coeff)
+        common.check_number("coeff_beta", coeff_beta, high=1.0)
+        common.check_number("factor_min", factor_min, low_open=True)
+        common.check_number("factor_max", factor_max, low=factor_min)
+        common.check_number("factor_threshold", factor_threshold, high=1.0)
+        self.coeffs = dict(max_coeff=max_coeff, min_coeff=min_coeff, coeff_beta=coeff_beta, factor_max=factor_max,
+                           factor_min=factor_min, factor_threshold=factor_threshold)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        self._denoms: Optional[List[torch.Tensor]] = None
+        super().__init__(params, defaults, compressor=compressor, compressor_options=compressor_options,
+                         process_group=process_group, exchanges=("momentum",))
+
+    def _options(self) -> str:
+        return f"freeze_step={self.freeze_step} {sorted(self.coeffs.items())}"
+
+    def shard_layout(self, layout: Any, num_layers: int, group: Any = None) -> None:
+        raise ValueError("OneBitLamb exchanges its own compressed momentum across the data-parallel ranks, so it "
+                         "cannot be the inner optimizer of a sharded optimizer; use gradcomp.optim.Lamb there")
+
+    @property
+    def frozen(self) -> bool:
+        return self.steps >= self.freeze_step
+
+    def wants_dense(self) -> bool:
+        return not self.frozen
+
+    def _state_of(self, p: torch.Tensor) -> Dict[str, Any]:
+        st = self.state[p]
+        if not st:
+            st["exp_avg"] = torch.zeros_like(p)
+            st["exp_avg_sq"] = torch.zeros_like(p)
+            # Python floats: torch's load_state_dict would cast tensors to the parameter's dtype
+            st["coeff_freeze"] = 0.0
+            st["last_factor"] = 1.0
+        return st
+
+    def _clamp(self, ratio: torch.Tensor) -> torch.Tensor:
+        return ratio.clamp(self.coeffs["min_coeff"], self.coeffs["max_coeff"])
+
+    # ---- warm-up ----------------------------------------------------------------------------
+    def _dense_step(self, grads: List[torch.Tensor]) -> None:
+        """LAMB on the mean gradients; at the freeze, the compression stage's start."""
+        if not common.all_finite(grads):
+            return
+        beta = self.coeffs["coeff_beta"]
+        for p, g in zip(self._params, grads):
+            group, st = self._group_of(p), self._state_of(p)
+            beta1, beta2 = group["betas"]
+            st["exp_avg"].lerp_(g, 1 - beta1)
+            st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            update = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + group["eps"])
+            if group["weight_decay"]:
+                update.add_(p, alpha=group["weight_decay"])
+            w, u = p.double().norm(), update.double().norm()
+            ratio = float(self._clamp(w / u)) if bool(w > 0) and bool(u > 0) else 1.0
+            if ratio != 1.0:
+                st["coeff_freeze"] = beta * st["coeff_freeze"] + (1 - beta) * ratio
+            p.add_(update, alpha=-group["lr"] * ratio)
+        self.steps += 1
+        if self.frozen:
+            self._start_compression()
+
+    def _start_compression(self) -> None:
+        """At the freeze: the fresh variance starts from the frozen one; each layer's momentum
+        scale (its RMS) sets the factor that brings every layer to their mean RMS."""
+        scales = []
+        for p in self._params:
+            st = self._state_of(p)
+            st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
+            scales.append(float(st["exp_avg"].double().norm()) / max(p.numel(), 1) ** 0.5)
+        united = sum(scales) / max(len(scales), 1)
+        for p, s in zip(self._params, scales):
+            self._state_of(p)["scaling"] = united / s if s > 0 else 1.0
+
+    # ---- compression stage ------------------------------------------------------------------
+    def _denominators(self) -> List[torch.Tensor]:
+        """``sqrt(v) + eps`` of the frozen variance, per parameter (fp32; kept, not saved)."""
+        if self._denoms is None:
+            self._denoms = [self._state_of(p)["exp_avg_sq"].float().sqrt().add_(self._group_of(p)["eps"])
+                            for p in self._params]
+        return self._denoms
+
+    def _compressed_step(self, grads: List[torch.Tensor]) -> None:
+        # sent divided by the frozen denominator (the update's coordinates; see OneBitAdam) and
+        # scaled per layer to one magnitude: both are the same on every rank, so undone exactly
+        local = []
+        for p, g, d in zip(self._params, grads, self._denominators()):
+            st = self._state_of(p)
+            m = torch.lerp(st["exp_avg"].float(), g.float(), 1 - self._group_of(p)["betas"][0])
+            local.append(m.div_(d).mul_(st["scaling"]))
+        mean = self.exchanges["momentum"].mean(flat(local, self.masks()))
+        if not common.all_finite([mean]):
+            return
+        unflat_(local, self.masks(), mean)
+        for p, u, d in zip(self._params, local, self._denominators()):
+            self._apply(p, u.mul_(d).div_(self._state_of(p)["scaling"]))
+        self.steps += 1
+
+    def _apply(self, p: torch.Tensor, m: torch.Tensor) -> None:
+        group, st, c = self._group_of(p), self._state_of(p), self.coeffs
+        beta1, beta2 = group["betas"]
+        fresh = (m - st["exp_avg"].float() * beta1) / (1 - beta1)  # the averaged gradient, reconstructed
+        st["exp_avg_sq_fresh"].mul_(beta2).addcmul_(fresh, fresh, value=1 - beta2)
+        st["exp_avg"].copy_(m)
+        denom = st["exp_avg_sq"].sqrt() + group["eps"]
+        prelim = st["exp_avg"] / denom
+        update = prelim.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else prelim
+        factor = float((denom / (st["exp_avg_sq_fresh"].sqrt() + group["eps"])).max())
+        if group["weight_decay"]:
+            un = float(update.double().norm())
+            share = min(1.0, float(prelim.double().norm()) / un) if un > 0 else 1.0
+            factor = factor * share + (1.0 - share)
+        last = st["last_factor"]
+        factor = min(max(factor, c["factor_min"]), c["factor_max"])
+        factor = min(max(factor, last * (1 - c["factor_threshold"])), last * (1 + c["factor_threshold"]))
+        st["last_factor"] = factor
+        p.add_(update, alpha=-group["lr"] * st["coeff_freeze"] * factor)
+
+    def _forget(self) -> None:
+        self._denoms = None
