@@ -1,0 +1,123 @@
+"""``balance="auto"``: cut an ``nn.Sequential`` where compute is even and boundaries are cheap.
+
+Pipe-torch's idea (Zhan & Zhang 2019: a dynamic programme over layer costs that accounts for
+communication), with gradcomp's codecs in the cost: the bytes a boundary sends are measured
+by compressing the real activation with the activation codec (and a tensor of its shape with
+the gradient codec), so a cut lands where activations are small *or compress well*.
+
+Cost model, per stage ``[a, b)`` of layers: the measured forward + backward time of its layers
+plus the time its rank's link spends on what that rank sends — the activation of boundary
+``b`` forward and the gradient of boundary ``a`` back — at ``link_bps`` bits per second. (A
+send overlaps the next pass only partly on CPU ranks, so the model charges it in full.) The
+programme minimises the largest stage cost, which bounds a pipeline's steady-state rate.
+"""
+from __future__ import annotations
+
+import time
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from gradcomp.compress import Compressor, get_compressor
+
+
+class LayerCost(NamedTuple):
+    """One layer, measured on one micro-batch."""
+
+    seconds: float  # forward + backward, median over repeats
+    act_bytes: int  # the layer's output through the activation codec (payload bytes)
+    grad_bytes: int  # a gradient of that shape through the gradient codec
+
+
+class Balance(NamedTuple):
+    """What :func:`auto_balance` chose, and why."""
+
+    balance: List[int]  # layers per stage
+    stage_seconds: List[float]  # each stage's modelled cost (compute + its link's sends)
+    costs: List[LayerCost]
+
+
+def measure_layers(model: nn.Sequential, sample: torch.Tensor, codecs: Tuple[Compressor, Compressor],
+                   repeats: int = 3) -> List[LayerCost]:
+    """Each layer's forward + backward time on ``sample`` (one micro-batch) and the compressed
+    bytes of its output, measured. The model is left as it was (parameters' ``.grad`` and
+    buffers such as running statistics are restored)."""
+    grads = [(p, p.grad) for p in model.parameters()]
+    buffers = {k: v.clone() for k, v in model.state_dict().items()}
+    try:
+        return _measure(model, sample, codecs, repeats)
+    finally:
+        model.load_state_dict(buffers)
+        for p, g in grads:
+            p.grad = g
+
+
+def _measure(model: nn.Sequential, sample: torch.Tensor, codecs: Tuple[Compressor, Compressor],
+             repeats: int) -> List[LayerCost]:
+    act_codec, grad_codec = codecs
+    times: List[List[float]] = [[] for _ in model]
+    sizes: List[Tuple[int, int]] = []
+    for r in range(repeats + 1):  # the first pass warms up and is discarded
+        x = sample
+        for i, layer in enumerate(model):
+            inp = x.detach().requires_grad_(x.is_floating_point())
+            t = time.perf_counter()
+            y = layer(inp)
+            y.backward(torch.ones_like(y))
+            if r:
+                times[i].append(time.perf_counter() - t)
+            if r == 1:
+                out = y.detach()
+                sizes.append((act_codec.compress(out).nbytes, grad_codec.compress(out.float()).nbytes))
+            x = y
+    return [LayerCost(sorted(ts)[len(ts) // 2], a, g) for ts, (a, g) in zip(times, sizes)]
+
+
+def partition(costs: Sequence[LayerCost], stages: int, link_bps: Optional[float]) -> Balance:
+    """The split of ``costs`` (in order) into ``stages`` non-empty runs that minimises the
+    largest stage cost (see the module docstring)."""
+    n = len(costs)
+    if not 1 <= stages <= n:
+        raise ValueError(f"cannot split {n} layers into {stages} stages; each stage needs at least one layer")
+    per_byte = 0.0 if not link_bps else 8.0 / float(link_bps)
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c.seconds)
+
+    def cost(a: int, b: int) -> float:
+        sends = (costs[b - 1].act_bytes if b < n else 0) + (costs[a - 1].grad_bytes if a > 0 else 0)
+        return prefix[b] - prefix[a] + sends * per_byte
+
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]  # best[k][j]: first j layers in k stages
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n - (stages - k) + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], cost(i, j))
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    bounds, j = [n], n
+    for k in range(stages, 0, -1):
+        j = cut[k][j]
+        bounds.append(j)
+    bounds.reverse()
+    balance = [b - a for a, b in zip(bounds, bounds[1:])]
+    return Balance(balance, [cost(a, b) for a, b in zip(bounds, bounds[1:])], list(costs))
+
+
+def auto_balance(model: nn.Sequential, sample: torch.Tensor, stages: int, *, activation_codec: Any = None,
+                 grad_codec: Any = None, link_bps: Optional[float] = None, repeats: int = 3) -> Balance:
+    """Measure ``model``'s layers on ``sample`` and split them into ``stages`` (see the module
+    docstring); ``link_bps`` None balances compute alone."""
+    if not isinstance(model, nn.Sequential):
+        raise ValueError(f"balance='auto' needs an nn.Sequential, got {type(model).__name__}")
+    if not isinstance(sample, torch.Tensor):
+        raise ValueError("balance='auto' needs sample=: one micro-batch of inputs to measure the layers on")
+    if link_bps is not None and not (isinstance(link_bps, (int, float)) and link_bps > 0):
+        raise ValueError(f"link_bps={link_bps!r} is not allowed; it must be a rate in bits per second > 0, or None")
+    codecs = tuple(c if isinstance(c, Compressor) else get_compressor(c or "none")
+                   for c in (activation_codec, grad_codec))
+    return partition(measure_layers(model, sample, (codecs[0], codecs[1]), repeats), stages, link_bps)

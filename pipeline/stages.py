@@ -1,0 +1,92 @@
+"""This rank's stage of the model: cut from an ``nn.Sequential`` by a balance, or given.
+
+``balance`` lists the layers of each virtual stage, in order (``p * v`` entries for ``p``
+pipeline ranks and ``v`` chunks per rank; stage ``s`` goes to rank ``s % p`` as its chunk
+``s // p``), or is ``"auto"`` (:mod:`gradcomp.pipeline.balance`, measured on the group's first
+rank and shared, so every rank cuts the same way). Without a balance, ``stages`` is this
+rank's module, or a list of modules (one per chunk) for the interleaved schedule.
+
+With ``memory_budget`` each of this rank's chunks runs under a ``gradcomp.memory`` plan: the
+chunk's input for ``sample`` is computed by the layers before it, and ``plan_memory`` picks
+per layer keep / recompute / store through the lossless codec, the fastest schedule whose
+saved activations of one micro-batch stay within the budget (gradients stay bit-identical).
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .balance import auto_balance
+
+
+def split(stages: Union[nn.Module, Sequence[nn.Module]], balance: Union[None, str, Sequence[int]], p: int, rank: int,
+          schedule: str, virtual: Optional[int], sample: Optional[torch.Tensor], codecs: Tuple[Any, Any],
+          link_bps: Optional[float], group: Any, memory_budget: Optional[float] = None
+          ) -> Tuple[List[nn.Module], Optional[List[int]]]:
+    """``(this rank's modules, one per chunk; the balance used, or None)``."""
+    if memory_budget is not None and (balance is None or sample is None):
+        raise ValueError("memory_budget= plans each stage on its own input: it needs an nn.Sequential of the whole "
+                         "model with balance= and sample= (one micro-batch of inputs)")
+    if balance is None:
+        if virtual is not None:
+            raise ValueError("virtual= (chunks per rank) is read only with a balance; without one, pass this rank's "
+                             "modules as a list")
+        mods: List[nn.Module] = list(stages) if isinstance(stages, (list, tuple)) else [stages]  # type: ignore
+        if not mods or not all(isinstance(m, nn.Module) for m in mods):
+            raise ValueError("stages must be this rank's nn.Module (or a non-empty list of them, one per chunk), or "
+                             "an nn.Sequential of the whole model with balance=")
+        return mods, None
+    if not isinstance(stages, nn.Sequential):
+        raise ValueError(f"balance= cuts an nn.Sequential of the whole model; got {type(stages).__name__}")
+    v = _virtual(virtual, schedule)
+    if isinstance(balance, str):
+        if balance != "auto":
+            raise ValueError(f"balance={balance!r} is not allowed; use 'auto' or a list of layers per stage")
+        chosen: List[Any] = [None]
+        if dist.get_rank(group) == 0:
+            chosen[0] = auto_balance(stages, sample, p * v, activation_codec=codecs[0], grad_codec=codecs[1],
+                                     link_bps=link_bps).balance if sample is not None else "no sample"
+        dist.broadcast_object_list(chosen, src=_first(group), group=group)
+        if chosen[0] == "no sample":
+            raise ValueError("balance='auto' needs sample= (one micro-batch of inputs) on the group's first rank")
+        counts = list(chosen[0])
+    else:
+        counts = list(balance)
+        if not counts or not all(isinstance(c, int) and not isinstance(c, bool) and c > 0 for c in counts):
+            raise ValueError(f"balance={balance!r} is not allowed; it must list a positive int of layers per stage")
+        v = len(counts) // p if len(counts) % p == 0 else 0
+        if v < 1 or (virtual is not None and v != virtual):
+            raise ValueError(f"balance has {len(counts)} stages; it needs {p} (one per pipeline rank) or a multiple "
+                             f"of {p} for several chunks per rank")
+    if sum(counts) != len(stages):
+        raise ValueError(f"balance={counts} covers {sum(counts)} layers, the model has {len(stages)}")
+    bounds = [sum(counts[:i]) for i in range(len(counts) + 1)]
+    pieces = [stages[bounds[i]:bounds[i + 1]] for i in range(len(counts))]
+    mine = [c * p + rank for c in range(len(counts) // p)]
+    if memory_budget is not None and sample is not None:
+        return [_planned(stages, bounds[s], pieces[s], sample, memory_budget) for s in mine], counts
+    return [pieces[s] for s in mine], counts
+
+
+def _planned(model: nn.Sequential, start: int, piece: nn.Module, sample: torch.Tensor, budget: float) -> nn.Module:
+    """``piece`` (layers ``start:`` of ``model``) under the fastest lossless memory plan within ``budget``."""
+    from gradcomp.memory import plan_memory
+
+    with torch.no_grad():
+        x = model[:start](sample) if start else sample
+    return plan_memory(piece, x, budget, allow=("recompute", "compress"), repeats=1).apply(piece)
+
+
+def _virtual(virtual: Optional[int], schedule: str) -> int:
+    if virtual is None:
+        return 2 if schedule == "interleaved" else 1
+    if isinstance(virtual, bool) or not isinstance(virtual, int) or virtual < 1:
+        raise ValueError(f"virtual={virtual!r} is not allowed; it must be an int >= 1 (model chunks per rank)")
+    return virtual
+
+
+def _first(group: Any) -> int:
+    return 0 if group is None else dist.get_global_rank(group, 0)

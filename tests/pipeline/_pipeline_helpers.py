@@ -1,0 +1,98 @@
+"""Models, data and the single-process reference shared by the pipeline tests.
+
+The reference runs the unsplit model on the same micro-batches in order, backpropagating
+``loss / chunks`` each (what a pipeline step computes); with codecs it passes every stage
+boundary through the codec's round trip — forward the activation codec, backward the gradient
+codec — keyed and stepped as the pipeline's channels are (``act{b}:{mb}`` / ``grad{b}:{mb}``,
+step = the training step), so a pipeline step and the reference give the same bits.
+"""
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+LOSS = nn.functional.cross_entropy
+
+
+def chain(width: int = 16, depth: int = 6, classes: int = 3, seed: int = 0) -> nn.Sequential:
+    """``depth`` Linear+Tanh blocks and a classifier; works on ``[B, D]`` and ``[B, T, D]``."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(depth)],
+                         nn.Linear(width, classes))
+
+
+def data(n: int = 16, width: int = 16, classes: int = 3, seed: int = 1, tokens: Optional[int] = None
+         ) -> Tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    shape = (n, width) if tokens is None else (n, tokens, width)
+    return torch.randn(*shape, generator=g), torch.randint(0, classes, (n,), generator=g)
+
+
+def seq_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross entropy of the mean over tokens (``[B, T, C]`` outputs) or of ``[B, C]``."""
+    return LOSS(out.mean(1) if out.dim() == 3 else out, y)
+
+
+class _RoundTrip(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, act: Any, grad: Any, b: int, mb: int, step: int) -> torch.Tensor:
+        ctx.grad, ctx.key, ctx.step = grad, f"grad{b}:{mb}", step
+        return act.decompress(act.compress(x.detach(), f"act{b}:{mb}", step=step)) if act is not None else x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> Any:
+        out = ctx.grad.decompress(ctx.grad.compress(g, ctx.key, step=ctx.step)) if ctx.grad is not None else g
+        return out, None, None, None, None, None
+
+
+def pieces_of(model: nn.Sequential, balance: Sequence[int]) -> List[nn.Module]:
+    bounds = [sum(balance[:i]) for i in range(1, len(balance))]
+    return [model[a:b] for a, b in zip([0] + bounds, bounds + [len(model)])]
+
+
+def micro_step(pieces: List[nn.Module], x: torch.Tensor, y: torch.Tensor, chunks: int, step: int, act: Any = None,
+               grad: Any = None, loss_fn: Any = LOSS) -> float:
+    """Accumulate one step's gradients over ``chunks`` micro-batches in order; the mean loss."""
+    per = []
+    for mb, (xb, yb) in enumerate(zip(x.chunk(chunks), y.chunk(chunks))):
+        h = xb
+        for b, piece in enumerate(pieces):
+            h = piece(h)
+            if b < len(pieces) - 1:
+                h = _RoundTrip.apply(h, act, grad, b, mb, step)
+        loss = loss_fn(h, yb)
+        (loss / chunks).backward()
+        per.append(loss.detach())
+    return float(torch.stack(per).mean())
+
+
+def reference(model: nn.Sequential, balance: Sequence[int], batches: List[Tuple[torch.Tensor, torch.Tensor]],
+              chunks: int, *, act: Any = None, grad: Any = None, loss_fn: Any = LOSS
+              ) -> Tuple[List[float], List[torch.Tensor]]:
+    """``(loss per step, final parameters)`` of single-process training with :func:`sgd`."""
+    pieces = pieces_of(model, balance)
+    opt = sgd(model.parameters())
+    losses = []
+    for step, (x, y) in enumerate(batches):
+        opt.zero_grad()
+        losses.append(micro_step(pieces, x, y, chunks, step, act, grad, loss_fn))
+        opt.step()
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def sgd(params: Any) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def gathered_params(pipe: Any, replica: int = 0) -> List[torch.Tensor]:
+    """Replica ``replica``'s parameters in model order, on every rank (one all_gather_object)."""
+    import torch.distributed as dist
+
+    mine = [(pipe.grid.replica, s, [p.detach().clone() for p in m.parameters()])
+            for s, m in zip(pipe.stage_ids, pipe.modules)]
+    out: List[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, mine)
+    chunks = sorted((s, ps) for rows in out for r, s, ps in rows if r == replica)
+    return [p for _, ps in chunks for p in ps]

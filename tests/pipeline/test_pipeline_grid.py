@@ -1,0 +1,148 @@
+"""Pipelines on 4 real gloo ranks: 4 stages under every schedule give the bits of one process;
+a 2 x 2 grid (2 stages x 2 replicas) averages each stage's gradients over its replicas with a
+gradcomp compressor, the replicas stay identical; ranks built differently raise the same
+error; a peer that dies mid-step is a ``CommunicationError`` on the others, not a hang.
+
+One spawn runs the training cases, one more the death of a rank."""
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from _pipeline_helpers import LOSS, chain, data, gathered_params, micro_step, pieces_of, reference, sgd  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+
+BALANCE = {"gpipe": [2, 2, 2, 2], "1f1b": [2, 2, 2, 2], "interleaved": [1] * 8}
+DP = [("none", {}), ("topk", {"ratio": 0.5, "min_numel": 0})]
+STEPS = 3
+
+
+def _batches(replica=0):
+    return [data(16, seed=10 + s + 100 * replica) for s in range(STEPS)]
+
+
+def _four_stages(schedule):
+    from gradcomp.pipeline import Pipeline
+
+    pipe = Pipeline(chain(depth=7), balance=BALANCE[schedule], schedule=schedule, chunks=4, optimizer=sgd,
+                    activation_codec=None)
+    losses = [float(pipe.step(x, y, LOSS)) for x, y in _batches()]
+    return losses, gathered_params(pipe)
+
+
+def _grid(rank, compressor, options):
+    from gradcomp.pipeline import Pipeline
+
+    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, replicas=2, dp_compressor=compressor, dp_options=options,
+                    optimizer=sgd, activation_codec="int8", grad_codec="fp16")
+    replica = pipe.grid.replica
+    losses = [float(pipe.step(x, y, LOSS)) for x, y in _batches(replica)]
+    return losses, (pipe.grid.stage, replica), gathered_params(pipe, 0), gathered_params(pipe, 1)
+
+
+def _mismatch(rank):
+    from gradcomp.pipeline import Pipeline
+
+    try:
+        Pipeline(chain(depth=7), balance=[2, 2, 2, 2] if rank != 3 else [2, 2, 3, 1], optimizer=sgd)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _rank(rank, world):
+    res = {}
+    for schedule in BALANCE:
+        res[("exact", schedule)] = _four_stages(schedule)
+    for name, options in DP:
+        res[("grid", name)] = _grid(rank, name, options)
+    res["mismatch"] = _mismatch(rank)
+    return res
+
+
+def _dies(rank, world):
+    """Rank 2 dies at the start of the second step; the others must raise, not hang."""
+    from gradcomp.pipeline import Pipeline
+
+    pipe = Pipeline(chain(depth=7), balance=[2, 2, 2, 2], chunks=4, optimizer=sgd)
+    x, y = data(16)
+    pipe.step(x, y, LOSS)
+    if rank == 2:
+        os._exit(1)  # killed: no cleanup, no goodbye
+    pipe.step(x, y, LOSS)
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_rank, 4, tmp_path_factory.mktemp("pipeline4"), timeout_s=120)
+
+
+@pytest.mark.parametrize("schedule", list(BALANCE))
+def test_four_stages_equal_single_process(results, schedule):
+    ref_losses, ref_params = reference(chain(depth=7), BALANCE[schedule], _batches(), 4)
+    for rank in range(4):
+        losses, params = results[rank][("exact", schedule)]
+        assert losses == ref_losses
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), f"rank {rank}: parameters differ"
+
+
+@pytest.mark.parametrize("name", [n for n, _ in DP])
+def test_pp_x_dp_replicas_stay_identical(results, name):
+    losses, _, replica0, replica1 = results[0][("grid", name)]
+    places = sorted(results[r][("grid", name)][1] for r in range(4))
+    assert places == [(0, 0), (0, 1), (1, 0), (1, 1)], "group rank g is stage g % 2 of replica g // 2"
+    assert all(torch.equal(a, b) for a, b in zip(replica0, replica1)), "stage replicas diverged"
+    assert all(results[r][("grid", name)][0] == losses for r in range(4)), "every rank returns the same loss"
+    if name == "none":  # the mean over replicas of what each would compute alone
+        ref_losses, ref_params = _dp_reference()
+        assert losses == pytest.approx(ref_losses, abs=1e-6)
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(replica0, ref_params))
+
+
+def _dp_reference():
+    """One process, 2 stage boundaries' codecs, each step's gradient the mean of the two
+    replicas' (summation order differs from the all-reduce's: equal to rounding)."""
+    from gradcomp.compress import get_compressor
+
+    act, grad = get_compressor("int8"), get_compressor("fp16")
+    model = chain()
+    pieces = pieces_of(model, [4, 3])
+    opt = sgd(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        per, grads = [], []
+        for replica in range(2):
+            opt.zero_grad()
+            per.append(micro_step(pieces, *_batches(replica)[step], 4, step, act, grad))
+            grads.append([p.grad.clone() for p in model.parameters()])
+        for p, g0, g1 in zip(model.parameters(), *grads):
+            p.grad = g0 * 0.5 + g1 * 0.5
+        opt.step()
+        losses.append((per[0] + per[1]) / 2)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def test_mismatched_balance_raises_on_every_rank(results):
+    said = [results[r]["mismatch"] for r in range(4)]
+    assert said[0] is not None and all(s == said[0] for s in said), said
+    assert "balance" in said[0] and "ranks disagree" in said[0]
+
+
+def test_dead_peer_raises_on_the_others(tmp_path):
+    start = time.monotonic()
+    with pytest.raises(AssertionError) as killed:
+        run_ranks(_dies, 4, tmp_path, timeout_s=20.0)
+    lost = time.monotonic() - start
+    report = str(killed.value)
+    assert "rank 2: exited with code 1" in report, report
+    for r in (0, 1, 3):
+        part = report.split(f"rank {r}:", 1)[1][:600]
+        assert "CommunicationError" in part, f"rank {r} did not name a lost peer: {part}"
+    assert lost < 60, f"the survivors took {lost:.0f} s to notice"

@@ -1,0 +1,125 @@
+"""The pieces of a pipeline in one process: every schedule runs without deadlock and with the
+textbook bubble; 1F1B's in-flight bound; the balance programme's optimum and its measured
+inputs; the delta feedback's round trip; bad options get an error naming what is allowed."""
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+from gradcomp.compress import get_compressor
+from gradcomp.pipeline import DeltaFeedback, LayerCost, auto_balance, build, ideal_bubble, partition, simulate
+from gradcomp.pipeline.schedule import SCHEDULES, check_shape
+
+
+def _shapes():
+    for schedule, p, m in itertools.product(SCHEDULES, (2, 3, 4, 8), (1, 2, 3, 4, 8, 12)):
+        for v in ((2, 3) if schedule == "interleaved" else (1,)):
+            if schedule != "interleaved" or m % p == 0:
+                yield schedule, p, m, v
+
+
+@pytest.mark.parametrize("schedule,p,m,v", list(_shapes()))
+def test_schedule_never_deadlocks_and_has_the_textbook_bubble(schedule, p, m, v):
+    sim = simulate(schedule, p, m, v)  # raises on a deadlock or a missing pass
+    assert sim.bubble == pytest.approx(ideal_bubble(p, m, v))
+    if schedule == "1f1b":
+        assert sim.peak_in_flight == [min(p - r, m) for r in range(p)]
+    if schedule == "gpipe":
+        assert sim.peak_in_flight == [m] * p
+
+
+def test_every_rank_runs_each_pass_once_in_micro_batch_order():
+    for r in range(4):
+        acts = build("1f1b", r, 4, 8)
+        for kind in "FB":
+            assert [a.mb for a in acts if a.kind == kind] == list(range(8))
+
+
+@pytest.mark.parametrize("args,message", [
+    (("zb", 2, 4, 1), "allowed: 'gpipe', '1f1b', 'interleaved'"),
+    (("1f1b", 2, 0, 1), "chunks=0"),
+    (("interleaved", 2, 4, 1), "at least 2 model chunks"),
+    (("interleaved", 4, 6, 2), "multiple of the 4"),
+    (("gpipe", 2, 4, 2), "one model chunk per rank"),
+])
+def test_bad_schedule_shape_says_what_is_allowed(args, message):
+    with pytest.raises(ValueError, match=message):
+        check_shape(*args)
+
+
+def _costs(seconds, act):
+    return [LayerCost(s, a, a) for s, a in zip(seconds, act)]
+
+
+def test_balance_is_the_optimum_of_the_cost_model():
+    costs = _costs([1, 1, 4, 1, 1, 1], [10, 10, 10, 10, 10, 10])
+    got = partition(costs, 3, None)
+    best = min(max(sum(c.seconds for c in costs[a:b]) for a, b in zip((0, i, j), (i, j, 6)))
+               for i in range(1, 5) for j in range(i + 1, 6))
+    assert max(got.stage_seconds) == best == 4
+    assert sum(got.balance) == 6 and all(b >= 1 for b in got.balance)
+
+
+def test_balance_cuts_where_boundaries_are_small_at_a_slow_link():
+    # equal compute; one boundary is 1000x smaller than the others
+    big, small = 100_000_000, 100_000  # at 100 Mbit/s: 8 s and 8 ms
+    costs = _costs([1, 1, 1, 1], [big, big, small, big])
+    assert partition(costs, 2, None).balance == [2, 2], "compute alone: the even split"
+    slow = partition(costs, 2, 1e8)
+    assert slow.balance == [3, 1], "at a slow link the cut moves to the small boundary"
+    assert max(slow.stage_seconds) == pytest.approx(3 + small * 8 / 1e8)
+
+
+def test_auto_balance_measures_and_leaves_the_model_as_it_was():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 256), nn.BatchNorm1d(256), nn.Linear(256, 8), nn.ReLU(), nn.Linear(8, 8))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    out = auto_balance(model, torch.randn(16, 8), 2, activation_codec="int8", link_bps=1e9, repeats=1)
+    assert sum(out.balance) == 5
+    assert out.costs[0].act_bytes < 16 * 256 * 4 / 3, "int8 bytes are measured from the payload"
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    with pytest.raises(ValueError, match="sample="):
+        auto_balance(model, None, 2)  # type: ignore[arg-type]
+
+
+def test_delta_feedback_round_trip_keeps_both_ends_equal():
+    codec = get_compressor("int8")
+    sender, receiver = DeltaFeedback(codec), DeltaFeedback(get_compressor("int8"))
+    ids = torch.tensor([3, 1, 4, 5])
+    a = torch.randn(4, 6)
+    for epoch in range(3):
+        x = a + 0.01 * epoch * torch.randn(4, 6)
+        for end in (sender, receiver):
+            end.expect("k", ids)
+        acc = sender.accumulate(x, "k")
+        payload, sent = codec.compress_decoded(acc, "k")
+        sender.update("k", acc, sent)
+        out = receiver.combine("k", receiver.compressor.decompress(payload))
+        assert torch.allclose(out, x, atol=0.05 if epoch == 0 else 0.01)
+    assert all(torch.equal(sender.state_dict()[k], receiver.state_dict()[k]) for k in sender.state_dict())
+    assert sender.nbytes == 4 * 6 * 4
+    sender.expect("k", ids[:2])
+    with pytest.raises(ValueError, match="4 rows but 2 sample ids"):
+        sender.accumulate(a, "k")
+
+
+@pytest.mark.parametrize("kw,message", [
+    ({"checkpoint": "sometimes"}, "checkpoint='sometimes' is not allowed"),
+    ({"delta": 1}, "delta=1 is not allowed"),
+])
+def test_bad_pipeline_options_say_what_is_allowed(kw, message):
+    from gradcomp.pipeline import Pipeline
+
+    with pytest.raises(ValueError, match=message):
+        Pipeline(nn.Linear(2, 2), **kw)
+
+
+def test_a_pipeline_needs_two_ranks():
+    from gradcomp.pipeline import Pipeline
+
+    with pytest.raises(ValueError, match="at least 2 stages"):
+        Pipeline(nn.Linear(2, 2))

@@ -1,0 +1,355 @@
+"""A 2-stage pipeline on 2 real gloo ranks: every schedule gives the bits of single-process
+training, so does ``torch.distributed.pipelining``'s Schedule1F1B; every codec's round trip
+through the boundary is the reference's; shapes change between steps; 1F1B holds at most
+``p`` micro-batches on stage 0 (measured); recompute changes no bit; delta mode keeps both
+caches equal; a non-finite step changes no state; state round-trips and another rank's is
+refused; ranks built differently raise the same error.
+
+One spawn of ranks runs every case; the tests assert on its results."""
+from __future__ import annotations
+
+import copy
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from _pipeline_helpers import LOSS, chain, data, gathered_params, reference, seq_loss, sgd  # noqa: E402
+from ranks import run_ranks  # noqa: E402
+
+BALANCE = {"gpipe": [4, 3], "1f1b": [4, 3], "interleaved": [2, 2, 2, 1]}
+CODECS = [("fp16", {}), ("bf16", {}), ("int8", {}), ("qsgd", {}), ("topk", {"ratio": 0.25})]
+STEPS = 3
+
+
+def _codec(name, options):
+    from gradcomp.compress import get_compressor
+
+    return get_compressor(name, **options)
+
+
+def _batches(steps=STEPS, tokens=None, n=16):
+    return [data(n, seed=10 + s, tokens=None if tokens is None else tokens[s]) for s in range(steps)]
+
+
+def _train(schedule, *, chunks=4, act=None, grad=None, tokens=None, loss_fn=LOSS, **kw):
+    from gradcomp.pipeline import Pipeline
+
+    pipe = Pipeline(chain(), balance=BALANCE[schedule], schedule=schedule, chunks=chunks, activation_codec=act,
+                    grad_codec=grad, optimizer=sgd, **kw)
+    losses = [float(pipe.step(x, y, loss_fn)) for x, y in _batches(tokens=tokens)]
+    return losses, gathered_params(pipe)
+
+
+def _torch_1f1b(rank, world):
+    """torch.distributed.pipelining on the same model, split and data."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    model = chain()
+    sub = model[:4] if rank == 0 else model[4:]
+    sched = Schedule1F1B(PipelineStage(sub, rank, world, torch.device("cpu")), 4, loss_fn=LOSS)
+    opt = sgd(sub.parameters())
+    losses = []
+    for x, y in _batches():
+        opt.zero_grad()
+        per: list = []
+        sched.step(x) if rank == 0 else sched.step(target=y, losses=per)
+        losses.append(float(torch.stack([p.detach() for p in per]).mean()) if per else None)
+        opt.step()
+    return losses, [p.detach().clone() for p in sub.parameters()]
+
+
+def _memory(schedule, checkpoint=None, budget=None):
+    from gradcomp.memory import MemoryMeter
+    from gradcomp.pipeline import Pipeline
+
+    x, y = data(64, width=64)
+    pipe = Pipeline(chain(width=64), balance=[4, 3], schedule=schedule, chunks=8, checkpoint=checkpoint,
+                    optimizer=sgd, memory_budget=budget, sample=x[:8])
+    with MemoryMeter() as meter:
+        pipe.step(x, y, LOSS)
+    return pipe.peak_in_flight, meter.peak_saved_bytes, gathered_params(pipe)
+
+
+def _delta(rank):
+    """Three epochs over the same 16 samples, int8 activation deltas."""
+    from gradcomp.pipeline import Pipeline
+
+    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, activation_codec="int8", delta=True, optimizer=sgd)
+    x, y = data(16)
+    ids = torch.arange(16)
+    losses = [float(pipe.step(x, y, LOSS, sample_ids=ids)) for _ in range(3)]
+    cache = pipe._delta_out[0].state_dict() if rank == 0 else pipe._delta_in[0].state_dict()
+    return losses, cache, pipe.delta_cache_bytes()
+
+
+def _state(rank, world):
+    """Non-finite step, state_dict round trip, another rank's checkpoint."""
+    from gradcomp.pipeline import Pipeline
+
+    out = {}
+    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, activation_codec="qsgd", grad_codec="fp16", delta=True,
+                    optimizer=sgd)
+    x, y = data(16)
+    ids = torch.arange(16)
+    for _ in range(2):
+        pipe.step(x, y, LOSS, sample_ids=ids)
+    before = copy.deepcopy(pipe.state_dict())  # a state_dict holds references, as torch's do
+    bad = x.clone()
+    bad[3, 0] = float("inf")  # tanh keeps the loss finite; stage 0's gradients are not
+    out["inf_loss"] = float(pipe.step(bad, y, LOSS, sample_ids=ids))
+    out["inf_applied"] = pipe.applied
+    bad[3, 0] = float("nan")
+    out["nan_loss"] = float(pipe.step(bad, y, LOSS, sample_ids=ids))
+    out["nan_applied"] = pipe.applied
+    out["unchanged"] = _same(pipe.state_dict(), before)
+    after = [float(pipe.step(x, y, LOSS, sample_ids=ids)) for _ in range(2)]
+    pipe.load_state_dict(before)
+    again = [float(pipe.step(x, y, LOSS, sample_ids=ids)) for _ in range(2)]
+    out["resumed"] = after == again
+    others: list = [None] * world
+    torch.distributed.all_gather_object(others, before)
+    try:
+        pipe.load_state_dict(others[1 - rank])
+        out["other_rank"] = None
+    except ValueError as exc:
+        out["other_rank"] = str(exc)
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _mismatch(rank):
+    from gradcomp.pipeline import Pipeline
+
+    said = {}
+    sample = data(8, width=64)[0]
+    for what, kw in (("chunks", {"chunks": 4 if rank == 0 else 2}),
+                     ("activation_codec", {"activation_codec": "int8" if rank == 0 else "fp16"}),
+                     ("stage check", {"memory_budget": 4096, "sample": sample, "balance": [6, 1]})):  # stage 0 only
+        try:
+            Pipeline(chain(width=64), optimizer=sgd, **{"chunks": 4, "balance": [4, 3], **kw})
+            said[what] = None
+        except ValueError as exc:
+            said[what] = str(exc)
+    return said
+
+
+def _bad_inputs():
+    """A batch that does not split, given to every rank: refused on every rank before any
+    message; the pipeline then trains as if nothing happened."""
+    from gradcomp.pipeline import Pipeline
+
+    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, optimizer=sgd)
+    x, y = data(16)
+    try:
+        pipe.step(x[:10], y[:10], LOSS)
+        said = None
+    except ValueError as exc:
+        said = str(exc)
+    return said, float(pipe.step(x, y, LOSS))
+
+
+def _eval():
+    from gradcomp.pipeline import Pipeline
+
+    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, optimizer=sgd)
+    x, y = data(16)
+    out, loss = pipe.eval_step(x, y, LOSS)
+    return out, float(loss)
+
+
+def _explicit(rank, schedule):
+    """This rank's own modules instead of a balance: the same run as with the balance."""
+    from gradcomp.pipeline import Pipeline
+
+    model = chain()
+    bounds = [0] + [sum(BALANCE[schedule][:i + 1]) for i in range(len(BALANCE[schedule]))]
+    pieces = [model[a:b] for a, b in zip(bounds, bounds[1:])]
+    mine = pieces[rank::2]
+    pipe = Pipeline(mine if len(mine) > 1 else mine[0], schedule=schedule, chunks=4, optimizer=sgd)
+    losses = [float(pipe.step(x, y, LOSS)) for x, y in _batches()]
+    return losses, gathered_params(pipe)
+
+
+def _auto(rank):
+    """balance='auto' on an uneven model: every rank cuts where rank 0 measured."""
+    from gradcomp.pipeline import Pipeline
+
+    torch.manual_seed(0)
+    wide = torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512), torch.nn.Tanh(),
+                               torch.nn.Linear(512, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    x, y = data(16)
+    pipe = Pipeline(wide, balance="auto", sample=x[:4], chunks=4, optimizer=sgd, activation_codec="int8",
+                    link_bps=1e9)
+    return pipe.balance, float(pipe.step(x, y, LOSS))
+
+
+def _rank(rank, world):
+    res = {"auto": _auto(rank)}
+    for schedule in BALANCE:
+        res[("exact", schedule)] = _train(schedule)
+    res["torch_1f1b"] = _torch_1f1b(rank, world)
+    for schedule in ("1f1b", "interleaved"):
+        res[("explicit", schedule)] = _explicit(rank, schedule)
+    for name, options in CODECS:
+        res[("codec", name)] = _train("1f1b", act=_codec(name, options), grad=_codec(name, options))
+    res[("codec", "int8+fp16")] = _train("1f1b", act="int8", grad="fp16")
+    for codec in (None, "int8"):
+        res[("tokens", codec)] = _train("1f1b", act=codec, tokens=[5, 9, 3], loss_fn=seq_loss)
+    for schedule in ("gpipe", "1f1b"):
+        res[("memory", schedule)] = _memory(schedule)
+    res[("memory", "except_last")] = _memory("1f1b", "except_last")
+    res[("memory", "plan")] = _memory("1f1b", budget=20480)
+    res["delta"] = _delta(rank)
+    res["state"] = _state(rank, world)
+    res["mismatch"] = _mismatch(rank)
+    res["eval"] = _eval()
+    res["bad_inputs"] = _bad_inputs()
+    return res
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    return run_ranks(_rank, 2, tmp_path_factory.mktemp("pipeline2"), timeout_s=120)
+
+
+@pytest.mark.parametrize("schedule", list(BALANCE))
+def test_schedule_equals_single_process(results, schedule):
+    ref_losses, ref_params = reference(chain(), BALANCE[schedule], _batches(), 4)
+    for rank in range(2):
+        losses, params = results[rank][("exact", schedule)]
+        assert losses == ref_losses, f"rank {rank}: the returned loss must be the last stage's, bit for bit"
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), "parameters differ from one process"
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved"])
+def test_per_rank_modules_equal_the_balanced_split(results, schedule):
+    for rank in range(2):
+        assert results[rank][("explicit", schedule)][0] == results[rank][("exact", schedule)][0]
+        assert all(torch.equal(a, b) for a, b in zip(results[rank][("explicit", schedule)][1],
+                                                     results[rank][("exact", schedule)][1]))
+
+
+def test_same_as_torch_pipelining_1f1b(results):
+    torch_losses = results[1]["torch_1f1b"][0]
+    torch_params = results[0]["torch_1f1b"][1] + results[1]["torch_1f1b"][1]
+    losses, params = results[0][("exact", "1f1b")]
+    assert losses == torch_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, torch_params))
+
+
+@pytest.mark.parametrize("name", [n for n, _ in CODECS] + ["int8+fp16"])
+def test_codec_round_trip_through_the_boundary(results, name):
+    if name == "int8+fp16":
+        act, grad = _codec("int8", {}), _codec("fp16", {})
+    else:
+        options = dict(CODECS)[name]
+        act, grad = _codec(name, options), _codec(name, options)
+    ref_losses, ref_params = reference(chain(), [4, 3], _batches(), 4, act=act, grad=grad)
+    losses, params = results[0][("codec", name)]
+    assert losses == ref_losses, f"{name}: the pipeline's boundary is not the codec's round trip"
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+    exact = results[0][("exact", "1f1b")][0]
+    assert abs(losses[-1] - exact[-1]) < 0.05, "a codec at this ratio must not derail training"
+
+
+@pytest.mark.parametrize("codec", [None, "int8"])
+def test_shapes_change_between_steps(results, codec):
+    from gradcomp.compress import get_compressor
+
+    act = None if codec is None else get_compressor(codec)
+    ref_losses, ref_params = reference(chain(), [4, 3], _batches(tokens=[5, 9, 3]), 4, act=act, loss_fn=seq_loss)
+    losses, params = results[0][("tokens", codec)]
+    assert losses == ref_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, ref_params))
+
+
+def test_1f1b_holds_at_most_p_micro_batches_on_stage_0(results):
+    gpipe_live, gpipe_bytes, gpipe_params = results[0][("memory", "gpipe")]
+    live, saved, params = results[0][("memory", "1f1b")]
+    assert gpipe_live == 8 and live == 2, (gpipe_live, live)
+    # measured saved-activation bytes follow: the micro-batches are views of one input batch
+    # (64 x 64 fp32, counted once), on top of which 1F1B holds 2 of GPipe's 8 micro-batches
+    shared = 64 * 64 * 4
+    assert (saved - shared) * 4 == gpipe_bytes - shared, (saved, gpipe_bytes)
+    assert all(torch.equal(a, b) for a, b in zip(params, gpipe_params))
+
+
+def test_recompute_except_last_changes_no_bit_and_saves_memory(results):
+    _, plain_bytes, plain = results[0][("memory", "1f1b")]
+    _, bytes_, params = results[0][("memory", "except_last")]
+    assert all(torch.equal(a, b) for a, b in zip(params, plain))
+    assert bytes_ < plain_bytes, (bytes_, plain_bytes)
+
+
+def test_memory_plan_inside_stages_changes_no_bit_and_saves_memory(results):
+    _, plain_bytes, plain = results[0][("memory", "1f1b")]
+    _, bytes_, params = results[0][("memory", "plan")]
+    assert all(torch.equal(a, b) for a, b in zip(params, plain)), "a lossless plan must not change a bit"
+    assert bytes_ < plain_bytes, (bytes_, plain_bytes)
+
+
+def test_delta_mode_keeps_both_caches_equal(results):
+    losses0, sent, nbytes0 = results[0]["delta"]
+    losses1, received, nbytes1 = results[1]["delta"]
+    assert losses0 == losses1
+    assert sent.keys() == received.keys() == {str(i) for i in range(16)}
+    assert all(torch.equal(sent[k], received[k]) for k in sent), "sender and receiver caches drifted apart"
+    assert nbytes0 == nbytes1 == 16 * 16 * 4, "one fp32 activation row per sample on each side"
+    ref_losses, _ = reference(chain(), [4, 3], [data(16)] * 3, 4)
+    assert max(abs(a - b) for a, b in zip(losses0, ref_losses)) < 0.02
+
+
+def test_nonfinite_step_changes_no_state_and_state_round_trips(results):
+    for rank in range(2):
+        out = results[rank]["state"]
+        assert out["nan_loss"] != out["nan_loss"], "the NaN loss is returned to every rank"
+        assert out["inf_loss"] == out["inf_loss"] and not out["inf_applied"] and not out["nan_applied"]
+        assert out["unchanged"], f"rank {rank}: a non-finite step changed the state"
+        assert out["resumed"], f"rank {rank}: steps after load_state_dict differ from the first run"
+        assert out["other_rank"] is not None and "another rank" in out["other_rank"], out["other_rank"]
+
+
+@pytest.mark.parametrize("what", ["chunks", "activation_codec", "stage check"])
+def test_mismatched_config_raises_on_every_rank(results, what):
+    said = [results[r]["mismatch"][what] for r in range(2)]
+    assert said[0] is not None and said[0] == said[1], said
+    assert what.split("_")[0] in said[0] and "ranks disagree" in said[0]
+    if what == "stage check":  # the rank whose stage does not fit says why, on every rank
+        assert "no schedule keeps the saved activations within 4096 bytes" in said[0]
+
+
+def test_eval_step_is_the_model_forward(results):
+    x, y = data(16)
+    model = chain()
+    with torch.no_grad():
+        want = torch.cat([model(xb) for xb in x.chunk(4)])
+    out, loss = results[1]["eval"]
+    assert torch.equal(out, want)
+    assert results[0]["eval"][0] is None and results[0]["eval"][1] == loss
+
+
+def test_auto_balance_is_shared_by_every_rank(results):
+    balance, loss = results[0]["auto"]
+    assert results[1]["auto"] == (balance, loss)
+    assert sum(balance) == 7 and len(balance) == 2 and loss == loss
+
+
+def test_bad_inputs_are_refused_before_any_message(results):
+    said = [results[r]["bad_inputs"][0] for r in range(2)]
+    assert said[0] is not None and said[0] == said[1] and "does not split into chunks=4" in said[0]
+    ref_losses, _ = reference(chain(), [4, 3], [data(16)], 4)
+    assert [results[r]["bad_inputs"][1] for r in range(2)] == ref_losses * 2, "the refused step changed something"
