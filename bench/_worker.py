@@ -23,7 +23,8 @@ def _task(name: str) -> Callable:
     import importlib
 
     module, func = {"collective": ("collective", "run_rank"), "train": ("train", "run_rank"),
-                    "dense-probe": ("collective", "dense_probe")}[name]
+                    "dense-probe": ("collective", "dense_probe"), "sharded": ("sharded", "run_rank"),
+                    "optim": ("optim", "run_rank"), "pipeline": ("pipeline", "run_rank")}[name]
     return getattr(importlib.import_module(f"gradcomp.bench.{module}"), func)
 
 

@@ -15,7 +15,7 @@ import argparse
 import contextlib
 import statistics
 import time
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -97,12 +97,47 @@ def _model(hidden: int, seed: int) -> torch.nn.Module:
                                torch.nn.ReLU(), torch.nn.Linear(hidden, 10))
 
 
+def epoch_batches(n: int, rank: int, world: int, batch: int, seed: int, epoch: int) -> List[torch.Tensor]:
+    """This rank's batches (sample indices) of one epoch: one shuffle of the ``n`` training
+    samples, the same on every rank and for every method (``seed``, ``epoch``), dealt round
+    robin; every rank gets the same number of full batches."""
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 7919 + epoch))
+    mine = order[rank::world]
+    return [mine[s * batch:(s + 1) * batch] for s in range(n // (world * batch))]
+
+
+def timed_step(forward: Callable, opt, x: torch.Tensor, y: torch.Tensor) -> Tuple[float, float]:
+    """One training step of ``forward`` and ``opt`` on ``(x, y)``: its loss and its milliseconds."""
+    t0 = time.perf_counter()
+    opt.zero_grad()
+    loss = torch.nn.functional.cross_entropy(forward(x), y)
+    loss.backward()
+    opt.step()
+    return float(loss.detach()), (time.perf_counter() - t0) * 1e3
+
+
+def fit(forward: Callable, model: torch.nn.Module, opt, data, cfg: Dict[str, Any], rank: int, world: int,
+        tick: Callable[[], None]) -> Tuple[List[float], List[float], List[float]]:
+    """``cfg["epochs"]`` epochs of :func:`epoch_batches`; the losses and step times of every step
+    and ``model``'s test accuracy after each epoch."""
+    xtr, ytr, xte, yte = data
+    losses, times, accuracy = [], [], []
+    for epoch in range(cfg["epochs"]):
+        for idx in epoch_batches(len(ytr), rank, world, cfg["batch_size"], cfg["seed"], epoch):
+            loss, ms = timed_step(forward, opt, xtr[idx], ytr[idx])
+            losses.append(loss)
+            times.append(ms)
+        with torch.no_grad():
+            accuracy.append(float((model(xte).argmax(1) == yte).float().mean()))
+        tick()
+    return losses, times, accuracy
+
+
 def _train_one(spec, rank, world, cfg, data, tick) -> Dict[str, Any]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from gradcomp.collectives import reset_telemetry, telemetry
 
-    xtr, ytr, xte, yte = data
     model = _model(cfg["hidden"], cfg["seed"])
     # one bucket (bucket_cap_mb also sets the first bucket): PyTorch's PowerSGD hook issues collectives
     # from future callbacks, which with several buckets in flight reach gloo in different orders
@@ -113,28 +148,11 @@ def _train_one(spec, rank, world, cfg, data, tick) -> Dict[str, Any]:
         state, hook = hooks.gradcomp_hook(spec, model)
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
-    batch = cfg["batch_size"]
-    steps_per_epoch = len(ytr) // (world * batch)
-    losses, times, accuracy = [], [], []
     counter = hooks.CountingAllReduce(world)
     reset_telemetry()
     # PyTorch's hooks keep no telemetry: count what they hand to all_reduce (ours report their own)
     with counter if spec["source"] == "torch" else contextlib.nullcontext():
-        for epoch in range(cfg["epochs"]):
-            order = torch.randperm(len(ytr), generator=torch.Generator().manual_seed(cfg["seed"] * 7919 + epoch))
-            mine = order[rank::world]
-            for s in range(steps_per_epoch):
-                idx = mine[s * batch:(s + 1) * batch]
-                t0 = time.perf_counter()
-                opt.zero_grad()
-                loss = torch.nn.functional.cross_entropy(ddp(xtr[idx]), ytr[idx])
-                loss.backward()
-                opt.step()
-                times.append((time.perf_counter() - t0) * 1e3)
-                losses.append(float(loss.detach()))
-            with torch.no_grad():
-                accuracy.append(float((model(xte).argmax(1) == yte).float().mean()))
-            tick()
+        losses, times, accuracy = fit(ddp, model, opt, data, cfg, rank, world, tick)
     steps = len(times)
     sent = telemetry()["total"]["bytes_sent"] if spec["source"] == "gradcomp" else counter.nbytes
     # a weight checksum: the ranks' models must stay identical (every rank ends with the same mean)

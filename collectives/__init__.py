@@ -10,7 +10,7 @@ scatter-reduce's exchanges on three or more), ``send``/``recv``
 exchanges the training runtime (DDP hook, ``CompressedOptimizer``) is built on.
 """
 from .worker import shutdown
-from ._comm import CommunicationError, rank_of, world_of
+from ._comm import CommunicationError, group_timeout, rank_of, world_of
 from .allreduce import ALGORITHMS, allreduce, choose_algorithm
 from .bucket import allreduce_buckets, exchange_bucket, plan_buckets
 from .fused import allreduce_fused
@@ -23,5 +23,5 @@ __all__ = [
     "allreduce", "choose_algorithm", "ALGORITHMS", "allreduce_buckets", "plan_buckets",
     "allreduce_fused", "exchange_bucket", "exchange_bucket_by_owners", "Hierarchy",
     "make_node_groups", "NodeGroups", "world_of", "rank_of", "send", "recv", "server_feedback",
-    "telemetry", "reset_telemetry", "set_measure_error", "CommunicationError", "shutdown",
+    "telemetry", "reset_telemetry", "set_measure_error", "CommunicationError", "group_timeout", "shutdown",
 ]

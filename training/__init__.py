@@ -6,11 +6,11 @@ without DDP. Both share one warm-up / layer policy (:mod:`gradcomp.training.poli
 compressor and error-feedback state per parameter name.
 """
 from gradcomp.collectives import shutdown
-from .engine import Compression
+from .engine import Compression, agree
 from .hooks import HookState, cast_wrapper, compressed_hook, ddp_comm_hook
 from .optimizer import CompressedOptimizer
 from .policy import Policy, Rule, make_codec
 from .reshard import reshard_states
 
-__all__ = ["ddp_comm_hook", "CompressedOptimizer", "HookState", "cast_wrapper", "compressed_hook",
+__all__ = ["agree", "ddp_comm_hook", "CompressedOptimizer", "HookState", "cast_wrapper", "compressed_hook",
            "Compression", "Policy", "Rule", "make_codec", "reshard_states", "shutdown"]

@@ -206,3 +206,13 @@ def test_train_subcommand_may_follow_options(monkeypatch):
     monkeypatch.setattr(train, "main", lambda argv: seen.append(list(argv)) or 0)
     assert cli.main(["--no-progress", "train", "--epochs", "1"]) == 0
     assert seen == [["--no-progress", "--epochs", "1"]]
+
+
+@pytest.mark.parametrize("sub", sorted(cli.SUBCOMMANDS))
+def test_every_subcommand_explains_itself(sub, capsys):
+    """``python -m gradcomp.bench <sub> --help`` prints its options (argparse formats help
+    strings with %, so a stray % in one stops the whole command)."""
+    with pytest.raises(SystemExit) as done:
+        cli.main([sub, "--help"])
+    assert done.value.code == 0
+    assert "usage: python -m gradcomp.bench" in capsys.readouterr().out
