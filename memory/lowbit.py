@@ -43,14 +43,14 @@ and is counted in :attr:`LowBitState.skipped`.
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from gradcomp.compress.transaction import all_finite
 from gradcomp.kernels import rng
 
-from ._wrapper import Wrapper
+from gradcomp.training._wrapper import Wrapper
 
 __all__ = ["LowBitState", "state_nbytes", "BLOCK", "MIN_NUMEL"]
 

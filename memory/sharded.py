@@ -35,8 +35,7 @@ size); ``consolidated_state_dict(to=0)`` gathers a whole checkpoint on one rank,
 from __future__ import annotations
 
 import contextlib
-import weakref
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -47,11 +46,11 @@ from gradcomp.collectives.shards import all_gather, any_rank, reduce_scatter
 from gradcomp.compress import ErrorFeedback, get_compressor
 from gradcomp.compress.base import Compressor
 from gradcomp.compress.transaction import Transaction, all_finite
+from gradcomp.training._wrapper import Wrapper, weak_grad_hook
 from gradcomp.training.engine import agree, h64, names_of
 
 from . import _shardckpt
 from ._shards import Bucket, GroupLayout, flat_of, group_layout, layer_slices, plan_buckets
-from ._wrapper import Wrapper
 from .lowbit import _COMPENSATIONS, MIN_NUMEL, LowBitState
 
 __all__ = ["ShardedOptimizer"]
@@ -156,7 +155,7 @@ class ShardedOptimizer(Wrapper):
         self._bucket_of = {(b.group, i): k for k, b in enumerate(self._buckets) for i in b.members}
         self._index = {id(p): (g, i) for g, ps in enumerate(self._trainable) for i, p in enumerate(ps)}
         self._worker = worker.worker_for((process_group,)) if self.world > 1 else None
-        self._handles = [p.register_post_accumulate_grad_hook(_weak_hook(self)) for ps in self._trainable for p in ps]
+        self._handles = [p.register_post_accumulate_grad_hook(weak_grad_hook(self)) for ps in self._trainable for p in ps]
         self._no_sync = False
         self._reset()
 
@@ -406,15 +405,3 @@ class ShardedOptimizer(Wrapper):
         size; every rank raises the same error when any rank's checkpoint does not fit."""
         self._drain()
         _shardckpt.load(self, state_dict)
-
-
-def _weak_hook(opt: ShardedOptimizer) -> Callable[[torch.Tensor], None]:
-    """The gradient hook, holding the optimizer weakly (a dropped optimizer stops exchanging)."""
-    ref = weakref.ref(opt)
-
-    def hook(param: torch.Tensor) -> None:
-        target = ref()
-        if target is not None:
-            target._grad_ready(param)
-
-    return hook

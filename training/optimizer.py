@@ -17,8 +17,6 @@ before ``scaler.step(opt)`` so that the overflow check sees the averaged gradien
 from __future__ import annotations
 
 import contextlib
-import weakref
-from collections import OrderedDict
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch
@@ -26,11 +24,12 @@ import torch.distributed as dist
 
 from gradcomp.collectives import plan_buckets
 
+from ._wrapper import Wrapper, weak_grad_hook
 from .engine import Compression, names_of
 from .policy import Policy
 
 
-class CompressedOptimizer(torch.optim.Optimizer):
+class CompressedOptimizer(Wrapper):
     """Averages gradients over ranks, compressed, then steps the wrapped optimizer.
 
     ``compressor``: a registered name (options as keywords), a ``Compressor`` or an
@@ -53,12 +52,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb!r} is not allowed; it must be a number > 0")
         self.optimizer = optimizer
-        # what torch.optim.Optimizer.__init__ sets up for hooks, without copying the param groups
-        for name in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
-                     "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
-                     "_optimizer_load_state_dict_post_hooks"):
-            setattr(self, name, OrderedDict())
-        self._patch_step_function()
+        super().__init__()
         self.compression = Compression(Policy(compressor, **options), process_group, local_size)
         self.bucket_mb = float(bucket_mb)
         self._model = model
@@ -71,23 +65,8 @@ class CompressedOptimizer(torch.optim.Optimizer):
         self._register([p for g in optimizer.param_groups for p in g["params"]], broadcast)
 
     # ---- the wrapped optimizer ------------------------------------------------------------
-    @property
-    def param_groups(self) -> List[Dict[str, Any]]:  # type: ignore[override]
-        return self.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return self.optimizer.state
-
-    @property
-    def defaults(self) -> Dict[str, Any]:  # type: ignore[override]
-        return self.optimizer.defaults
-
     def __repr__(self) -> str:
         return f"CompressedOptimizer({self.optimizer!r}, {self.compression.policy.describe()})"
-
-    def __getstate__(self) -> Dict[str, Any]:
-        raise ValueError("a CompressedOptimizer cannot be pickled; save state_dict() instead")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._drain()
@@ -188,7 +167,7 @@ class CompressedOptimizer(torch.optim.Optimizer):
         for p in new:
             self._index[id(p)] = len(self._params)
             self._params.append(p)
-            self._handles.append(p.register_post_accumulate_grad_hook(_weak_hook(self)))
+            self._handles.append(p.register_post_accumulate_grad_hook(weak_grad_hook(self)))
         self._names = names
         self.compression.names = list(self._names)
         order = list(range(len(self._params)))[::-1]  # backward produces the last parameters first
@@ -249,16 +228,3 @@ class CompressedOptimizer(torch.optim.Optimizer):
             self._wait()
             self._reset()
             self.compression.end_iteration(keep=False)
-
-
-def _weak_hook(opt: CompressedOptimizer) -> Callable[[torch.Tensor], None]:
-    """The gradient hook, holding the wrapper weakly: a wrapper that is dropped (say, replaced
-    by a new one over the same parameters) must stop exchanging gradients, and be freed."""
-    ref = weakref.ref(opt)
-
-    def hook(param: torch.Tensor) -> None:
-        target = ref()
-        if target is not None:
-            target._grad_ready(param)
-
-    return hook
