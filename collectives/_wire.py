@@ -16,8 +16,8 @@ from ._comm import Comm
 
 
 def encode(payload: Payload, device: torch.device) -> torch.Tensor:
-    """The payload's wire bytes as a 1-D uint8 tensor on ``device``."""
-    buf = torch.frombuffer(bytearray(payload.to_bytes()), dtype=torch.uint8)
+    """The payload's wire bytes as a new 1-D uint8 tensor on ``device``."""
+    buf = payload.to_tensor()
     return buf if device.type == "cpu" else buf.to(device)
 
 
@@ -29,7 +29,9 @@ def decode(buf: torch.Tensor, device: torch.device, numel: Optional[int] = None,
     is allocated for them."""
     limit = numel if numel is not None else max_numel
     try:
-        payload = Payload.from_bytes(buf.cpu().numpy(), **({} if limit is None else {"max_numel": max(limit, 0)}))
+        # a buffer on the CPU is the caller's (received): the tensors may be views of it
+        payload = Payload.from_bytes(buf.cpu().numpy(), copy=buf.device.type != "cpu",
+                                     **({} if limit is None else {"max_numel": max(limit, 0)}))
     except ValueError as exc:
         if rank is None:
             raise

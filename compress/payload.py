@@ -104,6 +104,13 @@ class Payload:
 
     def to_bytes(self) -> bytes:
         """Self-describing bytes; inverse of :meth:`from_bytes`. No pickle."""
+        return self.to_tensor().numpy().tobytes()
+
+    def to_tensor(self) -> torch.Tensor:
+        """The bytes of :meth:`to_bytes` as one new 1-D CPU uint8 tensor, each tensor copied
+        once, straight into place. The JSON header is padded with spaces to a multiple of 8
+        bytes after the prefix, so the first tensor starts aligned and a receiver can view it
+        where it lies (:meth:`from_bytes` with ``copy=False``)."""
         header = {
             "c": self.compressor,
             "shape": [int(s) for s in self.shape],
@@ -112,21 +119,31 @@ class Payload:
             "t": [[dtype_name(t.dtype), list(t.shape)] for t in self.tensors],
         }
         hbytes = json.dumps(header, separators=(",", ":"), allow_nan=True).encode()
+        hbytes += b" " * (-(_PREFIX.size + len(hbytes)) % 8)
         if len(hbytes) > MAX_HEADER:
             raise ValueError(f"payload header of {len(hbytes)} bytes exceeds the limit of {MAX_HEADER}; keys and meta "
                              f"must be short")
-        parts = [_PREFIX.pack(MAGIC, VERSION, len(hbytes)), hbytes]
-        for t in self.tensors:
-            t = t.detach().to("cpu").contiguous()
-            parts.append(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
-        return b"".join(parts)
+        head = _PREFIX.pack(MAGIC, VERSION, len(hbytes)) + hbytes
+        sizes = [t.numel() * t.element_size() for t in self.tensors]
+        out = torch.empty(len(head) + sum(sizes), dtype=torch.uint8)
+        out[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        pos = len(head)
+        for t, size in zip(self.tensors, sizes):
+            if size:
+                out[pos:pos + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            pos += size
+        return out
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray | memoryview, *, max_numel: Optional[int] = None) -> "Payload":
+    def from_bytes(cls, data: bytes | bytearray | memoryview, *, max_numel: Optional[int] = None,
+                   copy: bool = True) -> "Payload":
         """Parse and validate bytes made by :meth:`to_bytes`; ``ValueError`` on anything else.
 
         ``max_numel`` bounds the elements the payload may describe; without it, at most
-        ``MAX_NUMEL`` elements that fit in this machine's memory once decoded."""
+        ``MAX_NUMEL`` elements that fit in this machine's memory once decoded. ``copy=False``
+        (for a writable buffer the caller owns and will not change, such as a freshly received
+        one): the payload's tensors are views of ``data`` where their bytes are aligned for
+        their dtype, copies elsewhere."""
         from .registry import compressor_class
 
         try:
@@ -134,7 +151,7 @@ class Payload:
         except TypeError:
             raise ValueError(f"Payload.from_bytes expects bytes, a bytearray or another buffer of bytes, "
                              f"got {type(data).__name__}") from None
-        buf = memoryview(bytes(view))
+        buf = memoryview(bytes(view)) if copy or view.readonly else view.cast("B")
         if len(buf) < _PREFIX.size:
             raise ValueError(f"payload too short: {len(buf)} bytes, the prefix alone is {_PREFIX.size}")
         magic, version, hlen = _PREFIX.unpack_from(buf, 0)
@@ -178,7 +195,12 @@ class Payload:
         for tdtype, tshape, size in sized:
             if size > len(buf) - pos:
                 raise ValueError(f"payload truncated: a tensor needs {size} bytes, {len(buf) - pos} remain")
-            raw = torch.frombuffer(bytearray(buf[pos:pos + size]), dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+            if not size:
+                raw = torch.empty(0, dtype=torch.uint8)
+            elif copy or pos % torch.empty((), dtype=tdtype).element_size():
+                raw = torch.frombuffer(bytearray(buf[pos:pos + size]), dtype=torch.uint8)
+            else:  # a view of the caller's buffer, aligned for its dtype
+                raw = torch.frombuffer(buf[pos:pos + size], dtype=torch.uint8)
             tensors.append(raw.view(tdtype).reshape(tshape))
             pos += size
         if pos != len(buf):
