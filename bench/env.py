@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import os
 import platform
-import socket
 from typing import Any, Dict, List, Optional
 
 import numpy as np
@@ -37,7 +36,6 @@ def environment(world_size: int, link: str, threads: int) -> Dict[str, Any]:
         "numpy": np.__version__,
         "python": platform.python_version(),
         "os": f"{platform.system()} {platform.release()}",
-        "host": socket.gethostname(),
         "cpu": _cpu_model(),
         "cores": os.cpu_count() or 1,
         "gpu": _gpu(),
