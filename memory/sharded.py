@@ -38,7 +38,6 @@ import contextlib
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 
 from gradcomp.collectives import rank_of, world_of
 from gradcomp.collectives import worker
@@ -46,7 +45,7 @@ from gradcomp.collectives.shards import all_gather, any_rank, reduce_scatter
 from gradcomp.compress import ErrorFeedback, get_compressor
 from gradcomp.compress.base import Compressor
 from gradcomp.compress.transaction import Transaction, all_finite
-from gradcomp.training._wrapper import Wrapper, weak_grad_hook
+from gradcomp.training._wrapper import Wrapper, broadcast_params, weak_grad_hook
 from gradcomp.training.engine import agree, h64, names_of
 
 from . import _shardckpt
@@ -146,7 +145,7 @@ class ShardedOptimizer(Wrapper):
         self._config = self._describe(hyper, defaults)
         if self.world > 1:
             agree(self._config, process_group, "when the ShardedOptimizer was built")
-            self._broadcast()
+            broadcast_params([p for ps in self._trainable for p in ps], self.group)
         self.layouts: List[GroupLayout] = [group_layout([p.numel() for p in ps], self.world) for ps in self._trainable]
         self.masters = [self._master_of(g) for g in range(len(groups))]
         self.optimizer = self._build_inner(hyper, defaults)
@@ -180,13 +179,6 @@ class ShardedOptimizer(Wrapper):
                 "compressor": repr(self.grad_feedback), "weight compressor": repr(self.weight_feedback),
                 "state bits": f"{self.state_bits} {self.state_compensation if self.state_bits < 32 else ''}",
                 "stage": str(self.stage), "parameters": params}
-
-    def _broadcast(self) -> None:
-        src = 0 if self.group is None else dist.get_global_rank(self.group, 0)
-        with torch.no_grad():
-            for ps in self._trainable:
-                for p in ps:
-                    dist.broadcast(p.data, src=src, group=self.group)
 
     def _master_dtype(self, g: int) -> torch.dtype:
         ps = self._trainable[g]

@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from gradcomp.collectives import rank_of, world_of
+from gradcomp.training._wrapper import broadcast_params
 
 from . import _common as common
 from .momentum import MomentumExchange, make_compressor
@@ -55,7 +56,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if common.live(process_group):
             common.agree_config({"configuration": self._config(),
                                  "parameters": common.describe_params(self._params)}, process_group, self.who)
-            common.broadcast_params(self._params, process_group)
+            broadcast_params(self._params, process_group)
 
     # ---- what a subclass says ----------------------------------------------------------------
     def wants_dense(self) -> bool:

@@ -76,16 +76,6 @@ def dense_mean(flat: torch.Tensor, group, key: str = "dense") -> torch.Tensor:
     return allreduce(flat, "none", key=key, group=group)
 
 
-def broadcast_params(params: Sequence[torch.Tensor], group) -> None:
-    """Every rank starts from rank 0's parameters (the group's first rank)."""
-    if not live(group):
-        return
-    src = 0 if group is None else dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for p in params:
-            dist.broadcast(p.data, src, group=group)
-
-
 def agree_config(config: Mapping[str, str], group, who: str) -> None:
     """Raise the same ``ValueError`` on every rank unless every rank passed the same
     ``config`` (the training runtime's agreement check)."""

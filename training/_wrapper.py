@@ -2,14 +2,16 @@
 ``memory.LowBitState``, ``memory.ShardedOptimizer``): a ``torch.optim.Optimizer`` whose
 ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so LR schedulers,
 gradient clipping and hooks work on it as on any optimizer; and the weakly held gradient hook
-of those that exchange gradients as backward produces them."""
+of those that exchange gradients as backward produces them; and the broadcast that gives every
+rank the first rank's parameters at the start (``gradcomp.optim``'s optimizers use it too)."""
 from __future__ import annotations
 
 from collections import OrderedDict
 import weakref
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
+import torch.distributed as dist
 
 _HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
           "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
@@ -54,3 +56,14 @@ def weak_grad_hook(opt: Any) -> Callable[[torch.Tensor], None]:
             target._grad_ready(param)
 
     return hook
+
+
+def broadcast_params(params: Sequence[torch.Tensor], group=None) -> None:
+    """Every rank of ``group`` starts from the parameters of the group's first rank; nothing
+    without a process group or with one rank."""
+    if not params or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
+        return
+    src = 0 if group is None else dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.data, src=src, group=group)

@@ -8,7 +8,6 @@ the iteration and every codec's per-parameter state (residuals, warm starts, ste
 from __future__ import annotations
 
 import fnmatch
-import hashlib
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -17,6 +16,7 @@ import torch.distributed as dist
 
 from gradcomp.collectives import (Hierarchy, choose_algorithm, exchange_bucket, exchange_bucket_by_owners,
                                   make_node_groups, rank_of, server_feedback, world_of, worker)
+from gradcomp.collectives._header import h64
 from gradcomp.compress.transaction import Transaction
 from .policy import Policy, base_of
 
@@ -337,11 +337,6 @@ def agree(config: Mapping[str, str], group, when: str) -> None:
     if any(set(g[0]) != set(digest) for g in gathered):
         raise ValueError(f"ranks disagree on what they compare {when}: every rank must run the same gradcomp "
                          f"version and call the same hook or optimizer")
-
-
-def h64(text: str) -> int:
-    """A signed 64-bit hash of ``text``, the same on every rank and run."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def _short(text: str, limit: int = 160) -> str:

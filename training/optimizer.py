@@ -20,11 +20,10 @@ import contextlib
 from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
 
 import torch
-import torch.distributed as dist
 
 from gradcomp.collectives import plan_buckets
 
-from ._wrapper import Wrapper, weak_grad_hook
+from ._wrapper import Wrapper, broadcast_params, weak_grad_hook
 from .engine import Compression, names_of
 from .policy import Policy
 
@@ -163,7 +162,7 @@ class CompressedOptimizer(Wrapper):
         else:
             self.compression.start(named)
         if broadcast:
-            self._broadcast(new)
+            broadcast_params(new, self.compression.group)
         for p in new:
             self._index[id(p)] = len(self._params)
             self._params.append(p)
@@ -175,15 +174,6 @@ class CompressedOptimizer(Wrapper):
         self._buckets = [[order[j] for j in b] for b in planned]
         self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
         self._reset()
-
-    def _broadcast(self, params: List[torch.Tensor]) -> None:
-        group = self.compression.group
-        if self.compression.world == 1 or not params:
-            return
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        with torch.no_grad():
-            for p in params:
-                dist.broadcast(p.data, src=src, group=group)
 
     def _reset(self) -> None:
         self._missing = [len(b) for b in self._buckets]
