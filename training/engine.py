@@ -49,7 +49,7 @@ class Compression:
         self._registered = False  # start() checked the configuration
         self.names: List[str] = []  # the parameter names, when the caller knows them (identity of a checkpoint)
         self._owners: Dict[str, int] = {}  # parameter name -> the local rank that sends it across nodes
-        self._loads_: Optional[List[int]] = None  # elements owned per local rank
+        self._loads: List[int] = []  # elements owned per local rank (sized when the ranks are counted)
         # the parameters to check at registration when start() runs later than the hook's creation
         self.deferred: Optional[Sequence[Tuple[str, torch.Tensor]]] = None
         codec = policy.default.codec
@@ -63,6 +63,7 @@ class Compression:
         self._world = world
         # ranks per node for the hierarchical exchange (None: flat); one node of one rank is flat
         self._local = local if local is not None and world > 1 else None
+        self._loads = [0] * (self._local or 1)
 
     @property
     def world(self) -> int:
@@ -83,16 +84,6 @@ class Compression:
     def exchange_world(self) -> int:
         """The ranks a compressed exchange spans: one per node when hierarchical."""
         return self.world // self.local_size if self.local_size else self.world
-
-    @property
-    def _loads(self) -> List[int]:
-        if self._loads_ is None:
-            self._loads_ = [0] * (self.local_size or 1)
-        return self._loads_
-
-    @_loads.setter
-    def _loads(self, value: List[int]) -> None:
-        self._loads_ = value
 
     def start(self, params: Optional[Sequence[Tuple[str, torch.Tensor]]] = None) -> None:
         """Check that every rank has the same configuration (and ``params``: names, shapes and
