@@ -29,8 +29,8 @@ def decode(buf: torch.Tensor, device: torch.device, numel: Optional[int] = None,
     is allocated for them."""
     limit = numel if numel is not None else max_numel
     try:
-        # a buffer on the CPU is the caller's (received): the tensors may be views of it
-        payload = Payload.from_bytes(buf.cpu().numpy(), copy=buf.device.type != "cpu",
+        # the received buffer (or its fresh CPU copy) is the caller's alone: the tensors may be views of it
+        payload = Payload.from_bytes(buf.cpu().numpy(), copy=False,
                                      **({} if limit is None else {"max_numel": max(limit, 0)}))
     except ValueError as exc:
         if rank is None:
