@@ -151,7 +151,8 @@ class Payload:
         except TypeError:
             raise ValueError(f"Payload.from_bytes expects bytes, a bytearray or another buffer of bytes, "
                              f"got {type(data).__name__}") from None
-        buf = memoryview(bytes(view)) if copy or view.readonly else view.cast("B")
+        copy = copy or view.readonly  # a view of read-only bytes could not be a writable tensor
+        buf = memoryview(bytes(view)) if copy else view.cast("B")
         if len(buf) < _PREFIX.size:
             raise ValueError(f"payload too short: {len(buf)} bytes, the prefix alone is {_PREFIX.size}")
         magic, version, hlen = _PREFIX.unpack_from(buf, 0)
@@ -197,7 +198,7 @@ class Payload:
                 raise ValueError(f"payload truncated: a tensor needs {size} bytes, {len(buf) - pos} remain")
             if not size:
                 raw = torch.empty(0, dtype=torch.uint8)
-            elif copy or pos % torch.empty((), dtype=tdtype).element_size():
+            elif copy or pos % tdtype.itemsize:
                 raw = torch.frombuffer(bytearray(buf[pos:pos + size]), dtype=torch.uint8)
             else:  # a view of the caller's buffer, aligned for its dtype
                 raw = torch.frombuffer(buf[pos:pos + size], dtype=torch.uint8)
