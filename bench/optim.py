@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import cli, hooks
 from . import env as envmod
-from .train import _data, _model, fit
+from .train import DIGITS_LINE, _data, _model, fit, model_line
 
 METHODS = ("adam-ddp", "adam+onebit-hook", "onebit-adam@20%", "onebit-adam@15%", "zero-one-adam", "lamb-ddp",
            "onebit-lamb")
@@ -290,11 +290,10 @@ def main(argv: Sequence[str]) -> int:
         _launch(cfg, args, link, env, timing_table)
         return 0
     _data(args.seed)  # fail early, in the parent, if scikit-learn is missing
-    nparams = sum(p.numel() for p in _model(args.hidden, 0).parameters())
     print(envmod.header(env, [
-        "data     scikit-learn digits: 1,437 train / 360 test images, 8x8, 10 classes",
-        f"model    MLP 64-{args.hidden}-{args.hidden}-10 ({nparams:,} parameters), batch {args.batch_size} per rank, "
-        f"{args.epochs} epochs, seed {args.seed}; Adam lr {args.lr}, LAMB lr {args.lamb_lr} (weight decay 0.01)",
+        DIGITS_LINE,
+        model_line(args.hidden, f"batch {args.batch_size} per rank, "
+                   f"{args.epochs} epochs, seed {args.seed}; Adam lr {args.lr}, LAMB lr {args.lamb_lr} (weight decay 0.01)"),
         f"methods  {', '.join(kinds)}; warm-up 20 % of the steps unless marked; 0/1 Adam kappa "
         f"{args.var_update_scaler}, local steps x2 every {args.local_step_scaler} up to {args.local_step_clipper}",
     ]), flush=True)

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from . import cli, hooks
 from . import env as envmod
-from .train import _data, _model, epoch_batches
+from .train import DIGITS_LINE, _data, _model, epoch_batches, model_line
 
 METHODS: Dict[str, Dict[str, Any]] = {
     "ddp-adamw": {"kind": "ddp"},
@@ -261,11 +261,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cfg = {"methods": names, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
            "hidden": args.hidden, "seed": args.seed, "bucket_mb": args.bucket_mb}
     env = envmod.environment(args.world_size, cli.link_text(link), args.threads)
-    nparams = sum(p.numel() for p in _model(args.hidden, 0).parameters())
     print(envmod.header(env, [
-        "data     scikit-learn digits: 1,437 train / 360 test images, 8x8, 10 classes",
-        f"model    MLP 64-{args.hidden}-{args.hidden}-10 ({nparams:,} parameters), AdamW lr {args.lr}, "
-        f"batch {args.batch_size} per rank, {args.epochs} epochs, seed {args.seed}, buckets of {args.bucket_mb:g} MB",
+        DIGITS_LINE,
+        model_line(args.hidden, f"AdamW lr {args.lr}, "
+                   f"batch {args.batch_size} per rank, {args.epochs} epochs, seed {args.seed}, buckets of {args.bucket_mb:g} MB"),
         f"methods  {', '.join(names)}, taking turns epoch by epoch; step time: median over the steps after "
         f"the first {WARMUP} of the slowest rank",
     ]), flush=True)

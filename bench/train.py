@@ -91,6 +91,16 @@ def _data(seed: int):
     return (conv((xtr - mean) / std), torch.tensor(ytr), conv((xte - mean) / std), torch.tensor(yte))
 
 
+# the header line that names the training benchmark's data (train, optim and sharded print it)
+DIGITS_LINE = "data     scikit-learn digits: 1,437 train / 360 test images, 8x8, 10 classes"
+
+
+def model_line(hidden: int, rest: str) -> str:
+    """The header line of the training benchmark's MLP of width ``hidden``, then ``rest``."""
+    nparams = sum(p.numel() for p in _model(hidden, 0).parameters())
+    return f"model    MLP 64-{hidden}-{hidden}-10 ({nparams:,} parameters), {rest}"
+
+
 def _model(hidden: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)  # every run and every rank starts from the same weights
     return torch.nn.Sequential(torch.nn.Linear(64, hidden), torch.nn.ReLU(), torch.nn.Linear(hidden, hidden),
@@ -235,11 +245,10 @@ def main(argv: Sequence[str]) -> int:
     cfg = {"methods": specs, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
            "hidden": args.hidden, "seed": args.seed}
     env = envmod.environment(args.world_size, cli.link_text(link), args.threads)
-    nparams = sum(p.numel() for p in _model(args.hidden, 0).parameters())
     print(envmod.header(env, [
-        "data     scikit-learn digits: 1,437 train / 360 test images, 8x8, 10 classes",
-        f"model    MLP 64-{args.hidden}-{args.hidden}-10 ({nparams:,} parameters), SGD lr {args.lr} momentum 0.9, "
-        f"batch {args.batch_size} per rank, {args.epochs} epochs, seed {args.seed}",
+        DIGITS_LINE,
+        model_line(args.hidden, f"SGD lr {args.lr} momentum 0.9, "
+                   f"batch {args.batch_size} per rank, {args.epochs} epochs, seed {args.seed}"),
         f"methods  {len(specs)} runs; PowerSGD (ours and PyTorch's) rank {POWERSGD_RANK}, compressing from step "
         f"{POWERSGD_START}",
     ]), flush=True)
