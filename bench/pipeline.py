@@ -8,8 +8,8 @@ On ``--world-size`` ranks (one pipeline stage each), loopback or ``--netem RATE`
   link and batch; median step time over ``--repeats`` steps after ``--warmup`` (each step
   starts at a barrier; a step's time is its slowest rank's); the measured bubble (the share
   of each rank's step spent outside its forward and backward passes, averaged over ranks)
-  beside the textbook ``(p - 1) / (v m + p - 1)``; bytes sent per step from gradcomp's
-  telemetry;
+  beside the textbook ``(p - 1) / (v m + p - 1)``; bytes sent per step as the
+  pipeline counts them (``Pipeline.sent_bytes``: payloads);
 - balance: an uneven model (four wide layers, then narrow ones) split into equal layer counts
   and by ``balance="auto"`` at this link, samples/s of each (1F1B, the last codec pair);
 - accuracy (``--epochs`` > 0): the throughput model at ``--accuracy-width`` trained on the
@@ -150,8 +150,8 @@ def _round_robin(methods: List[_Method], warmup: int, repeats: int, progress: Ca
             t0 = time.perf_counter()
             m.step()
             seconds = time.perf_counter() - t0
-            if i >= warmup:
-                m.measure(seconds, telemetry()["total"]["bytes_sent"])
+            if i >= warmup:  # the pipeline counts its own messages; torch's are not counted
+                m.measure(seconds, m.pipe.sent_bytes if m.pipe is not None else telemetry()["total"]["bytes_sent"])
         progress(i)
 
 

@@ -2,10 +2,11 @@
 
 Each rank holds one stage of a model (or, interleaved, several chunks of it). A step splits
 the batch into ``chunks`` micro-batches and runs the schedule's forward and backward passes
-(:mod:`gradcomp.pipeline.schedule`); activations go forward and activation gradients back
-through ``gradcomp.collectives.send`` / ``recv``, each direction through its own codec. Every
-message carries its shape and size in the payload, so shapes may change from step to step
-(a new sequence length) at no extra round trip.
+(:mod:`gradcomp.pipeline.schedule`); activations go forward and activation gradients back,
+each direction through its own codec, all from the calling thread in one order every rank
+derives from the schedule (:mod:`gradcomp.pipeline.transport`: ``batch_isend_irecv``, no tags,
+safe under NCCL's one stream per pair). Every message carries its shape and size, so shapes
+may change from step to step (a new sequence length).
 
 Contracts:
 
@@ -22,8 +23,15 @@ Contracts:
 - a step whose local gradients or loss are not finite anywhere in the grid changes no state:
   parameters, optimizer state, compression state, delta caches and codec counters stay as they
   were (one small all-reduce per step decides it on every rank);
+- the batch is checked on every rank and the verdict agreed (one small all-gather before the
+  step's first message): a batch that does not split anywhere, batch sizes or (delta mode)
+  ``sample_ids`` that differ between the stages of one pipeline raise the same ``ValueError``
+  on every rank, nothing sent, nothing changed;
 - ranks that disagree on the configuration raise the same ``ValueError`` at construction; a
   dead or silent peer is a ``CommunicationError`` within the group timeout, never a hang.
+
+Host reads per training step: the batch agreement, one per received message (its header, with
+the payload, which the wire format decodes on the host) and the end-of-step all-reduce.
 """
 from __future__ import annotations
 
@@ -36,28 +44,28 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from gradcomp.collectives import recv, send
-from gradcomp.collectives import group_timeout
+from gradcomp.collectives import CommunicationError, group_timeout
 from gradcomp.compress import Compressor, available_compressors, get_compressor
 from gradcomp.compress.transaction import Transaction, all_finite
 from gradcomp.training import CompressedOptimizer
 from gradcomp.training import agree
 
-from .channel import Channels
 from .delta import DeltaFeedback
 from .grid import Grid
 from .stages import split
 from .schedule import Action, build, check_shape
+from .transport import Message, Transport, message_order
 
 CHECKPOINTS = (None, "never", "except_last", "always")
+_MISSING, _NOT_A_BATCH, _UNEVEN, _OTHER_SIZE = 1, 2, 3, 4  # what a rank found wrong with its batch
 Codec = Union[None, str, Compressor]
 
 
 class Event(NamedTuple):
     """One interval of a step on one rank (seconds since the step began, wall clock)."""
 
-    # "F", "B" (training passes), "E" (an eval_step forward), "send" (until the data has left),
-    # "wait" (for a message)
+    # "F", "B" (training passes), "E" (an eval_step forward), "send" (compressing and posting a
+    # message), "wait" (for a message)
     kind: str
     stage: int  # virtual stage
     mb: int
@@ -81,7 +89,9 @@ class Pipeline:
     activations per micro-batch, each chunk under a ``gradcomp.memory`` plan (with ``balance``
     and ``sample``). ``replicas``: pipelines side by side
     (data parallel); ``dp_compressor`` (+ ``dp_options``) averages each stage's gradients over its
-    replicas. ``process_group``: the ranks of the whole grid (default: all).
+    replicas. ``process_group``: the ranks of the whole grid (default: all). ``device``: where
+    this rank's stage runs, needed only when its modules hold no parameter or buffer (else
+    theirs); every message and the end-of-step all-reduce live there.
     """
 
     def __init__(self, stages: Union[nn.Module, Sequence[nn.Module]], *, schedule: str = "1f1b", chunks: int = 4,
@@ -90,7 +100,8 @@ class Pipeline:
                  replicas: int = 1, dp_compressor: Any = "none", dp_options: Optional[Dict[str, Any]] = None,
                  optimizer: Optional[Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = None,
                  process_group: Any = None, virtual: Optional[int] = None, sample: Optional[torch.Tensor] = None,
-                 link_bps: Optional[float] = None, memory_budget: Optional[float] = None) -> None:
+                 link_bps: Optional[float] = None, memory_budget: Optional[float] = None,
+                 device: Union[None, str, torch.device] = None) -> None:
         if checkpoint not in CHECKPOINTS:
             raise ValueError(f"checkpoint={checkpoint!r} is not allowed; use one of {CHECKPOINTS}")
         if memory_budget is not None and checkpoint not in (None, "never"):
@@ -128,7 +139,12 @@ class Pipeline:
         self._ids: List[Any] = []
         self.optimizer = self._make_optimizer(optimizer, dp_compressor, dp_options or {})
         self.actions: List[Action] = build(schedule, self.grid.stage, p, chunks, self.v)
-        self._channels = Channels(f"gradcomp-pipeline-r{self.grid.rank}")
+        self.device = self._stage_device(device)
+        # every rank's actions are known to every rank: the message order follows from them
+        self._order = message_order([build(schedule, r, p, chunks, self.v) for r in range(p)], p)
+        self._eval_order = message_order([[Action("F", c, mb) for mb in range(chunks) for c in range(self.v)]
+                                          for _ in range(p)], p)
+        self._transport = Transport(self.grid.group, self.grid.peer, self.stage_ids, self.device)
         self._failed: Optional[BaseException] = None
         self.events: List[Event] = []  # the last step's timeline on this rank, from started_at
         self.started_at = 0.0  # wall-clock time (time.time()) the last step began on this rank
@@ -150,6 +166,25 @@ class Pipeline:
                   "dp_compressor": f"{dp!r} {sorted((dp_options or {}).items())!r}",
                   "optimizer given": repr(optimizer is not None), "balance": repr(self.balance)}
         agree(config, self.grid.group, "when the Pipeline was built")
+
+    def _stage_device(self, device: Any) -> torch.device:
+        """The stage's device: its parameters' (or buffers'), else ``device``; the CPU only on a
+        CPU backend (NCCL takes no CPU tensor)."""
+        tensors = [t for t in list(self.local.parameters()) + list(self.local.buffers())]
+        if tensors:
+            found = tensors[0].device
+            if device is not None and torch.device(device) != found:
+                raise ValueError(f"device={device!r} but this rank's stage is on {found}; give the stage's device "
+                                 f"or none")
+            return found
+        if device is not None:
+            return torch.device(device)
+        group = self.grid.group if self.grid.group is not None else dist.group.WORLD
+        backend = str(dist.get_backend(group)) if self.grid.world > 1 else "gloo"
+        if "nccl" in backend:
+            raise ValueError("this rank's stage holds no parameter or buffer, so its device is unknown: pass "
+                             "device= (e.g. torch.device('cuda', local_rank)) to Pipeline")
+        return torch.device("cpu")
 
     def _make_optimizer(self, factory: Any, dp: Any, options: Dict[str, Any]) -> Optional[torch.optim.Optimizer]:
         if factory is None:
@@ -207,11 +242,12 @@ class Pipeline:
         if finite:
             txn.commit()
             if self.optimizer is not None:
+                # with replicas, the data-parallel exchange starts here: see _backward_pass
                 self.optimizer.step()
         else:
             txn.rollback()
             if self.optimizer is not None:
-                self.optimizer.zero_grad(set_to_none=True)  # drains the exchange, undoing its state
+                self.optimizer.zero_grad(set_to_none=True)
         return loss_value
 
     @torch.no_grad()
@@ -229,15 +265,15 @@ class Pipeline:
         txn = Transaction()  # codec counters of eval messages are not training state
         try:
             with txn.active():
-                order = [Action("F", c, mb) for mb in range(self.chunks) for c in range(self.v)]
-                self._expect(order, delta=False)
-                for _, c, mb in order:
-                    y = self._forward_pass(c, mb, mbs, record=False)
-                    if self._stage(c) == self.n_stages - 1:
-                        outs.append(y)
-                        if loss_fn is not None:
-                            losses.append(loss_fn(y, mbs["targets"][mb]).detach())
-                self._channels.flush()
+                self._transport.begin(self._eval_order)
+                for mb in range(self.chunks):
+                    for c in range(self.v):
+                        y = self._forward_pass(c, mb, mbs, record=False)
+                        if self._stage(c) == self.n_stages - 1:
+                            outs.append(y)
+                            if loss_fn is not None:
+                                losses.append(loss_fn(y, mbs["targets"][mb]).detach())
+                self._transport.finish()
             mean = torch.stack(losses).mean() if losses else None
             if loss_fn is not None:
                 mean, _ = self._conclude(mean, txn, check_grads=False)
@@ -278,13 +314,18 @@ class Pipeline:
                 d.load_state_dict(sd)
 
     def close(self) -> None:
-        """End the channel threads (also when the pipeline is dropped)."""
-        self._channels.close()
+        """Drop the last step's message buffers (the pipeline owns no thread)."""
+        self._transport.begin([]) if self._transport.broken is None else None
 
-    def __del__(self) -> None:
-        channels = getattr(self, "_channels", None)
-        if channels is not None:
-            channels.close()
+    @property
+    def sent_bytes(self) -> int:
+        """Bytes of payload this rank sent in the last step (the compressed tensors)."""
+        return self._transport.payload_bytes
+
+    @property
+    def wire_bytes(self) -> int:
+        """Bytes this rank put on the wire in the last step: payloads, their framing, padding."""
+        return self._transport.sent_bytes
 
     # ---- one step ------------------------------------------------------------------------
     def _stage(self, chunk: int) -> int:
@@ -292,24 +333,74 @@ class Pipeline:
 
     def _split_inputs(self, inputs: Any, targets: Any, ids: Any, *, need_targets: bool,
                       need_ids: bool) -> Dict[str, List[Any]]:
-        """The batch, split into ``chunks`` micro-batches; a clear ``ValueError`` (before any
-        message) when something this rank needs is missing, or anything given is uneven. Every
-        tensor given is checked, on every rank: a batch passed to all ranks fails on all alike."""
+        """The batch, split into ``chunks`` micro-batches. Every rank checks every tensor it is
+        given and has what it needs, then the ranks agree on the verdict (one all-gather of a
+        small row): a problem anywhere is the same ``ValueError`` on every rank, before any
+        message, so no rank runs ahead into its peers' next step."""
         m = self.chunks
         out: Dict[str, List[Any]] = {}
-        for name, value, where in (("inputs", inputs, "the first stage" if self.is_first else None),
-                                   ("targets", targets, "the last stage" if self.is_last and need_targets else None),
-                                   ("sample_ids", ids, "every rank in delta mode" if need_ids else None)):
-            if value is None and where is None:
+        row = [0, 0, 0, 0, 0]  # problem, which tensor, its length, the batch this rank reads, its sample ids' hash
+        for i, (name, value, needed) in enumerate((("inputs", inputs, self.is_first),
+                                                   ("targets", targets, self.is_last and need_targets),
+                                                   ("sample_ids", ids, need_ids))):
+            if row[0] or (value is None and not needed):
                 continue
-            if not isinstance(value, torch.Tensor) or value.dim() < 1:
-                raise ValueError(f"{name} must be a tensor with the batch along dim 0 on {where or 'any rank'}, "
-                                 f"got {type(value).__name__}")
-            if value.shape[0] % m or value.shape[0] == 0:
-                raise ValueError(f"the batch of {value.shape[0]} {name} does not split into chunks={m} equal "
-                                 f"micro-batches; use a batch size that is a multiple of {m}")
-            out[name] = list(value.chunk(m))
+            n = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() >= 1 else 0
+            if value is None:
+                row[:3] = [_MISSING, i, 0]
+            elif not isinstance(value, torch.Tensor) or value.dim() < 1:
+                row[:3] = [_NOT_A_BATCH, i, 0]
+            elif n % m or n == 0:
+                row[:3] = [_UNEVEN, i, n]
+            elif needed and row[3] and row[3] != n:
+                row[:3] = [_OTHER_SIZE, i, n]
+            else:
+                row[3] = row[3] if not needed else n
+                out[name] = list(value.chunk(m))
+        if need_ids and "sample_ids" in out and not row[0]:
+            flat = ids.detach().reshape(-1).to("cpu", torch.int64)  # a host copy of the ids, delta mode only
+            row[4] = int.from_bytes(hashlib.blake2b(flat.numpy().tobytes(), digest_size=8).digest(), "little") >> 1
+        problem = self._batch_verdict(row, need_ids)
+        if problem:
+            raise ValueError(problem)
         return out
+
+    def _batch_verdict(self, row: List[int], need_ids: bool) -> str:
+        """Every rank's row, gathered on the stage's device and read once; the same text on
+        every rank ("" when the batch is good everywhere)."""
+        mine = torch.tensor(row, dtype=torch.int64, device=self.device)
+        rows_t = [torch.empty_like(mine) for _ in range(self.grid.world)]
+        try:
+            dist.all_gather(rows_t, mine, group=self.grid.group)
+        except RuntimeError as exc:
+            raise CommunicationError(f"Pipeline: the batch agreement failed on rank {self.grid.rank}: a peer died "
+                                     f"or did not answer within the group timeout ({exc})") from exc
+        rows = torch.stack(rows_t).tolist()
+        m, names = self.chunks, ("inputs", "targets", "sample_ids")
+        where = ("the first stage", "the last stage", "every rank in delta mode")
+        tail = "; the step was refused on every rank, nothing sent or changed"
+        for r, (problem, i, n, size, _) in enumerate(rows):
+            if problem == _MISSING:
+                return f"rank {r}: {names[i]} is missing: {where[i]} needs a tensor with the batch along dim 0{tail}"
+            if problem == _NOT_A_BATCH:
+                return f"rank {r}: {names[i]} must be a tensor with the batch along dim 0{tail}"
+            if problem == _UNEVEN:
+                return (f"rank {r}: the batch of {n} {names[i]} does not split into chunks={m} equal micro-batches; "
+                        f"use a batch size that is a multiple of {m}{tail}")
+            if problem == _OTHER_SIZE:
+                return f"rank {r}: {names[i]} has {n} rows where the rest of its batch has {size}{tail}"
+        p = self.grid.stages
+        for replica in range(self.grid.replicas):
+            ranks = range(replica * p, (replica + 1) * p)
+            sizes = {r: rows[r][3] for r in ranks if rows[r][3]}
+            if len(set(sizes.values())) > 1:
+                return (f"the stages of one pipeline were given batches of different sizes ({sizes}: group rank -> "
+                        f"samples){tail}")
+            if need_ids and len({rows[r][4] for r in ranks}) > 1:
+                return (f"delta mode: sample_ids differ between the stages of one pipeline (group ranks "
+                        f"{list(ranks)}); every stage must pass the same ids, in the same order, or the two ends of "
+                        f"a boundary would cache different samples{tail}")
+        return ""
 
     def _run(self, mbs: Dict[str, List[Any]], loss_fn: Callable) -> Optional[torch.Tensor]:
         self.events = []
@@ -317,8 +408,7 @@ class Pipeline:
         self._ids = mbs.get("sample_ids", [])
         saved: Dict[Tuple[int, int], Tuple[Any, torch.Tensor]] = {}
         losses: List[torch.Tensor] = []
-        last_b = {c: max(a.mb for a in self.actions if a.kind == "B" and a.chunk == c) for c in range(self.v)}
-        self._expect(self.actions, delta=True)
+        self._transport.begin(self._order)
         live = peak = 0
         for a in self.actions:
             if a.kind == "F":
@@ -331,10 +421,10 @@ class Pipeline:
                 peak = max(peak, live)
             else:
                 x, y = saved.pop((a.chunk, a.mb))
-                self._backward_pass(a.chunk, a.mb, x, y, sync=a.mb == last_b[a.chunk])
+                self._backward_pass(a.chunk, a.mb, x, y)
                 live -= 1
         self.peak_in_flight = peak
-        self._channels.flush()
+        self._transport.finish()
         return torch.stack(losses).mean() if losses else None
 
     def _forward_pass(self, c: int, mb: int, mbs: Dict[str, List[Any]], record: bool) -> Any:
@@ -342,7 +432,7 @@ class Pipeline:
         if s == 0:
             x = mbs["inputs"][mb]
         else:
-            x = self._recv(c, mb, "act")
+            x = self._recv(c, mb, "act", delta=record)
             if x.is_floating_point() and record:
                 x.requires_grad_(True)
         t = time.time()
@@ -355,14 +445,23 @@ class Pipeline:
             self._send(c, mb, "act", y.detach(), delta=record)
         return (x, y) if record else y
 
-    def _backward_pass(self, c: int, mb: int, x: Any, y: torch.Tensor, sync: bool) -> None:
+    def _backward_pass(self, c: int, mb: int, x: Any, y: torch.Tensor) -> None:
         s = self._stage(c)
         if s == self.n_stages - 1:
             out, grad = y / self.chunks, None
         else:
             out, grad = y, self._recv(c, mb, "grad")
         t = time.time()
-        if isinstance(self.optimizer, CompressedOptimizer) and not sync:
+        if isinstance(self.optimizer, CompressedOptimizer):
+            # Every pass only accumulates; the data-parallel exchange starts in step(), after the
+            # end-of-step all-reduce. Started here it would overlap the cool-down, but its worker
+            # would drive the replica group from another thread while this one still issues the
+            # step's point-to-point operations, in an order that differs between replicas (each
+            # reaches its last backward at another point of its messages), and NCCL gives no
+            # progress guarantee between communicators whose operations ranks issue in different
+            # orders. Every rank enters that all-reduce only after all its messages are done, and
+            # reads its result before step(): so no exchange runs beside a message of the step, and
+            # the next step's first message follows step(), which waits for the exchange.
             with self.optimizer.no_sync():
                 torch.autograd.backward(out, grad)
         else:
@@ -372,63 +471,32 @@ class Pipeline:
             self._send(c, mb, "grad", x.grad)
 
     # ---- messages ------------------------------------------------------------------------
-    def _tag(self, boundary: int, kind: str) -> int:
-        """The tag of the messages across boundary ``boundary`` (between stages b and b + 1),
-        one per direction: each is one receive channel, in micro-batch order."""
-        return 2 * boundary + (0 if kind == "act" else 1)
+    def _message(self, c: int, mb: int, kind: str, outgoing: bool) -> Message:
+        """The message of ``kind`` that chunk ``c`` sends (``outgoing``) or receives for ``mb``."""
+        s = self._stage(c)
+        forward = kind == "act"
+        return Message(kind, s if forward == outgoing else s - 1, mb)
 
     def _send(self, c: int, mb: int, kind: str, tensor: torch.Tensor, delta: bool = False) -> None:
-        s = self._stage(c)
-        boundary, peer = (s, s + 1) if kind == "act" else (s - 1, s - 1)
-        key = f"{kind}{boundary}:{mb}"
+        msg = self._message(c, mb, kind, True)
         codec: Any = self._act[c] if kind == "act" else self._grad[c]
         if delta and self.delta:
             codec = self._delta_out[c]
-            codec.expect(key, self._ids[mb])
-        dst, tag = self.grid.peer(peer), self._tag(boundary, kind)
-
-        def job() -> None:
-            t = time.time()
-            send(tensor, dst, codec, key=key, group=self.grid.group, tag=tag)
-            self._event("send", s, mb, t)
-
-        self._channels.post(dst, job)
-
-    def _incoming(self, c: int, kind: str) -> Tuple[int, int, int]:
-        """``(boundary, peer's global rank, tag)`` of the messages of ``kind`` into chunk ``c``."""
-        s = self._stage(c)
-        boundary, peer = (s - 1, s - 1) if kind == "act" else (s, s + 1)
-        return boundary, self.grid.peer(peer), self._tag(boundary, kind)
-
-    def _expect(self, actions: Sequence[Action], delta: bool) -> None:
-        """Post, in schedule order, a receive for every message ``actions`` will read: the
-        receive channels take them in while this rank computes."""
-        for a in actions:
-            s = self._stage(a.chunk)
-            if (a.kind == "F" and s > 0) or (a.kind == "B" and s < self.n_stages - 1):
-                kind = "act" if a.kind == "F" else "grad"
-                boundary, src, tag = self._incoming(a.chunk, kind)
-                key = f"{kind}{boundary}:{a.mb}"
-                codec: Any = self._recv_codec[a.chunk] if kind == "act" else self._grad[a.chunk]
-                if kind == "act" and delta and self.delta:
-                    codec = self._delta_in[a.chunk]
-                    codec.expect(key, self._ids[a.mb])
-
-                def job(src: int = src, codec: Any = codec, key: str = key, tag: int = tag) -> torch.Tensor:
-                    return recv(src, codec, key=key, group=self.grid.group, tag=tag, device=self._device())
-
-                self._channels.expect(src, tag, job)
-
-    def _recv(self, c: int, mb: int, kind: str) -> torch.Tensor:
-        _, src, tag = self._incoming(c, kind)
+            codec.expect(msg.key, self._ids[mb])
         t = time.time()
-        out = self._channels.take(src, tag)
+        self._transport.send(msg, tensor, codec)
+        self._event("send", self._stage(c), mb, t)
+
+    def _recv(self, c: int, mb: int, kind: str, delta: bool = False) -> torch.Tensor:
+        msg = self._message(c, mb, kind, False)
+        codec: Any = self._recv_codec[c] if kind == "act" else self._grad[c]
+        if kind == "act" and delta and self.delta:
+            codec = self._delta_in[c]
+            codec.expect(msg.key, self._ids[mb])
+        t = time.time()
+        out = self._transport.take(msg, codec)
         self._event("wait", self._stage(c), mb, t)
         return out
-
-    def _device(self) -> torch.device:
-        p = next(self.local.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
 
     def _event(self, kind: str, stage: int, mb: int, t: float) -> None:
         self.events.append(Event(kind, stage, mb, t - self.started_at, time.time() - self.started_at))
@@ -436,24 +504,30 @@ class Pipeline:
     # ---- the end of a step ---------------------------------------------------------------
     def _conclude(self, loss: Optional[torch.Tensor], txn: Transaction,
                   check_grads: bool = True) -> Tuple[torch.Tensor, bool]:
-        """One all-reduce over the grid: the loss (from the last stages, averaged over
-        replicas) and whether every rank's loss and local gradients are finite."""
-        ok = txn.finite
+        """One all-reduce over the grid, on the stage's device, read once on the host: the loss
+        (from the last stages, averaged over replicas) and whether every rank's loss and local
+        gradients are finite (the largest magnitude of each gradient: NaN and inf propagate, no
+        overflow of a sum)."""
+        dev = self.device
+        bad = torch.full((), 0.0 if txn.finite else 1.0, dtype=torch.float64, device=dev)
+        value = torch.zeros((), dtype=torch.float64, device=dev)
         if loss is not None:
-            ok = ok and bool(torch.isfinite(loss))
+            value = loss.detach().reshape(()).to(dev, torch.float64)
+            bad = bad + (~torch.isfinite(value)).double()
         if check_grads:
-            ok = ok and all_finite([p.grad for p in self.local.parameters() if p.grad is not None])
-        row = torch.tensor([0.0 if loss is None else float(loss), 0.0 if ok else 1.0], dtype=torch.float64)
-        if self.grid.world > 1:
-            try:
-                dist.all_reduce(row, group=self.grid.group)
-            except RuntimeError as exc:
-                from gradcomp.collectives import CommunicationError
-
-                raise CommunicationError(f"Pipeline: the end-of-step all-reduce failed on rank {self.grid.rank}: a "
-                                         f"peer died or did not answer within the group timeout ({exc})") from exc
+            grads = [p.grad.detach() for p in self.local.parameters() if p.grad is not None and p.grad.numel()]
+            if grads:
+                peak = torch.stack([g.abs().amax().to(torch.float64) for g in grads]).amax()
+                bad = bad + (~torch.isfinite(peak)).double()
+        row = torch.stack([value, bad])
+        try:
+            dist.all_reduce(row, group=self.grid.group)
+        except RuntimeError as exc:
+            raise CommunicationError(f"Pipeline: the end-of-step all-reduce failed on rank {self.grid.rank}: a "
+                                     f"peer died or did not answer within the group timeout ({exc})") from exc
+        total, flagged = row.tolist()  # the step's one read of its outcome
         dtype = loss.dtype if loss is not None else torch.float32
-        return torch.tensor(row[0].item() / self.grid.replicas, dtype=dtype), row[1].item() == 0.0
+        return torch.tensor(total / self.grid.replicas, dtype=dtype), flagged == 0.0
 
     def _abandon(self, txn: Transaction, exc: BaseException) -> None:
         """A step that raised after its first message: undo its state. Its messages are lost

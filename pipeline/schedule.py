@@ -6,11 +6,11 @@ chunks per rank there are ``p * v`` virtual stages; stage ``s`` lives on rank ``
 chunk ``s // p`` (``v == 1`` for GPipe and 1F1B). The order of every message follows from
 these lists: a forward on stage ``s > 0`` first receives its input from stage ``s - 1``, a
 backward on stage ``s < last`` first receives its output's gradient from stage ``s + 1``, and
-what a pass produces is sent as soon as it is done. Sends never block a rank's schedule (they
-run on the pipeline's channel threads, one per peer and direction), receives do; so a schedule
-runs without deadlock exactly when :func:`simulate` finds an order in which every receive's
-message was produced before — checked for every registered schedule in the tests, over many
-``(p, m, v)``.
+what a pass produces is sent as soon as it is done. Sends never block a rank's schedule, receives
+do; so a schedule runs without deadlock exactly when :func:`simulate` finds an order in which
+every receive's message was produced before — checked for every registered schedule in the
+tests, over many ``(p, m, v)``. The same run (:func:`timeline`) orders the step's messages for
+the transport (:mod:`gradcomp.pipeline.transport`), identically on every rank.
 
 - ``gpipe`` (Huang et al. 2019): all forwards, then all backwards (in micro-batch order, as
   ``torch.distributed.pipelining.ScheduleGPipe``); every stage holds the activations of all
@@ -25,7 +25,7 @@ message was produced before — checked for every registered schedule in the tes
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, NamedTuple, Tuple
+from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 
 class Action(NamedTuple):
@@ -117,15 +117,15 @@ class Simulation(NamedTuple):
         return 1.0 - sum(self.busy) / (len(self.busy) * self.makespan)
 
 
-def simulate(schedule: str, p: int, m: int, v: int = 1, *, forward: float = 1.0, backward: float = 2.0) -> Simulation:
-    """Run every rank's actions with the given pass costs (per chunk) and free communication,
-    each receive waiting for its message; ``ValueError`` naming the stuck ranks if the
-    schedule deadlocks or is missing a pass."""
-    plans = [build(schedule, r, p, m, v) for r in range(p)]
-    stages = p * v
+def timeline(plans: Sequence[Sequence[Action]], p: int, *, forward: float = 1.0,
+             backward: float = 2.0) -> Dict[Tuple[str, int, int], float]:
+    """When each pass ``(kind, virtual stage, mb)`` of ``plans`` (every rank's actions) ends,
+    with the given pass costs and free communication, each receive waiting for its message;
+    ``ValueError`` naming the stuck ranks if the plans deadlock. The pipeline's transport
+    orders its messages by these times (:mod:`gradcomp.pipeline.transport`)."""
+    stages = p * (1 + max((a.chunk for plan in plans for a in plan), default=0))
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish time
-    pos, clock, busy = [0] * p, [0.0] * p, [0.0] * p
-    live, peak = [0] * p, [0] * p
+    pos, clock = [0] * p, [0.0] * p
     while any(pos[r] < len(plans[r]) for r in range(p)):
         moved = False
         for r in range(p):
@@ -139,22 +139,39 @@ def simulate(schedule: str, p: int, m: int, v: int = 1, *, forward: float = 1.0,
                 need = [("F", s, a.mb)] + ([("B", s + 1, a.mb)] if s < stages - 1 else [])
             if any(n not in done for n in need):
                 continue
-            cost = forward if a.kind == "F" else backward
             start = max([clock[r]] + [done[n] for n in need])
-            clock[r] = start + cost
-            busy[r] += cost
+            clock[r] = start + (forward if a.kind == "F" else backward)
             done[(a.kind, s, a.mb)] = clock[r]
-            live[r] += 1 if a.kind == "F" else -1
-            peak[r] = max(peak[r], live[r])
             pos[r] += 1
             moved = True
         if not moved:
             stuck = [f"rank {r} at {plans[r][pos[r]]}" for r in range(p) if pos[r] < len(plans[r])]
-            raise ValueError(f"schedule {schedule!r} deadlocks on {p} ranks, {m} micro-batches: {', '.join(stuck)}")
+            raise ValueError(f"the schedule deadlocks on {p} ranks: {', '.join(stuck)}")
+    return done
+
+
+def simulate(schedule: str, p: int, m: int, v: int = 1, *, forward: float = 1.0, backward: float = 2.0) -> Simulation:
+    """Run every rank's actions with the given pass costs (per chunk) and free communication,
+    each receive waiting for its message; ``ValueError`` naming the stuck ranks if the
+    schedule deadlocks or is missing a pass."""
+    plans = [build(schedule, r, p, m, v) for r in range(p)]
+    stages = p * v
+    try:
+        done = timeline(plans, p, forward=forward, backward=backward)
+    except ValueError as exc:
+        raise ValueError(f"schedule {schedule!r} deadlocks on {p} ranks, {m} micro-batches: "
+                         f"{str(exc).split(': ', 1)[1]}") from None
+    busy, peak = [0.0] * p, [0] * p
+    for r, plan in enumerate(plans):
+        live = 0
+        for a in plan:
+            busy[r] += forward if a.kind == "F" else backward
+            live += 1 if a.kind == "F" else -1
+            peak[r] = max(peak[r], live)
     want = {(k, s, i) for k in "FB" for s in range(stages) for i in range(m)}
-    if set(done) != want:
+    if set(done) != want or sum(len(plan) for plan in plans) != len(want):
         raise ValueError(f"schedule {schedule!r} does not run every pass once on {p} ranks, {m} micro-batches")
-    return Simulation(max(clock), busy, peak)
+    return Simulation(max(done.values()), busy, peak)
 
 
 def ideal_bubble(p: int, m: int, v: int = 1) -> float:

@@ -1,0 +1,316 @@
+"""The pipeline's transport: every boundary message of a step from one thread, in one agreed order.
+
+NCCL runs a pair's point-to-point operations on one stream, in issue order, and ignores tags: a
+receive posted ahead of a send to the same peer holds that send until the receive completes.
+So the two ends of every link must issue their operations in the same order, and no rank may
+post a receive whose message needs something this rank sends later. The transport gets both
+from the schedule, which every rank knows for every rank:
+
+- **The order.** :func:`message_order` runs every rank's actions in
+  :func:`gradcomp.pipeline.schedule.timeline` (unit costs, free links) and sorts the step's
+  messages by the time each is produced (ties by kind, boundary, micro-batch). Each rank issues
+  the operations of its own messages in that order, whoever the peer: a message that depends on
+  another is produced later in any run, so by induction on the order the earliest unfinished
+  message always has its send posted and its receive posted — the step cannot deadlock, whether
+  the backend gives each pair its own stream or one stream to all of a rank's peers.
+- **The frontier.** A rank posts its operations in order as far as it can: a send once this rank
+  has produced it, a receive as soon as everything before it is posted. It stops at a send not
+  yet produced, and at a receive whose first part has not arrived (its header may announce a
+  tail that comes next, below). Every post is one ``torch.distributed.batch_isend_irecv`` call
+  from the calling thread (as ``torch.distributed.pipelining`` does); no tag is relied on.
+- **The message.** One uint8 device tensor: a fixed 64-byte header (magic, the message's
+  identity, the payload length, the codec's hash, the dtype), then the payload in the wire
+  format (``Payload.to_tensor``: self-describing, so shapes may change at any step). Both ends
+  know the capacity of the next message on each channel (kind and boundary): the length of the
+  previous one, or the header alone for the first of a step. A payload that fits is padded to the
+  capacity and travels in one message; a longer one sends its first ``capacity`` bytes and the
+  rest right after, which the receiver posts once it has read the header. So a step costs one
+  message per boundary tensor plus one per channel, with no size exchange and no state carried
+  between steps.
+
+A failed or timed-out operation is a ``CommunicationError`` and leaves the transport broken: its
+ranks are out of step (``Pipeline`` then refuses further steps).
+"""
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+from gradcomp.collectives import CommunicationError
+from gradcomp.compress import Compressor, Payload
+from gradcomp.compress.payload import memory_bytes
+
+from .schedule import Action, timeline
+
+MAGIC = 0x67706970650001  # "gpipe" + version 1
+HEADER = 8  # int64 fields: magic, message code, payload length, codec hash, dtype, 3 spare
+HEADER_BYTES = HEADER * 8
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+FLOAT_DTYPES = frozenset(_DTYPES)
+
+
+class Message(NamedTuple):
+    """One boundary message: ``kind`` "act" (stage ``boundary`` to ``boundary + 1``) or
+    "grad" (back), of micro-batch ``mb``."""
+
+    kind: str
+    boundary: int
+    mb: int
+
+    @property
+    def src(self) -> int:
+        """The virtual stage that sends it."""
+        return self.boundary if self.kind == "act" else self.boundary + 1
+
+    @property
+    def dst(self) -> int:
+        return self.boundary + 1 if self.kind == "act" else self.boundary
+
+    @property
+    def key(self) -> str:
+        """The codec key (per-key counters and error feedback), as the channels always used."""
+        return f"{self.kind}{self.boundary}:{self.mb}"
+
+    @property
+    def code(self) -> int:
+        return (self.boundary * 2 + (self.kind == "grad")) * (1 << 32) + self.mb
+
+
+def message_order(plans: Sequence[Sequence[Action]], p: int) -> List[Message]:
+    """Every message of one step of ``plans`` (each rank's actions), in the order every rank
+    issues its operations (see the module docstring)."""
+    done = timeline(plans, p)
+    n_stages = p * (1 + max((a.chunk for plan in plans for a in plan), default=0))
+    out: List[Tuple[float, int, int, int, Message]] = []
+    for (kind, s, mb), t in done.items():
+        if kind == "F" and s < n_stages - 1:
+            out.append((t, 0, s, mb, Message("act", s, mb)))
+        elif kind == "B" and s > 0:
+            out.append((t, 1, s - 1, mb, Message("grad", s - 1, mb)))
+    return [m for *_, m in sorted(out)]
+
+
+def h63(text: str) -> int:
+    """A non-negative 63-bit hash of ``text``, the same on every rank and run."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+
+class _Slot:
+    """One message of this rank's step: what was posted for it and what came back."""
+
+    __slots__ = ("msg", "out", "peer", "buf", "tail", "works", "length", "read", "hdr")
+
+    def __init__(self, msg: Message, out: bool, peer: int) -> None:
+        self.msg, self.out, self.peer = msg, out, peer
+        self.buf: Optional[torch.Tensor] = None  # the first part (sent, or posted for receiving)
+        self.tail: Optional[torch.Tensor] = None  # the rest of a payload longer than the capacity
+        self.works: List[Any] = []
+        self.length = -1  # payload bytes
+        self.read = False  # receive: header read and the tail (if any) posted
+        self.hdr: List[int] = []
+
+
+class Transport:
+    """One rank's boundary messages, step by step (:meth:`begin`, :meth:`send`, :meth:`take`,
+    :meth:`finish`); only the thread that drives the pipeline calls it."""
+
+    def __init__(self, group: Any, rank_of_stage: Callable[[int], int], my_stages: Sequence[int],
+                 device: torch.device) -> None:
+        self.group, self.rank_of_stage, self.device = group, rank_of_stage, device
+        self.mine = set(my_stages)
+        self.broken: Optional[BaseException] = None
+        self.sent_bytes = 0  # wire bytes this rank sent in the current (or last) step (framing included)
+        self.payload_bytes = 0  # of which the payloads' tensors (what telemetry calls payload bytes)
+        self.messages = 0  # point-to-point operations this rank posted in the current step
+        self._seq: List[_Slot] = []
+        self._slot: Dict[Message, _Slot] = {}
+        self._pos = 0
+        self._cap: Dict[Tuple[str, int], int] = {}
+
+    # ---- a step -------------------------------------------------------------------------
+    def begin(self, order: Sequence[Message]) -> None:
+        """Start a step whose messages are ``order`` (the same list on every rank)."""
+        self._check()
+        self._seq = []
+        for m in order:
+            if m.src in self.mine or m.dst in self.mine:
+                out = m.src in self.mine
+                self._seq.append(_Slot(m, out, self.rank_of_stage(m.dst if out else m.src)))
+        self._slot = {s.msg: s for s in self._seq}
+        self._pos, self._cap, self.sent_bytes, self.payload_bytes, self.messages = 0, {}, 0, 0, 0
+
+    def send(self, msg: Message, tensor: torch.Tensor, codec: Any) -> None:
+        """Compress ``tensor`` with ``codec`` (a compressor or a feedback wrapper; its state
+        under ``msg.key``) and post it as soon as the agreed order allows."""
+        self._check()
+        slot = self._slot[msg]
+        if tensor.dtype not in FLOAT_DTYPES:
+            raise ValueError(f"pipeline: a stage output of dtype {tensor.dtype} cannot cross a boundary; "
+                             f"use float16, bfloat16, float32 or float64")
+        base, feedback = _split_codec(codec)
+        acc = tensor.detach()
+        if feedback is not None:
+            acc = feedback.accumulate(acc, msg.key)
+            payload, sent = base.compress_decoded(acc.to(tensor.dtype), msg.key)
+            feedback.update(msg.key, acc, sent)
+        else:
+            payload = base.compress(acc, msg.key)
+        body = payload.to_tensor()
+        body = body if body.device == self.device else body.to(self.device)
+        head = torch.tensor([MAGIC, msg.code, body.numel(), h63(repr(base)), _DTYPES.index(tensor.dtype), 0, 0, 0],
+                            dtype=torch.int64, device=self.device)
+        cap = self._capacity(msg)
+        whole = torch.cat([head.view(torch.uint8), body])
+        if whole.numel() <= cap:
+            slot.buf = torch.cat([whole, whole.new_zeros(cap - whole.numel())]) if whole.numel() < cap else whole
+        else:
+            slot.buf, slot.tail = whole[:cap], whole[cap:]
+        self._cap[(msg.kind, msg.boundary)] = whole.numel()
+        slot.length = body.numel()
+        self.sent_bytes += whole.numel()
+        self.payload_bytes += payload.nbytes
+        self._advance(None)
+
+    def take(self, msg: Message, codec: Any) -> torch.Tensor:
+        """The decoded tensor of ``msg`` (waits for it), through ``codec`` as :meth:`send`."""
+        self._check()
+        slot = self._slot[msg]
+        at = self._seq.index(slot)
+        self._advance(at)
+        if self._pos <= at:
+            raise RuntimeError(f"pipeline: {msg.key} is needed before this rank produced "
+                               f"{self._seq[self._pos].msg.key}, which comes first in the agreed order: the "
+                               f"schedule and the message order disagree")
+        try:
+            for w in slot.works:
+                w.wait()
+        except RuntimeError as exc:
+            raise self._lost(slot, exc) from exc
+        data = slot.buf[HEADER_BYTES:] if slot.tail is None else torch.cat([slot.buf[HEADER_BYTES:], slot.tail])
+        data = data[:slot.length]
+        base, feedback = _split_codec(codec)
+        if slot.hdr[3] != h63(repr(base)):
+            raise ValueError(f"pipeline: {msg.key} from rank {slot.peer} was sent with another codec than "
+                             f"{base!r}; every rank must be built with the same codecs")
+        try:  # the bytes are this rank's own: the payload may view them
+            payload = Payload.from_bytes(data.cpu().numpy(), copy=False)
+        except ValueError as exc:
+            raise ValueError(f"pipeline: the payload of {msg.key} from rank {slot.peer} is invalid: {exc}") from None
+        if self.device.type != "cpu":
+            payload = payload.to(self.device)
+        out = base.decompress(payload)
+        if feedback is not None:
+            out = feedback.combine(msg.key, out)
+        return out.to(_DTYPES[slot.hdr[4]])
+
+    def finish(self) -> None:
+        """Post what is left and wait until every operation of the step is done."""
+        self._check()
+        self._advance(len(self._seq) - 1)
+        for slot in self._seq:
+            try:
+                for w in slot.works:
+                    w.wait()
+            except RuntimeError as exc:
+                raise self._lost(slot, exc) from exc
+        if self._pos != len(self._seq):
+            missing = [s.msg.key for s in self._seq[self._pos:]]
+            raise RuntimeError(f"pipeline: the step ended with messages never produced: {missing}")
+
+    # ---- the frontier -------------------------------------------------------------------
+    def _capacity(self, msg: Message) -> int:
+        return self._cap.get((msg.kind, msg.boundary), HEADER_BYTES)
+
+    def _advance(self, until: Optional[int]) -> None:
+        """Post this rank's operations in the agreed order as far as possible; wait (only) for
+        receives at positions up to ``until``, which must be posted when this returns."""
+        ops: List[Tuple[Any, _Slot]] = []
+        try:
+            while self._pos < len(self._seq):
+                slot = self._seq[self._pos]
+                if slot.out:
+                    if slot.buf is None:
+                        break  # not produced yet; nothing after it may go first
+                    ops.append((dist.P2POp(dist.isend, slot.buf, slot.peer, self.group), slot))
+                    if slot.tail is not None:
+                        ops.append((dist.P2POp(dist.isend, slot.tail, slot.peer, self.group), slot))
+                    self._pos += 1
+                    continue
+                if slot.buf is None:
+                    slot.buf = torch.empty(self._capacity(slot.msg), dtype=torch.uint8, device=self.device)
+                    ops.append((dist.P2POp(dist.irecv, slot.buf, slot.peer, self.group), slot))
+                    self._post(ops)
+                    ops = []
+                if (until is None or self._pos > until) and not all(w.is_completed() for w in slot.works):
+                    break  # its header may announce a tail, which must be posted before anything after it
+                for w in slot.works:
+                    w.wait()  # raises for a failed one
+                self._read(slot)
+                if slot.tail is not None:
+                    ops.append((dist.P2POp(dist.irecv, slot.tail, slot.peer, self.group), slot))
+                self._pos += 1
+        except RuntimeError as exc:
+            raise self._lost(self._seq[min(self._pos, len(self._seq) - 1)], exc) from exc
+        except ValueError as exc:  # a header out of step: so are the ranks
+            self.broken = exc
+            raise
+        finally:
+            if ops and self.broken is None:
+                self._post(ops)
+
+    def _post(self, ops: List[Tuple[Any, _Slot]]) -> None:
+        works = dist.batch_isend_irecv([op for op, _ in ops])
+        self.messages += len(ops)
+        if len(works) == len(ops):
+            for w, (_, slot) in zip(works, ops):
+                slot.works.append(w)
+        else:  # one work for the whole batch (a coalesced backend): every op completes with it
+            for _, slot in ops:
+                slot.works.extend(works)
+
+    def _read(self, slot: _Slot) -> None:
+        """The received header: checked, the capacity of the channel's next message noted, the
+        tail of a longer payload allocated (posted by the caller, next in order)."""
+        hdr = slot.buf[:HEADER_BYTES].view(torch.int64).tolist()  # one host read per message
+        slot.hdr = hdr
+        if hdr[0] != MAGIC:
+            raise ValueError(f"pipeline: the message from rank {slot.peer} expected as {slot.msg.key} is not a "
+                             f"pipeline message (header {hdr[:3]}): the ranks are out of step")
+        if hdr[1] != slot.msg.code:
+            raise ValueError(f"pipeline: rank {slot.peer} sent another message ({hdr[1]:#x}) where this rank "
+                             f"expected {slot.msg.key} ({slot.msg.code:#x}): the ranks run different schedules")
+        length, dtype = hdr[2], hdr[4]
+        limit = memory_bytes()
+        if length < 0 or not 0 <= dtype < len(_DTYPES) or (limit is not None and length > limit):
+            raise ValueError(f"pipeline: the header of {slot.msg.key} from rank {slot.peer} is invalid ({hdr[:5]})")
+        whole = HEADER_BYTES + length
+        cap = slot.buf.numel()
+        if whole > cap:
+            slot.tail = torch.empty(whole - cap, dtype=torch.uint8, device=self.device)
+        slot.length = length
+        slot.read = True
+        self._cap[(slot.msg.kind, slot.msg.boundary)] = whole
+
+    def _lost(self, slot: _Slot, exc: BaseException) -> BaseException:
+        err = CommunicationError(f"pipeline: {slot.msg.key} {'to' if slot.out else 'from'} rank {slot.peer} failed: "
+                                 f"a peer died or did not answer within the group timeout ({exc})")
+        self.broken = err
+        return err
+
+    def _check(self) -> None:
+        if self.broken is not None:
+            raise self.broken
+
+
+def _split_codec(codec: Any) -> Tuple[Compressor, Optional[Any]]:
+    if isinstance(codec, Compressor):
+        return codec, None
+    inner = getattr(codec, "compressor", None)
+    if isinstance(inner, Compressor) and all(hasattr(codec, f) for f in ("accumulate", "update", "combine")):
+        return inner, codec
+    raise ValueError(f"a pipeline codec must be a Compressor or an error-feedback wrapper of one, "
+                     f"got {type(codec).__name__}")
+
