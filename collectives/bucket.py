@@ -125,9 +125,11 @@ def allreduce_buckets(tensors: Tensors, compressor: Any = "none", *, bucket_mb: 
         members = [items[i] for i in bucket]
         layout = ";".join(f"{n}:{tuple(t.shape)}" for n, t in members)
         key = f"{key_prefix}bucket:{members[0][0]}..{members[-1][0]}#{h64(layout) & 0xFFFFFFFF:08x}"
-        futures.append(worker.submit(partial(_bucket_job, members, spec, key, group), (group,), async_op))
+        tensors = [t for _, t in members]  # one device per bucket (plan_buckets)
+        futures.append(worker.submit(partial(_bucket_job, members, spec, key, group), (group,), async_op,
+                                     device=tensors[0].device, inputs=tensors))
     if async_op:
-        return worker.all_of(futures, lambda parts: _merge(names, parts))
+        return worker.all_of(futures, lambda parts: _merge(names, parts), devices=[t.device for _, t in items])
     return _merge(names, futures)
 
 

@@ -63,7 +63,9 @@ def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *
             raise ValueError(f"allreduce_fused cannot send {spec.base.name} for key {key!r}: it needs several "
                              f"rounds; use allreduce for multi-round compressors")
         specs.append(spec)
-    return worker.submit(lambda eff: _fused_job(items, specs, eff(group), algorithm), (group,), async_op)
+    tensors = [t for _, t, _ in items if isinstance(t, torch.Tensor)]
+    return worker.submit(lambda eff: _fused_job(items, specs, eff(group), algorithm), (group,), async_op,
+                         device=worker.device_of(tensors), inputs=tensors)
 
 
 def _fused_job(items: List[Item], specs: list, group, algorithm: Optional[str]) -> List[torch.Tensor]:

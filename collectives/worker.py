@@ -1,33 +1,57 @@
-"""The one owner of gradcomp's worker threads and twin process groups.
+"""The one owner of gradcomp's worker thread and twin process groups.
 
 A compressed collective has several phases (header, payload, maybe more); two of them in
 flight at once could interleave differently on different ranks. So asynchronous work — an
-``allreduce(..., async_op=True)``, a DDP hook's bucket, ``CompressedOptimizer``'s buckets —
-is queued and run one job at a time, in submission order, on one FIFO worker thread per
-group (or tuple of groups), which completes the returned ``torch.futures.Future``. The
-worker communicates over a *twin* of each group (``new_group`` over the same ranks, made once
-on the caller's thread), so it never meets the program's own collectives on that group (DDP's
-buffer broadcast, a logged loss):
+``allreduce(..., async_op=True)``, a DDP hook's bucket, ``CompressedOptimizer``'s and
+``ShardedOptimizer``'s buckets — is queued and run one job at a time, in submission order, on
+one FIFO worker thread per process (per default group), which completes the returned
+``torch.futures.Future``. The worker communicates over a *twin* of each group (``new_group``
+over the same ranks, made once on the caller's thread), so it never meets the program's own
+collectives on that group (DDP's buffer broadcast, a logged loss):
 
-- the default group's twin is created when its worker is created (every rank must reach
-  that point, as for any ``new_group``);
+- the default group's twin is created when a worker first takes the default group (every rank
+  must reach that point, as for any ``new_group``);
 - ``make_node_groups`` creates twins of the groups it builds, on every rank, in order;
 - any other group is used as it is: don't issue your own collectives on it while jobs run.
 
 A job is ``job(eff)``, where ``eff`` maps a caller's group to the one to use. It runs in the
-submitter's ``contextvars`` context (a state transaction open there covers it). Rules:
+submitter's ``contextvars`` context (a state transaction open there covers it).
 
-- once a group has a worker, synchronous calls on it go through the queue too (and wait), so
-  their order relative to pending jobs is the program order on every rank;
+Devices and streams. Every job is submitted with the device of its tensors (never a thread's
+current device: a new thread's is GPU 0 whatever the rank) and runs under
+``on_device(device)``. For a CUDA device a queued job runs on the worker's own stream for that
+device, after the work the caller's stream had queued when it submitted (an event), and its
+inputs are marked used on that stream (``record_stream``), so the caching allocator does not
+hand their memory to the caller's stream while the worker's still reads it. Futures of CUDA
+jobs are CUDA futures (``torch.futures.Future(devices=[device])``): ``wait()``, ``value()`` and
+``.then()`` make the consumer's current stream wait for the job's work and record its result
+tensors on that stream.
+
+Threads and communicators (NCCL gives no progress guarantee to kernels of two communicators
+issued in different orders on different ranks, and a communicator must not be driven from two
+threads):
+
+- one worker thread per process drives every group gradcomp works on; jobs run in program
+  order, so the order across communicators is the same on every rank;
+- once the worker exists, gradcomp's own synchronous calls (``allreduce`` without
+  ``async_op``, the agreement checks, the parameter broadcast) wait for the jobs already
+  queued and then run on the caller's thread, so no two threads ever communicate for gradcomp
+  at once;
 - a job submitted from the worker's own thread (a ``.then()`` callback) runs there at once:
   queued, waiting on it would wait for the worker itself; such callbacks run on every rank
   right after the same job, so the order stays the same everywhere;
 - ``inline=True`` runs the job on the caller's thread once the queue is empty (the last bucket
-  of a backward pass: nothing is left to overlap with, two thread hand-offs are saved);
-- for a CUDA ``device`` the job runs on the worker's own stream, after the work the caller's
-  stream had queued when it submitted.
+  of a backward pass: nothing is left to overlap with, two thread hand-offs are saved).
 
-``shutdown()`` ends the workers and drops the twins; it runs at exit too. A program that
+What users must not do: issue their own collective (on any group: the default group's
+twin runs on another communicator) while gradcomp jobs are in flight — between ``backward()``
+and ``step()`` of a ``CompressedOptimizer`` or ``ShardedOptimizer``, or while an async
+future is pending. Call :func:`wait_all` first (or the optimizer's ``synchronize()``): the
+in-flight work then completes, and on CUDA the caller's stream is ordered after it, so the
+two communicators are used one after the other on every rank. A DDP hook's buckets are
+complete when ``backward()`` returns (DDP waits for them).
+
+``shutdown()`` ends the worker and drops the twins; it runs at exit too. A program that
 destroys the default group without it loses nothing for long: an idle worker whose default
 group is gone ends within ``_POLL_S`` seconds, dropping its twins, and the next call after a
 new ``init_process_group`` drops whatever is left.
@@ -35,23 +59,62 @@ new ``init_process_group`` drops whatever is left.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import contextvars
 import queue
 import threading
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
+from . import _comm
 from ._comm import CommunicationError, group_timeout, initialized, resolve
 
 Job = Callable[[Callable[[Any], Any]], Any]  # job(eff): eff maps a caller's group to the one to use
 Then = Optional[Callable[[torch.futures.Future], Any]]
+Device = Any  # a torch.device or what torch.device() accepts
 
 _POLL_S = 1.0  # how often an idle worker checks that its default group still exists
+_CPU = torch.device("cpu")
 _lock = threading.Lock()
 _twins: Dict[int, Tuple[Any, Any, Any]] = {}  # id(group) -> (group, twin, default group); keeps them alive
-_workers: Dict[Tuple[int, ...], "Worker"] = {}
+_workers: Dict[int, "Worker"] = {}  # id(default group) -> its worker (at most one live)
+
+
+def on_device(device: torch.device) -> ContextManager[Any]:
+    """Run under ``device``: on CUDA ``torch.cuda.device``; the strict test mode also marks the
+    thread as having set its device (``gradcomp.collectives._comm.on_device``)."""
+    comm_on_device = getattr(_comm, "on_device", None)  # the runtime's own, where it exists
+    if comm_on_device is not None:
+        return comm_on_device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def device_of(*values: Any) -> torch.device:
+    """The device of the first tensor in ``values``, searched through lists, tuples and dict
+    values (an ``allreduce_fused`` item list, a bucket); the CPU when there is none."""
+    found = _first_device(values)
+    return _CPU if found is None else found
+
+
+def _first_device(value: Any) -> Optional[torch.device]:
+    if isinstance(value, torch.Tensor):
+        return value.device
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            found = _first_device(v)
+            if found is not None:
+                return found
+    return None
+
+
+def _future(devices: Iterable[torch.device]) -> torch.futures.Future:
+    """A CUDA future over the CUDA ones among ``devices``, or a plain one."""
+    cuda = sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index or 0)
+    return torch.futures.Future(devices=cuda) if cuda else torch.futures.Future()
 
 
 def register_twin(group, twin) -> None:
@@ -80,49 +143,75 @@ def _twin(group):
 
 
 class Worker:
-    """One FIFO thread for a tuple of groups; see the module docstring."""
+    """The process's FIFO thread; see the module docstring."""
 
-    def __init__(self, groups: Tuple[Any, ...]) -> None:
+    def __init__(self, groups: Tuple[Any, ...] = ()) -> None:
         self.world = dist.group.WORLD  # the default group this worker and its twins belong to
-        self._map = {id(g): _twin(g) for g in groups}  # on the caller's thread: new_group is not thread-safe
+        self._map: Dict[int, Any] = {}
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
-        self._last: Optional[torch.futures.Future] = None  # the latest job queued
+        self._last: Optional[torch.futures.Future] = None  # the latest job queued (with its .then())
+        self._last_on: Dict[torch.device, torch.futures.Future] = {}  # the same per CUDA device
+        self.adopt(groups)
         self.thread = threading.Thread(target=self._loop, name="gradcomp-worker", daemon=True)
         self.thread.start()
+
+    def adopt(self, groups: Sequence[Any]) -> None:
+        """Take ``groups`` on (their twins from now on). Call it on the caller's thread, on every
+        rank at the same point: making the default group's twin is a collective, and
+        ``new_group`` is not thread-safe."""
+        for g in groups:
+            g = resolve(g)
+            if id(g) not in self._map:
+                self._map[id(g)] = _twin(g)
+
+    def owns(self, group) -> bool:
+        return id(resolve(group)) in self._map
 
     def eff(self, group):
         """The group a job uses for the caller's ``group`` (its twin, when it has one)."""
         g = resolve(group)
         return self._map.get(id(g), g)
 
-    def submit(self, job: Job, *, device: Optional[torch.device] = None, then: Then = None,
-               inline: bool = False) -> torch.futures.Future:
+    def submit(self, job: Job, *, device: Device, then: Then = None, inline: bool = False,
+               inputs: Sequence[torch.Tensor] = ()) -> torch.futures.Future:
         """A future of ``job(eff)`` (chained with ``.then(then)``), run after every job submitted
-        before it; see the module docstring for ``inline`` and ``device``."""
-        cuda = device is not None and device.type == "cuda"
-        fut: torch.futures.Future = torch.futures.Future(devices=[device]) if device is not None and cuda \
-            else torch.futures.Future()
+        before it, under ``on_device(device)`` — ``device`` is where the job's tensors are.
+        ``inputs``: the tensors made on the caller's stream that the job reads (see the module
+        docstring); ``inline``: run it on this thread once the queue is empty."""
+        device = torch.device(device)
+        fut = _future([device])
         out = fut if then is None else fut.then(then)
         if threading.current_thread() is self.thread:  # from a callback on this worker
-            _complete(fut, job, self.eff)
+            _complete(fut, job, self.eff, device)
             return out
         if inline:
-            if self._last is not None:
-                try:
-                    self._last.wait()
-                except Exception:  # raised where that future is waited on
-                    pass
-            _complete(fut, job, self.eff)
+            self.wait_queued()  # on CUDA this orders the caller's stream after the worker's too
+            _complete(fut, job, self.eff, device)
             return out
-        self._last = fut
+        self._last = out
         ready = None
-        if cuda:  # the inputs were written on the caller's stream
+        if device.type == "cuda":  # the inputs were written on the caller's stream
+            self._last_on[device] = out
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
         # Enqueue last: once the worker runs, the caller competes with it for the GIL, so
         # the caller should have nothing left to do but return.
-        self._queue.put((job, fut, contextvars.copy_context(), device, ready))
+        self._queue.put((job, fut, contextvars.copy_context(), device, ready, tuple(inputs)))
         return out
+
+    def wait_queued(self) -> None:
+        """Wait until every job queued so far (and its ``.then()``) has run; on CUDA, the
+        caller's current stream of each device used waits for the worker's work too. Errors
+        stay with their futures."""
+        if threading.current_thread() is self.thread:
+            return  # from a callback: every earlier job is done, the running one is the caller
+        # a device's jobs run in order on one worker stream: its latest job's events cover them all
+        for last in [*self._last_on.values(), self._last]:
+            if last is not None:
+                try:
+                    last.wait()
+                except Exception:  # raised where that future is waited on
+                    pass
 
     def stop(self, timeout: float) -> None:
         """Finish the queued jobs, then end the thread (waiting at most ``timeout`` s)."""
@@ -145,19 +234,25 @@ class Worker:
             self._run(streams, *item)  # its own frame: nothing of the job stays referenced while idle
 
     def _run(self, streams: Dict[Any, Any], job: Job, fut: torch.futures.Future, context: contextvars.Context,
-             device: Optional[torch.device], ready: Optional[Any]) -> None:
-        if ready is None or device is None:
-            context.run(_complete, fut, job, self.eff)
+             device: torch.device, ready: Optional[Any], inputs: Tuple[torch.Tensor, ...]) -> None:
+        if ready is None:
+            context.run(_complete, fut, job, self.eff, device)
             return
-        stream = streams.setdefault(device.index, torch.cuda.Stream(device))
+        stream = streams.get(device.index)
+        if stream is None:
+            stream = streams[device.index] = torch.cuda.Stream(device=device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
             stream.wait_event(ready)
-            context.run(_complete, fut, job, self.eff)  # set_result records the stream's work for its users
+            for t in inputs:  # made on the caller's stream, read on this one until its work is done
+                if isinstance(t, torch.Tensor) and t.device == device:
+                    t.record_stream(stream)
+            context.run(_complete, fut, job, self.eff, device)  # set_result records the stream's work
 
 
-def _complete(fut: torch.futures.Future, job: Job, eff: Callable[[Any], Any]) -> None:
+def _complete(fut: torch.futures.Future, job: Job, eff: Callable[[Any], Any], device: torch.device) -> None:
     try:
-        value = job(eff)
+        with on_device(device):  # inside the job's context: the strict mode's mark lives there
+            value = job(eff)
     except Exception as exc:  # reported through the future, raised where it is waited on
         fut.set_exception(exc)
     else:
@@ -168,46 +263,74 @@ def _direct(group):
     return resolve(group)
 
 
-def worker_for(groups: Tuple[Any, ...]) -> Worker:
-    """The worker of ``groups`` (None: the default group), created on first use. The first
-    time, call it on every rank at the same point of the program: creating the default
-    group's twin is a collective."""
-    resolved = tuple(resolve(g) for g in groups)
-    wkey = tuple(id(g) for g in resolved)
+def current() -> Optional[Worker]:
+    """The worker of the current default group, if one was made (stale ones are dropped)."""
     with _lock:
-        worker = _workers.get(wkey)
-    if worker is not None and worker.world is dist.group.WORLD:
-        return worker
-    _drop_stale()
-    worker = Worker(resolved)
-    with _lock:
-        return _workers.setdefault(wkey, worker)
-
-
-def submit(job: Job, groups: Tuple[Any, ...], async_op: bool):
-    """Run ``job`` now (sync) or on the groups' worker (async); see the module docstring."""
-    if not initialized():
-        return completed(job) if async_op else job(_direct)
-    resolved = tuple(resolve(g) for g in groups)
-    with _lock:
-        worker = _workers.get(tuple(id(g) for g in resolved))
-    if worker is not None and worker.world is not dist.group.WORLD:  # left from a destroyed group
-        _drop_stale()
+        worker = _workers.get(id(dist.group.WORLD)) if initialized() else None
+    if worker is not None and worker.world is not dist.group.WORLD:
         worker = None
+    if worker is None and _workers:
+        _drop_stale()
+    return worker
+
+
+def worker_for(groups: Tuple[Any, ...]) -> Worker:
+    """The process's worker, created on first use, having taken ``groups`` (None: the default
+    group) on. The first time a group is taken, call it on every rank at the same point of the
+    program: creating the default group's twin is a collective."""
+    resolved = tuple(resolve(g) for g in groups)
+    worker = current()
+    if worker is None:
+        made = Worker(resolved)
+        with _lock:
+            worker = _workers.setdefault(id(made.world), made)
+        if worker is not made:
+            made.stop(0.0)
+    worker.adopt(resolved)
+    return worker
+
+
+def submit(job: Job, groups: Tuple[Any, ...], async_op: bool, *, device: Device,
+           inputs: Sequence[torch.Tensor] = ()):
+    """Run ``job`` now (sync) or on the worker (async), under ``on_device(device)`` — the
+    device of the job's tensors; see the module docstring. ``inputs``: the tensors the job
+    reads (marked used on the worker's stream)."""
+    device = torch.device(device)
+    if not initialized():
+        return completed(job, device=device) if async_op else _now(job, _direct, device)
+    worker = current()
     if worker is not None and threading.current_thread() is worker.thread:
-        return completed(job, eff=worker.eff) if async_op else job(worker.eff)
+        return completed(job, eff=worker.eff, device=device) if async_op else _now(job, worker.eff, device)
     if async_op:
-        return worker_for(resolved).submit(job)
-    if worker is not None:
-        return worker.submit(job).wait()
-    return job(_direct)
+        return worker_for(groups).submit(job, device=device, inputs=inputs)
+    if worker is not None:  # after the jobs in flight, never beside them
+        return worker.submit(job, device=device, inline=True).wait()
+    return _now(job, _direct, device)
 
 
-def completed(job: Job, then: Then = None, *, eff: Callable[[Any], Any] = _direct) -> torch.futures.Future:
-    """Run ``job(eff)`` now; its finished future (chained with ``.then(then)``)."""
-    fut: torch.futures.Future = torch.futures.Future()
-    _complete(fut, job, eff)
+def _now(job: Job, eff: Callable[[Any], Any], device: torch.device) -> Any:
+    with on_device(device):
+        return job(eff)
+
+
+def completed(job: Job, then: Then = None, *, eff: Callable[[Any], Any] = _direct,
+              device: Device = _CPU) -> torch.futures.Future:
+    """Run ``job(eff)`` now under ``on_device(device)``; its finished future (a CUDA future for
+    a CUDA device; chained with ``.then(then)``)."""
+    device = torch.device(device)
+    fut = _future([device])
+    _complete(fut, job, eff, device)
     return fut if then is None else fut.then(then)
+
+
+def wait_all() -> None:
+    """Wait for every gradcomp job submitted so far (async collectives, training buckets); on
+    CUDA the caller's current stream is then ordered after their work. Call it before a
+    collective of your own while gradcomp work may be in flight (see the module docstring).
+    Errors stay with their futures; without a worker it returns at once."""
+    worker = current()
+    if worker is not None:
+        worker.wait_queued()
 
 
 def _drop_stale() -> None:
@@ -241,16 +364,18 @@ def shutdown(timeout: float = 30.0) -> None:
 atexit.register(shutdown)
 
 
-def all_of(futures, assemble: Callable[[list], Any]) -> torch.futures.Future:
-    """A future of ``assemble([f.value() ...])`` once every future is done; the first error
-    (by position) is passed on with its own type."""
-    out: torch.futures.Future = torch.futures.Future()
+def all_of(futures, assemble: Callable[[list], Any], *, devices: Iterable[torch.device] = ()) -> torch.futures.Future:
+    """A future of ``assemble([f.value() ...])`` once every future is done (a CUDA future over
+    the CUDA ones among ``devices``: reading the values in the last callback orders its streams
+    after every future's work); the first error (by position) is passed on with its own type."""
+    out = _future(devices)
     futures = list(futures)
     remaining = [len(futures)]
     lock = threading.Lock()
 
     def finish():
-        values, error = [], None
+        values: List[Any] = []
+        error = None
         for f in futures:
             try:
                 values.append(f.value())

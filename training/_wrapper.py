@@ -13,6 +13,8 @@ from typing import Any, Callable, Dict, List, Sequence
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives import worker
+
 _HOOKS = ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks", "_optimizer_state_dict_pre_hooks",
           "_optimizer_state_dict_post_hooks", "_optimizer_load_state_dict_pre_hooks",
           "_optimizer_load_state_dict_post_hooks")
@@ -64,6 +66,11 @@ def broadcast_params(params: Sequence[torch.Tensor], group=None) -> None:
     if not params or not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) < 2:
         return
     src = 0 if group is None else dist.get_global_rank(group, 0)
-    with torch.no_grad():
-        for p in params:
-            dist.broadcast(p.data, src=src, group=group)
+
+    def job(eff):
+        with torch.no_grad():
+            for p in params:
+                dist.broadcast(p.data, src=src, group=eff(group))
+
+    # after the gradcomp jobs in flight, under the parameters' device (see collectives.worker)
+    worker.submit(job, (group,), False, device=worker.device_of(list(params)))

@@ -112,7 +112,7 @@ class Compression:
         if params is not None:
             self.warn_unmatched([n for n, _ in params])
         if self.world > 1:
-            agree(self._config(params), self.group, when)
+            agree(self._config(params), self.group, when, device=worker.device_of(params) if params else None)
 
     def warn_unmatched(self, names: Sequence[str]) -> None:
         """A warning for each ``layers`` pattern that matches none of ``names`` (a typo would send
@@ -151,7 +151,7 @@ class Compression:
         agree({"bucket": _describe_params([(n, g) for n, g, _ in items]),
                "routes (compressed or dense) at this iteration": repr([c is not None for _, _, c in items]),
                "iteration": repr(self.iteration), "step counters": repr(steps)},
-              group, "when a bucket layout was first seen")
+              group, "when a bucket layout was first seen", device=worker.device_of([g for _, g, _ in items]))
 
     def submit(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
                buffer: Optional[torch.Tensor] = None, then: Optional[Callable] = None,
@@ -192,10 +192,12 @@ class Compression:
                 self.end_iteration()
             return out
 
+        # the gradients' device, never the thread's: a worker thread's current device is GPU 0
+        device = worker.device_of(buffer, grads)
         if world == 1:
-            return worker.completed(job, then, eff=lambda g: None)
-        device = buffer.device if buffer is not None else grads[0].device if grads else torch.device("cpu")
-        return self._worker.submit(job, device=device, then=then, inline=inline)
+            return worker.completed(job, then, eff=lambda g: None, device=device)
+        inputs = [buffer, *grads] if buffer is not None else list(grads)  # made on the caller's stream
+        return self._worker.submit(job, device=device, then=then, inline=inline, inputs=inputs)
 
     def _identity(self) -> Dict[str, Any]:
         """Whose state this is: rank, world size, parameter names and a configuration
@@ -312,10 +314,26 @@ class Compression:
         self.iteration = int(state["iteration"])
 
 
-def agree(config: Mapping[str, str], group, when: str) -> None:
+def agree(config: Mapping[str, str], group, when: str, *, device: Optional[torch.device] = None) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` unless every rank passed the
     same ``config`` (field -> printable value), naming the first field that differs and each
-    rank's value. One small all-gather."""
+    rank's value. One small all-gather of objects, run after the gradcomp jobs in flight (see
+    :mod:`gradcomp.collectives.worker`) under ``device`` (default: the device this thread's
+    object collectives use on ``group``)."""
+    if device is None:
+        device = _object_device(group)
+    worker.submit(lambda eff: _agree(config, eff(group), when), (group,), False, device=device)
+
+
+def _object_device(group) -> torch.device:
+    """Where object collectives on ``group`` put their tensors, read on the caller's thread
+    (NCCL: the current CUDA device, which ``torch.cuda.set_device`` sets)."""
+    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _agree(config: Mapping[str, str], group, when: str) -> None:
     digest = {k: h64(v) for k, v in config.items()}
     gathered: List[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(gathered, (digest, dict(config)), group=group)
