@@ -15,9 +15,11 @@ With one process (no process group, or a group of one) nothing is sent and nothi
 """
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 from datetime import timedelta
-from typing import Callable, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -73,19 +75,117 @@ def rank_of(group) -> int:
     return dist.get_rank(group) if initialized() else 0
 
 
+def backend_for(group, device_type: str) -> Optional[str]:
+    """The backend ``group`` (None: the default group) uses for tensors of ``device_type``
+    ("cpu", "cuda"): a composite backend such as ``"cpu:gloo,cuda:nccl"`` is read per device
+    type; a plain one ("gloo", "nccl") serves every type. None when the group has none for it."""
+    name = str(dist.get_backend(group)).lower()
+    if ":" not in name:
+        return name
+    for part in name.split(","):
+        dev, _, backend = part.partition(":")
+        if dev.strip() == device_type:
+            return backend.strip()
+    return None
+
+
+def uses_nccl(group) -> bool:
+    """Whether CUDA tensors handed to ``group`` go through NCCL."""
+    return backend_for(group, "cuda") == "nccl"
+
+
 def group_timeout(group) -> Optional[timedelta]:
     """The timeout a group was created with (None when the backend does not say)."""
     try:
-        device = torch.device("cuda") if dist.get_backend(group) == "nccl" else torch.device("cpu")
-        return group._get_backend(device).options._timeout
-    except Exception:  # private API: absent on some backends and versions
+        pg = dist.group.WORLD if group is None else group
+        order = ("cuda", "cpu") if uses_nccl(pg) else ("cpu", "cuda")
+    except Exception:
         return None
+    for device_type in order:
+        try:
+            return pg._get_backend(torch.device(device_type)).options._timeout
+        except Exception:  # private API: absent on some backends and versions
+            continue
+    return None
+
+
+_thread = threading.local()
+
+
+@contextlib.contextmanager
+def on_device(device) -> Iterator[None]:
+    """Run the block with ``device`` as this thread's device: ``torch.cuda.device(device)`` for a
+    CUDA device (a new thread's current device is GPU 0, whatever the main thread set), and on
+    any device a mark that this thread chose its device (read by :func:`device_is_set`)."""
+    device = torch.device(device)
+    before = getattr(_thread, "device", None)
+    _thread.device = device
+    try:
+        if device.type == "cuda":
+            with torch.cuda.device(device):
+                yield
+        else:
+            yield
+    finally:
+        _thread.device = before
+
+
+def device_is_set() -> bool:
+    """Whether this thread runs inside :func:`on_device`."""
+    return getattr(_thread, "device", None) is not None
+
+
+def thread_device() -> Optional[torch.device]:
+    """The device :func:`on_device` set for this thread, or None."""
+    return getattr(_thread, "device", None)
+
+
+def _expected_device(tensors_or_device) -> Optional[torch.device]:
+    if tensors_or_device is None:
+        return None
+    if isinstance(tensors_or_device, (str, torch.device)):
+        d = torch.device(tensors_or_device)
+        return d if d.type == "cuda" else None
+    if isinstance(tensors_or_device, torch.Tensor):
+        tensors_or_device = [tensors_or_device]
+    for t in tensors_or_device:
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            return t.device
+    return None
+
+
+def check_device_set(group, tensors_or_device: Any = None, what: str = "gradcomp") -> None:
+    """Under NCCL (a plain or composite backend with NCCL for CUDA), raise ``RuntimeError``
+    unless the current CUDA device is the one this rank works on: the device of the first
+    CUDA tensor (or the device) given, else ``LOCAL_RANK``. NCCL's object collectives (and
+    every NCCL call without a tensor) use the current device, so without
+    ``torch.cuda.set_device(local_rank)`` every rank would use GPU 0 and hang or fail."""
+    if not initialized() or not uses_nccl(group):
+        return
+    want = _expected_device(tensors_or_device)
+    if want is None:
+        local = os.environ.get("LOCAL_RANK", "").strip()
+        if not local.isdigit():
+            return
+        want = torch.device("cuda", int(local))
+    index = 0 if want.index is None else want.index
+    current = torch.cuda.current_device()
+    if current != index:
+        raise RuntimeError(
+            f"{what}: this rank works on cuda:{index} but the current CUDA device is cuda:{current}; NCCL uses the "
+            f"current device (object collectives, barriers, the communicator itself), so call "
+            f"torch.cuda.set_device(local_rank) before init_process_group (or at least before building the layer)")
 
 
 class Comm:
-    """``group`` from this rank: rank, size, device for control tensors, counted operations."""
+    """``group`` from this rank: rank, size, device for control tensors, counted operations.
 
-    def __init__(self, group, record: Record, op: str) -> None:
+    ``device``: the device the caller's tensors are on. Under NCCL a CUDA ``device`` is the
+    group's device; without one it is the device :func:`on_device` set for this thread, or on
+    the main thread only, the current CUDA device (another thread's is GPU 0, whatever the
+    rank uses: refused). Other backends: the CPU."""
+
+    def __init__(self, group, record: Record, op: str, device: Optional[torch.device] = None) -> None:
         self.record = record
         self.op = op
         self.group = resolve(group)
@@ -97,8 +197,7 @@ class Comm:
             raise ValueError(f"{op}: this rank (global rank {dist.get_rank()}) is not a member of the group it was given")
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
-        nccl = dist.get_backend(self.group) == "nccl"
-        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self.device = _group_device(self.group, device, op)
 
     def global_rank(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
@@ -217,6 +316,22 @@ class Comm:
         said = " ".join(str(exc).split())[:300]
         return (f"{self.op}: {what} failed on rank {self.rank} of a group of {self.size}: a peer died, "
                 f"did not answer {within}, or called a different collective (backend: {said})")
+
+
+def _group_device(group, device: Optional[torch.device], op: str) -> torch.device:
+    if not uses_nccl(group):
+        return torch.device("cpu")
+    if device is not None and torch.device(device).type == "cuda":
+        device = torch.device(device)
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    mine = thread_device()
+    if mine is not None and mine.type == "cuda":
+        return mine
+    if threading.current_thread() is not threading.main_thread():
+        raise RuntimeError(f"{op}: NCCL needs the device of the tensors, and thread "
+                           f"{threading.current_thread().name!r} was given none: its current CUDA device is GPU 0 "
+                           f"whatever this rank uses; pass device= or run it under on_device(device)")
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def scale_(t: torch.Tensor, world: int) -> torch.Tensor:

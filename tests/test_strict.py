@@ -1,0 +1,224 @@
+"""The strict NCCL mode (tests/strict.py) on two real gloo ranks: each rule fires on the pattern
+NCCL would hang or misroute on, and the legal patterns pass. One spawn runs every case."""
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+import strict
+from ranks import run_ranks
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Code compiled as if it were gradcomp's own (rule 3 looks at the caller's file).
+_PROBE = '''
+import torch
+def host(n):
+    return torch.zeros(n)
+def placed(n, like):
+    return torch.zeros(n, device=like.device)
+def new_like(like):
+    return like.new_zeros(like.shape), torch.zeros_like(like), torch.tensor([1.0, 2.0], device=like.device)
+def copies(t):
+    return t.cpu(), t.to("cpu"), torch.from_numpy(t.numpy().copy())
+def to_device(n, device):
+    return torch.zeros(n).to(device)
+'''
+
+
+def _probe():
+    ns = {}
+    exec(compile(_PROBE, os.path.join(_ROOT, "collectives", "_strict_probe.py"), "exec"), ns)
+    return ns
+
+
+def _raises(fn):
+    try:
+        fn()
+    except RuntimeError as exc:
+        return str(exc)
+    return None
+
+
+def _cases(rank, world):
+    import torch.distributed as dist
+
+    from gradcomp.collectives import _comm, allreduce
+
+    assert strict.installed()
+    peer = 1 - rank
+    side = dist.new_group(backend="gloo")  # for the test's own signals
+    out = {}
+
+    # legal: one batch in both directions, tags differing (NCCL ignores them), and a second
+    # batch posted before the first is waited
+    a, b = torch.full((3,), float(rank)), torch.empty(3)
+    c, d = torch.full((2,), 10.0 + rank), torch.empty(2)
+    w1 = dist.batch_isend_irecv([dist.P2POp(dist.isend, a, peer, tag=5), dist.P2POp(dist.irecv, b, peer, tag=9)])
+    w2 = dist.batch_isend_irecv([dist.P2POp(dist.irecv, d, peer), dist.P2POp(dist.isend, c, peer)])
+    for w in w2 + w1:
+        w.wait()
+    out["batch"] = (b.tolist(), d.tolist())
+
+    # legal: blocking p2p in an order both ranks agree on, tags ignored
+    if rank == 0:
+        dist.send(torch.ones(2), 1, tag=3)
+        got = torch.empty(1)
+        dist.recv(got, 1, tag=4)
+    else:
+        got = torch.empty(2)
+        dist.recv(got, 0, tag=8)
+        dist.send(torch.ones(1), 0)
+    out["blocking"] = got.tolist()
+
+    # legal: the worker's twin group beside a collective on the default group
+    fut = allreduce(torch.full((4,), float(rank)), "none", key="twin", async_op=True)
+    dist.all_reduce(torch.ones(1))
+    out["twin"] = fut.wait().tolist()
+
+    # rule 2: two threads in one collective on the same group
+    held = threading.Event()
+    if rank == 0:
+        t = threading.Thread(target=lambda: (held.set(), dist.all_reduce(torch.ones(1))), name="other")
+        t.start()
+        held.wait()
+        while strict._inside.get(strict._group(None)) is None:
+            time.sleep(0.01)
+        out["threads"] = _raises(lambda: dist.all_reduce(torch.ones(1)))
+        dist.barrier(group=side)
+        t.join()
+    else:
+        dist.barrier(group=side)
+        dist.all_reduce(torch.ones(1))
+
+    # rule 3: a host tensor made without device= by gradcomp's code is refused; device=, new_*,
+    # *_like and .to(device) pass; .cpu(), .to("cpu") and a numpy round trip are refused
+    probe = _probe()
+    x = torch.ones(4)
+    out["host"] = _raises(lambda: dist.all_reduce(probe["host"](4)))
+    out["host_view"] = _raises(lambda: dist.all_reduce(probe["host"](8)[2:6]))
+    out["copies"] = [_raises(lambda t=t: dist.all_reduce(t)) for t in probe["copies"](x)]
+    out["x_after_copy"] = _raises(lambda: dist.all_reduce(x))
+    passing = [probe["placed"](4, x), *probe["new_like"](x), probe["to_device"](3, torch.device("cpu"))]
+    out["placed"] = [_raises(lambda t=t: dist.all_reduce(t)) for t in passing]
+    out["from_test"] = _raises(lambda: dist.all_reduce(torch.zeros(2)))  # the test's own tensor
+    strict.declare_device("meta", side)
+    out["declared"] = _raises(lambda: dist.all_reduce(torch.ones(1), group=side))
+    strict._declared.pop(side)
+
+    # rule 4: an object collective from a plain thread is refused, under on_device it runs
+    res = {}
+
+    def plain():
+        res["plain"] = _raises(lambda: dist.all_gather_object([None] * world, rank))
+
+    def placed_thread():
+        got = [None] * world
+        with _comm.on_device("cpu"):
+            dist.all_gather_object(got, rank)
+        res["placed"] = got
+
+    for target in (plain, placed_thread):
+        t = threading.Thread(target=target, name="plain")
+        t.start()
+        t.join()
+    objs = [None] * world
+    dist.all_gather_object(objs, rank * 2)  # the main thread counts as having set its device
+    out["objects"] = (res["plain"], res["placed"], objs)
+
+    # check_device_set and Comm's device under a composite backend, from what they read
+    real_backend, real_current = dist.get_backend, torch.cuda.current_device
+    try:
+        dist.get_backend = lambda group=None: "cpu:gloo,cuda:nccl"
+        torch.cuda.current_device = lambda: 0
+        os.environ["LOCAL_RANK"] = "1"
+        checks = [_raises(lambda: _comm.check_device_set(None, None, "agree")),
+                  _raises(lambda: _comm.check_device_set(None, torch.device("cuda", 0))),
+                  _comm.backend_for(None, "cpu"), _comm.backend_for(None, "cuda"), _comm.uses_nccl(None)]
+        torch.cuda.current_device = lambda: 1
+        checks.append(_raises(lambda: _comm.check_device_set(None, None)))
+        rec = _comm.Record("t", "t", "none", "", 1)
+        checks.append(str(_comm.Comm(None, rec, "t", device=torch.device("cuda", 3)).device))
+        checks.append(str(_comm.Comm(None, rec, "t").device))  # main thread: the current device
+        in_thread = {}
+        t = threading.Thread(target=lambda: in_thread.update(e=_raises(lambda: _comm.Comm(None, rec, "t"))),
+                             name="job")
+        t.start()
+        t.join()
+        checks.append(in_thread["e"])
+    finally:
+        dist.get_backend, torch.cuda.current_device = real_backend, real_current
+        os.environ["LOCAL_RANK"] = str(rank)
+    out["checks"] = checks
+
+    # rule 1, last (it leaves a pair out of step until repaired): each rank posts a receive,
+    # then a send to the same peer -- on NCCL the send waits behind the receive on the pair's
+    # stream on both ranks: a deadlock; here it raises within the bound
+    strict.set_wait(2.0)
+    buf = torch.empty(2)
+    pending = dist.irecv(buf, peer)
+    out["deadlock"] = _raises(lambda: dist.send(torch.full((2,), float(rank)), peer))
+    strict._REAL["send"](torch.full((2,), float(rank)), peer)  # repair: unblock the pending receives
+    pending.wait()
+    out["repaired"] = buf.tolist()
+    dist.barrier()
+    return out
+
+
+def test_strict_mode_rules_fire_and_legal_patterns_pass(tmp_path):
+    res = run_ranks(_cases, 2, tmp_path)
+    for rank, out in enumerate(res):
+        peer = 1 - rank
+        assert out["batch"] == ([float(peer)] * 3, [10.0 + peer] * 2)
+        assert out["blocking"] == ([1.0] if rank == 0 else [1.0, 1.0])
+        assert out["twin"] == [0.5] * 4
+        # rule 3
+        assert "allocated on the host without device= at collectives/_strict_probe.py:4" in out["host"]
+        assert "under NCCL it must live on the group's device" in out["host"]
+        assert "_strict_probe.py:4" in out["host_view"]
+        assert all(e is not None and "_strict_probe.py:10" in e for e in out["copies"]), out["copies"]
+        assert out["x_after_copy"] is None  # .cpu() of a host tensor copied it, leaving x untracked
+        assert out["placed"] == [None] * 5
+        assert out["from_test"] is None
+        assert "was handed a tensor on cpu; the group stands for meta" in out["declared"]
+        # rule 4
+        plain, placed, objs = out["objects"]
+        assert "all_gather_object" in plain and "'plain', which has not set its device" in plain
+        assert "on_device" in plain
+        assert placed == [0, 1] and objs == [0, 2]
+        # check_device_set, backend_for, Comm's device
+        missing, fine, cpu, cuda, nccl, matching, given, main, thread = out["checks"]
+        assert "agree: this rank works on cuda:1 but the current CUDA device is cuda:0" in missing
+        assert "torch.cuda.set_device(local_rank) before init_process_group" in missing
+        assert fine is None and matching is None
+        assert (cpu, cuda, nccl) == ("gloo", "nccl", True)
+        assert (given, main) == ("cuda:3", "cuda:1")
+        assert "thread 'job' was given none" in thread and "on_device" in thread
+        # rule 1
+        assert "strict NCCL mode: send to rank %d" % peer in out["deadlock"]
+        assert "would deadlock on NCCL" in out["deadlock"]
+        assert "queued behind irecv from rank %d" % peer in out["deadlock"]
+        assert out["repaired"] == [float(peer)] * 2
+    assert "entered by thread 'MainThread' while thread 'other' is inside all_reduce" in res[0]["threads"]
+    assert "the default group" in res[0]["threads"]
+
+
+def _off(rank, world):
+    return strict.installed()
+
+
+def test_strict_false_runs_without_the_mode(tmp_path):
+    assert run_ranks(_off, 1, tmp_path, strict=False) == [False]
+
+
+@pytest.mark.parametrize("spec,expected", [("gloo", ("gloo", "gloo")), ("nccl", ("nccl", "nccl")),
+                                           ("cpu:gloo,cuda:nccl", ("gloo", "nccl")), ("cuda:nccl", (None, "nccl"))])
+def test_backend_for_reads_composite_backends_per_device_type(monkeypatch, spec, expected):
+    import torch.distributed as dist
+
+    from gradcomp.collectives import _comm
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: spec)
+    assert (_comm.backend_for(None, "cpu"), _comm.backend_for(None, "cuda")) == expected
