@@ -10,11 +10,19 @@ same ``state_dict`` keys), whose training forward follows the schedule:
 - ``Plain(i, "offload")``: under ``offload_activations`` (CUDA; host memory, prefetched);
 - ``Recompute(s, k, inner)``: :class:`_Recompute`, an autograd function that runs ``s .. k``
   without saving anything and, in backward, runs them again from its stored input by
-  ``inner`` (random number state restored, so dropout draws the same masks; BatchNorm's
-  running statistics restored afterwards, so they are updated once per step, as without a
-  plan) and backpropagates through them. Parameter gradients accumulate inside that nested backward, as
+  ``inner`` (random number state restored, so dropout draws the same masks) and
+  backpropagates through them. Parameter gradients accumulate inside that nested backward, as
   in ``torch.utils.checkpoint``'s reentrant form; under DDP keep ``find_unused_parameters``
   off (the graph walk cannot see through it).
+
+  Buffers that the first forward changed (BatchNorm's running statistics and its count) are
+  replaced by copies of themselves while the stages run again, so the recomputation updates
+  the copies: the module's own buffers move once per step, as without a plan, and are never
+  written while a backward that saved them is pending. The recomputation sees them as the
+  first forward left them, which is exact for BatchNorm (its training forward normalises by
+  the batch's statistics; in evaluation it changes nothing). A stage that changes its input
+  in place (``ReLU(inplace=True)``, measured by the planner: ``inplace``) starts a
+  recomputation on a copy of its input, so the stored input stays what it was.
 
 Outside training (``torch.no_grad()``, evaluation) the forward is the plain chain.
 """
@@ -75,7 +83,9 @@ class StageStore:
         self.codec = get_codec(codec)
         self.step = step
         self.min_numel = min_numel
-        self.exclude = {_ledger.storage_key(t) for t in exclude if isinstance(t, torch.Tensor)}
+        # storage and version: a stage that changes its input in place saves a new value there,
+        # which nobody else holds
+        self.exclude = {_ledger.storage_key(t) + (t._version,) for t in exclude if isinstance(t, torch.Tensor)}
         self.seen: Dict[Tuple[Any, ...], Any] = {}
         self.pending: List[_Stored] = []  # saved by the current stage, encoded when it returns
         self.stage = -1
@@ -85,13 +95,13 @@ class StageStore:
 
     def _pack(self, t: torch.Tensor) -> Any:
         if (is_parameter(t) or not t.is_floating_point() or t.numel() < self.min_numel
-                or _ledger.storage_key(t) in self.exclude):
+                or _ledger.storage_key(t) + (t._version,) in self.exclude):
             return _Held(t)
         ident = (_ledger.storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t._version)
         entry = self.seen.get(ident)
         if entry is None:
             entry = self.seen[ident] = _Stored(t.detach())  # no history: see meter._Held
-            if _where(t) == self.input:  # known now: encoded at once, never held as it is
+            if _where(t, version=True) == self.input:  # known now: encoded at once, never held as it is
                 self._encode(entry, (self.step, self.stage - 1, "out"))
             else:
                 self.pending.append(entry)
@@ -118,7 +128,7 @@ class StageStore:
     @contextlib.contextmanager
     def stage_of(self, i: int, x: Any) -> Iterator[None]:
         """Stage ``i`` runs inside: its saved tensors are hooked; encoded when it returns."""
-        self.stage, self.input = i, _where(x)
+        self.stage, self.input = i, _where(x, version=True)  # changed in place, it is the output
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
 
@@ -143,11 +153,13 @@ class StageStore:
         self.seen = {k: e for k, e in self.seen.items() if (k[0], k[1], k[2]) == out}
 
 
-def _where(t: Any) -> Optional[Tuple[Any, ...]]:
-    """A tensor's place: its storage, offset and shape (None for anything else)."""
+def _where(t: Any, version: bool = False) -> Optional[Tuple[Any, ...]]:
+    """A tensor's place: its storage, offset and shape (None for anything else); ``version``:
+    and its version (what is there now)."""
     if not isinstance(t, torch.Tensor):
         return None
-    return (_ledger.storage_key(t), t.storage_offset(), tuple(t.shape))
+    place = (_ledger.storage_key(t), t.storage_offset(), tuple(t.shape))
+    return place + (t._version,) if version else place
 
 
 _ANCHOR: Dict[torch.device, torch.Tensor] = {}
@@ -168,9 +180,22 @@ class _Recompute(torch.autograd.Function):
         ctx.cpu_rng = torch.get_rng_state()
         ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
         ctx.needs_input_grad = x.requires_grad
-        y = x
-        for i in range(block.start, block.end + 1):
-            y = chain[i](y)
+        stages = [chain[i] for i in range(block.start, block.end + 1)]
+        inplace = flags[2][block.start]
+        before = _buffers(stages)
+        version = x._version
+        y = x.clone() if inplace else x  # the stored input stays what it was
+        for stage in stages:
+            y = stage(y)
+        if not inplace and x._version != version:
+            raise ValueError(f"stage {block.start} changed its input in place, so a recomputation cannot start "
+                             f"from it; build the planned model with plan_memory(...).apply, which measures "
+                             f"this (or pass inplace= to PlannedSequential)")
+        # the buffers this forward changed (in place or by assignment): copies stand in for them
+        # while the stages run again. BatchNorm's kernel updates its statistics without counting a
+        # new version, so a normalisation layer in training counts as changing them all.
+        ctx.changed = [(m, name) for m, name, t, v in before
+                       if m._buffers.get(name) is not t or t._version != v or (m.training and isinstance(m, _NormBase))]
         ctx.save_for_backward(x)
         return y
 
@@ -179,34 +204,47 @@ class _Recompute(torch.autograd.Function):
         (x,) = ctx.saved_tensors
         x = x.detach().requires_grad_(ctx.needs_input_grad)
         devices = [x.device] if ctx.cuda_rng is not None else []
-        stats = _running_stats(ctx.chain[i] for i in range(ctx.block.start, ctx.block.end + 1))
-        with torch.random.fork_rng(devices=devices), _kept(stats):
+        with torch.random.fork_rng(devices=devices), _stand_ins(ctx.changed):
             torch.set_rng_state(ctx.cpu_rng)
             if ctx.cuda_rng is not None:
                 torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
             with torch.enable_grad():
-                y = run_blocks(ctx.chain, ctx.block.inner, x, ctx.step, saves_in=ctx.flags[0],
-                               saves_out=ctx.flags[1])
+                # a stage that works in place gets a tensor of its own with a history (not the leaf)
+                xin = x.clone() if ctx.flags[2][ctx.block.start] else x
+                y = run_blocks(ctx.chain, ctx.block.inner, xin, ctx.step, saves_in=ctx.flags[0],
+                               saves_out=ctx.flags[1], inplace=ctx.flags[2])
+        # the module's own buffers are back, untouched: what the recomputed graph saved is the copies
         torch.autograd.backward(y, grad)
         return (x.grad if ctx.needs_input_grad else None), None, None, None, None, None
 
 
-def _running_stats(stages: Iterable[nn.Module]) -> List[torch.Tensor]:
-    """The running statistics of the normalisation layers in ``stages`` (BatchNorm's mean,
-    variance and count): a recomputation must not update them a second time."""
-    return [b for stage in stages for m in stage.modules() if isinstance(m, nn.modules.batchnorm._NormBase)
-            for b in m.buffers()]
+_NormBase = nn.modules.batchnorm._NormBase  # BatchNorm, InstanceNorm, SyncBatchNorm
+
+
+def _buffers(stages: Iterable[nn.Module]) -> List[Tuple[nn.Module, str, torch.Tensor, int]]:
+    """Every buffer of ``stages``: its module, name, tensor and version."""
+    seen, out = set(), []
+    for stage in stages:
+        for m in stage.modules():
+            if id(m) in seen:
+                continue
+            seen.add(id(m))
+            out.extend((m, name, t, t._version) for name, t in m._buffers.items() if t is not None)
+    return out
 
 
 @contextlib.contextmanager
-def _kept(buffers: List[torch.Tensor]) -> Iterator[None]:
-    saved = [b.detach().clone() for b in buffers]
+def _stand_ins(changed: Sequence[Tuple[nn.Module, str]]) -> Iterator[None]:
+    """Within: copies in place of the buffers ``changed`` (what a recomputation updates);
+    afterwards the modules' own buffers again, as the first forward left them."""
+    own = [(m, name, m._buffers[name]) for m, name in changed]
     try:
+        for m, name, t in own:
+            m._buffers[name] = t.detach().clone()
         yield
     finally:
-        with torch.no_grad():
-            for b, v in zip(buffers, saved):
-                b.copy_(v)
+        for m, name, t in own:
+            m._buffers[name] = t
 
 
 def _runs(blocks: Sequence[Block]) -> Iterator[Tuple[str, List[Block]]]:
@@ -232,12 +270,14 @@ def _kind(b: Optional[Block]) -> str:
 
 
 def run_blocks(chain: Sequence[nn.Module], blocks: Sequence[Block], x: Any, step: int, *,
-               saves_in: Sequence[bool], saves_out: Sequence[bool]) -> Any:
+               saves_in: Sequence[bool], saves_out: Sequence[bool], inplace: Optional[Sequence[bool]] = None) -> Any:
     """Run ``blocks`` of ``chain`` on ``x`` with autograd. Where a run of compressing stages
     meets another block, its boundary activation is held once, in the form the schedule's
     cost model says (``schedule.boundary``): the run leaves its input as it is when what came
     before holds it so (the caller, or a kept stage that saves its output), and its output when
-    what follows does (a recomputation, the end, a kept stage that saves its input)."""
+    what follows does (a recomputation, the end, a kept stage that saves its input).
+    ``inplace``: per stage, whether it changes its input in place (default: none does)."""
+    flags = (saves_in, saves_out, list(inplace) if inplace is not None else [False] * len(chain))
     runs = list(_runs(blocks))
     for r, (mode, run) in enumerate(runs):
         after = _kind(runs[r + 1][1][0]) if r + 1 < len(runs) else "end"
@@ -246,7 +286,7 @@ def run_blocks(chain: Sequence[nn.Module], blocks: Sequence[Block], x: Any, step
             assert isinstance(b, Recompute)
             if not isinstance(x, torch.Tensor):
                 raise ValueError(f"stage {b.start} gets a {type(x).__name__}; a recomputed stage needs a tensor input")
-            x = _Recompute.apply(x, _anchor(x.device), chain, b, step, (saves_in, saves_out))
+            x = _Recompute.apply(x, _anchor(x.device), chain, b, step, flags)
         elif mode == "keep":
             for b in run:
                 x = chain[b.stage](x)  # type: ignore[union-attr]
@@ -272,14 +312,15 @@ def run_blocks(chain: Sequence[nn.Module], blocks: Sequence[Block], x: Any, step
 
 class PlannedSequential(nn.Sequential):
     """The stages of a chain, run by a memory plan in training (see the module docstring).
-    ``saves_in`` / ``saves_out``: per stage, whether it saves its input / its output (the
-    plan measured them)."""
+    ``saves_in`` / ``saves_out`` / ``inplace``: per stage, whether it saves its input / its
+    output, and whether it changes its input in place (the plan measured them)."""
 
     def __init__(self, stages: "OrderedDict[str, nn.Module]", blocks: Sequence[Block], saves_in: Sequence[bool],
-                 saves_out: Sequence[bool], plan: Any = None) -> None:
+                 saves_out: Sequence[bool], plan: Any = None, inplace: Optional[Sequence[bool]] = None) -> None:
         super().__init__(stages)
         self.blocks = list(blocks)
         self.saves_in, self.saves_out = list(saves_in), list(saves_out)
+        self.inplace = list(inplace) if inplace is not None else [False] * len(self.saves_in)
         self.plan = plan
         self.step = 0  # keys the codecs' random streams: each training step draws afresh
 
@@ -287,4 +328,5 @@ class PlannedSequential(nn.Sequential):
         if not torch.is_grad_enabled():
             return super().forward(x)
         self.step += 1
-        return run_blocks(list(self), self.blocks, x, self.step, saves_in=self.saves_in, saves_out=self.saves_out)
+        return run_blocks(list(self), self.blocks, x, self.step, saves_in=self.saves_in, saves_out=self.saves_out,
+                          inplace=self.inplace)

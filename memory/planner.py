@@ -45,6 +45,7 @@ from .schedule import Block, Costs, Plain
 __all__ = ["plan_memory", "Plan", "BudgetTooSmall", "CHOICES"]
 
 CHOICES = ("recompute", "compress", "offload")
+PLAN_VERSION = 2  # 2: fingerprints with the modules inside each stage; stages that work in place
 
 
 class BudgetTooSmall(ValueError):
@@ -67,8 +68,37 @@ def _stages(model: Any) -> "OrderedDict[str, nn.Module]":
 
 
 def _fingerprint(stages: "OrderedDict[str, nn.Module]") -> List[Any]:
-    """What a plan was measured on: each stage's name, type and parameter shapes."""
-    return [[name, type(m).__name__, [list(p.shape) for p in m.parameters()]] for name, m in stages.items()]
+    """What a plan was measured on: per stage, its name and every module inside it (the stage
+    itself first): where it sits, its type, its settings (``extra_repr``: ReLU's ``inplace``,
+    GELU's ``approximate``, a convolution's stride) and its own parameters' and buffers' names,
+    shapes and dtypes. Lists only, so it survives JSON unchanged."""
+    def module(where: str, m: nn.Module) -> List[Any]:
+        tensors = [[kind, n, list(t.shape), str(t.dtype)]
+                   for kind, items in (("parameter", m._parameters), ("buffer", m._buffers))
+                   for n, t in items.items() if t is not None]
+        return [where, type(m).__qualname__, m.extra_repr(), tensors]
+
+    return [[name, [module(where, m) for where, m in stage.named_modules()]] for name, stage in stages.items()]
+
+
+def _difference(plan: List[Any], here: List[Any]) -> str:
+    """Where two fingerprints differ first, in words."""
+    def show(entry: List[Any]) -> str:
+        where, kind, extra, tensors = entry
+        shapes = ", ".join(f"{n} {tuple(shape)} {dtype}" for _, n, shape, dtype in tensors)
+        return f"{kind}({extra})" + (f" [{shapes}]" if shapes else "") + (f" at {where!r}" if where else "")
+
+    if len(plan) != len(here):
+        return f"the plan has {len(plan)} stages, this model {len(here)}"
+    for i, (a, b) in enumerate(zip(plan, here)):
+        if a[0] != b[0]:
+            return f"stage {i} is named {a[0]!r} in the plan, {b[0]!r} here"
+        for ma, mb in zip(a[1], b[1]):
+            if ma != mb:
+                return f"stage {i} ({b[0]}): the plan has {show(ma)}, this model {show(mb)}"
+        if len(a[1]) != len(b[1]):
+            return f"stage {i} ({b[0]}): the plan has {len(a[1])} modules in it, this model {len(b[1])}"
+    return "they differ"  # not reached: equal lists are equal
 
 
 def _sync(device: torch.device) -> None:
@@ -102,28 +132,41 @@ class _Preserved:
             torch.cuda.set_rng_state(self.cuda_rng, self.device)
 
 
-def _classify(stage: nn.Module, x: torch.Tensor) -> Tuple[bool, bool, int, Any]:
+def _fresh(x: torch.Tensor, needs_grad: bool) -> torch.Tensor:
+    """``x`` as a stage meets it in a chain: a tensor of its own (a stage that works in place
+    changes this copy, not the caller's), with a history when it needs a gradient (a leaf that
+    requires grad can neither be changed in place nor be told from a parameter)."""
+    if needs_grad and x.is_floating_point():
+        return x.detach().requires_grad_().clone()
+    return x.detach().clone()
+
+
+def _classify(stage: nn.Module, x: torch.Tensor) -> Tuple[bool, bool, bool, int, Any]:
     """Run ``stage`` once with autograd and sort what it saves: whether its input and its
-    output are among it, and the bytes of the rest (unique storages, parameters left out)."""
+    output are among it, whether it changes its input in place, and the bytes of the rest
+    (unique storages, parameters left out). A stage that returns its input changed in place
+    (``ReLU(inplace=True)``) saves its output, not its input: that value is gone."""
     saved: List[Tuple[Any, int, bool]] = []
 
     def pack(t: torch.Tensor) -> Any:
         saved.append((_ledger.storage_key(t), _ledger.storage_nbytes(t), is_parameter(t)))
         return _Held(t)
 
+    version = x._version
     with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
         y = stage(x)
+    inplace = x._version != version
     if not isinstance(y, torch.Tensor):
-        return False, False, 0, y
+        return False, False, inplace, 0, y
     kin, kout = _ledger.storage_key(x), _ledger.storage_key(y)
-    saves_in = any(k == kin for k, _, _ in saved)
+    saves_in = any(k == kin for k, _, _ in saved) and not (inplace and kin == kout)
     saves_out = any(k == kout for k, _, _ in saved)
     internal = {k: n for k, n, param in saved if k not in (kin, kout) and not param}
-    return saves_in, saves_out, sum(internal.values()), y
+    return saves_in, saves_out, inplace, sum(internal.values()), y
 
 
 def _stored(mode: str, stage: nn.Module, i: int, x: torch.Tensor, out_form: int,
-            saves_out: bool) -> Tuple[int, int, float, float]:
+            saves_out: bool, inplace: bool = False) -> Tuple[int, int, float, float]:
     """One stage alone under a compressing or offloading ``mode``, measured by the meter: the
     device bytes of what it saves besides its input and output, the most it holds at once
     while it runs, and the seconds the storing adds to forward (encoding) and backward
@@ -131,17 +174,18 @@ def _stored(mode: str, stage: nn.Module, i: int, x: torch.Tensor, out_form: int,
     device = x.device
     # the input as a stage meets it in a chain: an activation (not a leaf that requires grad,
     # which the meter would take for a parameter), so views of it that the stage saves count
-    x = x.detach() * 1 if x.requires_grad else x.detach()
+    x = _fresh(x, x.requires_grad)
     enc = dec = 0.0
     with MemoryMeter() as meter:
         if mode.startswith("compress:"):
             store = StageStore(mode.split(":", 1)[1], 0)
+            version = x._version  # changed in place, what is saved there is the output
             with store.stage_of(i, x):
                 y = stage(x)
             entries = list(store.pending)
             # the input's own entry is the boundary before this stage: its caller's, not counted here
-            here = (_ledger.storage_key(x), x.storage_offset(), tuple(x.shape))
-            mine = [e for k, e in store.seen.items() if (k[0], k[1], k[2]) == here]
+            here = (_ledger.storage_key(x), x.storage_offset(), tuple(x.shape), version)
+            mine = [e for k, e in store.seen.items() if (k[0], k[1], k[2], k[4]) == here]
             before = sum(e.packed.nbytes if e.packed is not None else _ledger.storage_nbytes(e.raw) for e in mine)
             _sync(device)
             t0 = _time.perf_counter()
@@ -156,7 +200,8 @@ def _stored(mode: str, stage: nn.Module, i: int, x: torch.Tensor, out_form: int,
             held = meter.live_saved_bytes - before - (y.untyped_storage().nbytes() if saves_out else 0)
             spike = meter.peak_saved_bytes - before
         else:
-            x = x.detach().requires_grad_(x.is_floating_point())  # offloaded or not, the caller's
+            if not inplace:  # offloaded or not, the input is the caller's (a leaf: not counted)
+                x = x.detach().requires_grad_(x.is_floating_point())
             with offload_activations():
                 y = stage(x)
                 _sync(device)
@@ -196,11 +241,11 @@ def _time_stage(stage: nn.Module, x: torch.Tensor, repeats: int) -> Tuple[float,
     fw, bw, ng = [], [], []
     grad = None
     for _ in range(repeats + 1):  # the first is a warm-up
-        xi = x.detach().requires_grad_(x.requires_grad)
+        xn, xi = _fresh(x, False), _fresh(x, x.requires_grad)  # each run its own (a stage may work in place)
         _sync(device)
         t0 = _time.perf_counter()
         with torch.no_grad():
-            stage(xi)
+            stage(xn)
         _sync(device)
         t1 = _time.perf_counter()
         y = stage(xi)
@@ -235,18 +280,18 @@ def profile(model: Any, sample_input: torch.Tensor, modes: Sequence[str], repeat
     form: List[Dict[str, int]] = [{} for _ in chain]
     spike: List[Dict[str, int]] = [{} for _ in chain]
     rerun = [0.0] * n
-    saves_in, saves_out, out = [False] * n, [False] * n, [0] * n
+    saves_in, saves_out, out, inplace = [False] * n, [False] * n, [0] * n, [False] * n
     with _Preserved(chain, sample_input.device), torch.enable_grad():
         x = sample_input.detach()
         needs_grad = sample_input.requires_grad
         for i, (name, stage) in enumerate(stages.items()):
-            xi = x.detach().requires_grad_(needs_grad and x.is_floating_point())
-            si, so, inner, y = _classify(stage, xi)
+            xi = _fresh(x, needs_grad)
+            si, so, inplace[i], inner, y = _classify(stage, xi)
             if not isinstance(y, torch.Tensor):
                 raise ValueError(f"not a chain: stage {i} ({name}: {type(stage).__name__}) returned a "
                                  f"{type(y).__name__}, not one tensor")
             saves_in[i], saves_out[i], out[i] = si, so, y.untyped_storage().nbytes()
-            f_keep, b_keep, rerun[i] = _time_stage(stage, xi, repeats)
+            f_keep, b_keep, rerun[i] = _time_stage(stage, _fresh(x, needs_grad), repeats)
             for mode in modes:
                 form[i][mode], enc_out, dec_out = _out_form(mode, y.detach())
                 if mode == "keep":
@@ -255,13 +300,14 @@ def profile(model: Any, sample_input: torch.Tensor, modes: Sequence[str], repeat
                     continue
                 # a storing mode costs the stage's own time plus its storing, measured apart
                 # (two noisy timings of the same compute would let noise choose the mode)
-                internal[i][mode], spike[i][mode], enc, dec = _stored(mode, stage, i, xi, form[i][mode], so)
+                internal[i][mode], spike[i][mode], enc, dec = _stored(mode, stage, i, _fresh(x, needs_grad), form[i][mode], so,
+                                                                      inplace[i])
                 fwd[i][mode], bwd[i][mode] = f_keep + enc + enc_out, b_keep + dec + dec_out
             x = y.detach()
             needs_grad = True  # every later input is an activation with a history
     names = [f"{name}: {type(m).__name__}" for name, m in stages.items()]
     return Costs(fwd=fwd, bwd=bwd, internal=internal, form=form, out=out, saves_in=saves_in, saves_out=saves_out,
-                 inp=sample_input.untyped_storage().nbytes(), spike=spike, rerun=rerun), names
+                 inp=sample_input.untyped_storage().nbytes(), spike=spike, rerun=rerun, inplace=inplace), names
 
 
 def _mib(n: float) -> str:
@@ -351,30 +397,36 @@ class Plan:
         """A module over ``model``'s own stages (same parameters and state_dict keys) that
         trains by this plan. Refuses a model the plan was not measured on."""
         stages = _stages(model)
-        if _fingerprint(stages) != self.fingerprint:
-            raise ValueError("this plan was measured on another chain (stage names, types or parameter shapes "
-                             "differ); plan this model with plan_memory")
-        return PlannedSequential(stages, self.blocks, self.costs.saves_in, self.costs.saves_out, self)
+        here = _fingerprint(stages)
+        if here != self.fingerprint:
+            raise ValueError(f"this plan was measured on another chain ({_difference(self.fingerprint, here)}); "
+                             f"plan this model with plan_memory")
+        return PlannedSequential(stages, self.blocks, self.costs.saves_in, self.costs.saves_out, self,
+                                 inplace=self.costs.inplace)
 
     # ---- saving it --------------------------------------------------------------------------
     def to_dict(self) -> Dict[str, Any]:
         c = self.costs
-        return {"version": 1, "budget": self.budget, "device": self.device, "names": self.names,
+        return {"version": PLAN_VERSION, "budget": self.budget, "device": self.device, "names": self.names,
                 "fingerprint": self.fingerprint, "notes": self.notes, "schedule": sch.to_json(self.blocks),
                 "costs": {"fwd": c.fwd, "bwd": c.bwd, "internal": c.internal, "form": c.form, "out": c.out,
                           "saves_in": c.saves_in, "saves_out": c.saves_out, "inp": c.inp,
-                          "spike": c.spike, "rerun": c.rerun}}
+                          "spike": c.spike, "rerun": c.rerun, "inplace": c.inplace}}
 
     @classmethod
     def from_dict(cls, d: Dict[str, Any]) -> "Plan":
-        if d.get("version") != 1:
+        if d.get("version") == 1:
+            raise ValueError("a memory plan of an earlier gradcomp (version 1): it does not record the modules "
+                             "inside the stages or which stages work in place; plan the model again with plan_memory")
+        if d.get("version") != PLAN_VERSION:
             raise ValueError(f"not a gradcomp memory plan (version {d.get('version')!r})")
         c = d["costs"]
         ints = lambda rows: [{k: int(v) for k, v in r.items()} for r in rows]  # noqa: E731
         return cls(Costs(fwd=c["fwd"], bwd=c["bwd"], internal=ints(c["internal"]), form=ints(c["form"]),
                          out=[int(o) for o in c["out"]], saves_in=[bool(b) for b in c["saves_in"]],
                          saves_out=[bool(b) for b in c["saves_out"]], inp=int(c["inp"]),
-                         spike=ints(c["spike"]), rerun=[float(r) for r in c["rerun"]]),
+                         spike=ints(c["spike"]), rerun=[float(r) for r in c["rerun"]],
+                         inplace=[bool(b) for b in c["inplace"]]),
                    sch.from_json(d["schedule"]), d["budget"], d["names"], d["fingerprint"], d["device"], d["notes"])
 
     def to_json(self) -> str:

@@ -88,6 +88,8 @@ class Costs:
     spike: List[Dict[str, int]] = field(default_factory=list)
     # seconds of the stage's forward without autograd (a recomputation's first pass)
     rerun: List[float] = field(default_factory=list)
+    # whether the stage changes its input in place (a recomputation starting there copies it)
+    inplace: List[bool] = field(default_factory=list)
     modes: List[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -100,6 +102,8 @@ class Costs:
             self.spike = [{m: 0 for m in self.modes} for _ in range(n)]
         if not self.rerun:
             self.rerun = [f["keep"] for f in self.fwd]
+        if not self.inplace:
+            self.inplace = [False] * n
         for i in range(n):
             if "keep" not in self.fwd[i] or not (set(self.fwd[i]) == set(self.bwd[i]) == set(self.internal[i])
                                                  == set(self.form[i]) == set(self.modes)):

@@ -337,3 +337,196 @@ def test_on_cuda_a_plan_may_offload_and_still_predicts_the_meter():
     assert all(torch.equal(a, b) for a, b in zip(grads, base_grads))
     assert abs(peak - plan.predicted_peak) <= 0.1 * max(plan.predicted_peak, 1)
     assert peak <= base_peak * 0.3 * 1.1
+
+
+# ---- real layers: BatchNorm recomputed, stages that work in place, the fingerprint ---------
+def _bn_linear():
+    return nn.Sequential(nn.Linear(32, 64), nn.BatchNorm1d(64), nn.ReLU(), nn.Linear(64, 64), nn.BatchNorm1d(64),
+                         nn.ReLU(), nn.Linear(64, 10)), torch.randn(64, 32)
+
+
+def _bn_conv():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 10)), torch.randn(8, 3, 12, 12)
+
+
+def _bn_residual():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), _Residual(8), _Residual(8), nn.AdaptiveAvgPool2d(1),
+                         nn.Flatten(), nn.Linear(8, 10)), torch.randn(8, 3, 12, 12)
+
+
+def _bn_models_conv():
+    import models
+    return models.sequential("conv_bn"), models.data("conv_bn", 32)[0]
+
+
+BN_CHAINS = {"linear_bn": _bn_linear, "conv_bn2d": _bn_conv, "residual_bn": _bn_residual, "models_conv_bn": _bn_models_conv}
+
+
+def _has_bn(stage):
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in stage.modules())
+
+
+def _train_alike(planned, reference, x, steps, modules=None):
+    """``steps`` SGD steps of both models on ``x``: the losses, gradients and buffers (BatchNorm's
+    running statistics and count) after each are the same bits. Returns the steps checked."""
+    opts = [torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9) for m in (planned, reference)]
+    for step in range(steps):
+        losses, grads = [], []
+        for m, opt in zip((planned, reference), opts):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(100 + step)
+            loss = m(x).square().mean()
+            loss.backward()
+            losses.append(loss.detach())
+            grads.append([p.grad.clone() for p in m.parameters()])
+            opt.step()
+        assert torch.equal(*losses), step
+        assert all(torch.equal(a, b) for a, b in zip(*grads)), step
+        bufs = [list(m.buffers()) for m in (planned, reference)]
+        assert len(bufs[0]) == len(bufs[1])
+        assert all(torch.equal(a, b) for a, b in zip(*bufs)), step
+    return steps
+
+
+@pytest.mark.parametrize("name", list(BN_CHAINS))
+def test_recomputed_batchnorm_stages_train_exactly_as_the_plain_model(name):
+    """BatchNorm in training mode inside recomputed stages: the backward runs (the running
+    statistics are not written while it is pending), the recomputation normalises by the same
+    batch statistics and the statistics move once per step, for several steps, flat and nested."""
+    import copy
+    torch.manual_seed(0)
+    model, x = BN_CHAINS[name]()
+    start = copy.deepcopy(model)
+    costs, _ = profile(model, x, ["keep"], repeats=1)
+    n = costs.length
+    keep = lambda s, t: tuple(Plain(i) for i in range(s, t + 1))  # noqa: E731
+    schedules = {"flat": [Recompute(0, n - 2, keep(0, n - 2)), Plain(n - 1)],
+                 "nested": [Recompute(0, n - 2, (Recompute(0, 2, keep(0, 2)),) + keep(3, n - 2)), Plain(n - 1)]}
+    # and the planner's own schedule at the smallest budget recompute reaches
+    with pytest.raises(ValueError) as info:
+        plan_memory(model, x, 0, allow=("recompute",), repeats=1)
+    plan = plan_memory(model, x, info.value.smallest_budget, allow=("recompute",), repeats=1)
+    recomputed = [r["stage"] for r in plan.decisions() if r["forward_runs"] > 1]
+    stages = list(model.children())
+    assert any(_has_bn(stages[i]) for i in recomputed), (name, plan.decisions())
+    for label, blocks in list(schedules.items()) + [("planned", plan.blocks)]:
+        assert any(_has_bn(stages[i]) for i in _recomputed(blocks)), label
+        model.load_state_dict(start.state_dict())
+        planned = PlannedSequential(OrderedDict(model.named_children()), blocks, costs.saves_in, costs.saves_out)
+        _train_alike(planned, copy.deepcopy(start), x, steps=3)
+    # evaluation mode with gradients (BatchNorm frozen): nothing moves, the gradients agree
+    model.load_state_dict(start.state_dict())
+    reference = copy.deepcopy(start)
+    model.eval(), reference.eval()
+    _train_alike(plan.apply(model), reference, x, steps=1)
+
+
+def _recomputed(blocks):
+    """The stages a schedule runs forward more than once."""
+    out = []
+    for b in blocks:
+        if isinstance(b, Recompute):
+            out.extend(range(b.start, b.end + 1))
+    return out
+
+
+def _inplace_chain():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(64, 128), nn.ReLU(inplace=True), nn.Linear(128, 128), nn.ReLU(inplace=True),
+                         nn.Linear(128, 10)), torch.randn(64, 64)
+
+
+def test_stages_that_work_in_place_plan_and_run_recomputed_compressed_or_offloaded():
+    """``ReLU(inplace=True)`` as a stage of its own: planned (measured on inputs of their own:
+    the sample and the model are untouched), and run exactly by schedules that recompute from
+    it, compress what comes into it or what it saves, offload, nest; the meter measures what
+    the cost model predicts."""
+    import copy
+    model, x = _inplace_chain()
+    sample = x.clone()
+    plan = plan_memory(model, x, 10**7, allow=("recompute", "compress"), repeats=1)
+    assert plan.costs.inplace == [False, True, False, True, False]
+    # what a stage that works in place saves is its output, never its (overwritten) input
+    assert plan.costs.saves_out[1] and not plan.costs.saves_in[1]
+    assert torch.equal(x, sample)
+    modes = ["keep", "compress:lossless", "compress:int8"]
+    costs, _ = profile(model, x, modes + ["offload"], repeats=1)
+    assert costs.inplace == plan.costs.inplace
+    lossless, K = "compress:lossless", "keep"
+    schedules = {
+        "recompute from it": [Plain(0), Recompute(1, 2, (Plain(1), Plain(2))), Plain(3), Plain(4)],
+        "compressed through it": [Plain(0, lossless), Plain(1, lossless), Plain(2, lossless), Plain(3), Plain(4)],
+        "its input compressed": [Plain(0, lossless), Plain(1, K), Plain(2, lossless), Plain(3, K), Plain(4)],
+        "recomputed, compressed inside": [Plain(0), Recompute(1, 3, (Plain(1, lossless), Plain(2), Plain(3))), Plain(4)],
+        "nested": [Recompute(0, 3, (Plain(0, lossless), Recompute(1, 2, (Plain(1), Plain(2, lossless))), Plain(3))),
+                   Plain(4)],
+        "offloaded": [Plain(i, "offload") for i in range(5)],
+    }
+    for label, blocks in schedules.items():
+        planned = PlannedSequential(OrderedDict(model.named_children()), blocks, costs.saves_in, costs.saves_out,
+                                    inplace=costs.inplace)
+        _train_alike(planned, copy.deepcopy(model), x, steps=1)
+        planned.load_state_dict(model.state_dict())
+        if "offload" not in label:  # the meter's figure is the cost model's
+            peak, _, _ = _step(planned, x)
+            predicted = total_peak(blocks, costs)
+            assert abs(peak - predicted) <= 0.02 * predicted, (label, peak, predicted)
+        assert torch.equal(x, sample), label
+    # the planner's schedules run too, and a lossy one stays close
+    for allow, codecs in ((("recompute",), ("lossless",)), (("recompute", "compress"), ("int8",))):
+        with pytest.raises(ValueError) as info:
+            plan_memory(model, x, 0, allow=allow, codecs=codecs, repeats=1)
+        plan = plan_memory(model, x, info.value.smallest_budget, allow=allow, codecs=codecs, repeats=1)
+        base = _step(model, x)[1]
+        peak, grads, _ = _step(plan.apply(model), x)
+        assert peak <= info.value.smallest_budget * 1.1
+        for a, b in zip(grads, base):
+            assert (a - b).norm() <= (0.0 if codecs == ("lossless",) else 0.05) * b.norm()
+
+
+def test_a_stage_that_works_in_place_first_in_the_chain_leaves_the_sample_alone():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ReLU(inplace=True), nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 10))
+    x = torch.randn(32, 64)
+    sample = x.clone()
+    plan = plan_memory(model, x, 10**7, allow=("recompute",), repeats=1)
+    assert torch.equal(x, sample) and plan.costs.inplace[0]
+    blocks = [Recompute(0, 2, tuple(Plain(i) for i in range(3))), Plain(3)]
+    planned = PlannedSequential(OrderedDict(model.named_children()), blocks, plan.costs.saves_in,
+                                plan.costs.saves_out, inplace=plan.costs.inplace)
+    ref = _step(model, x.clone())[1]
+    assert all(torch.equal(a, b) for a, b in zip(_step(planned, x.clone())[1], ref))
+    # told nothing, a recomputation that starts at such a stage is refused before it is wrong
+    blind = PlannedSequential(OrderedDict(model.named_children()), blocks, plan.costs.saves_in, plan.costs.saves_out)
+    with pytest.raises(ValueError, match="changed its input in place"):
+        blind(x.clone())
+
+
+def _nested(act):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Sequential(nn.Linear(16, 32), act()), nn.Sequential(nn.Linear(32, 32), act()),
+                         nn.Linear(32, 4))
+
+
+def test_a_plan_is_refused_on_stages_whose_modules_differ():
+    """The fingerprint holds every module inside the stages, their settings and their tensors'
+    shapes and dtypes: a plan measured on ReLU stages is refused on GELU or Tanh ones."""
+    x = torch.randn(8, 16)
+    plan = plan_memory(_nested(nn.ReLU), x, 10**6, repeats=1)
+    plan.apply(_nested(nn.ReLU))  # another instance of the same chain
+    Plan.from_json(plan.to_json()).apply(_nested(nn.ReLU))
+    for other, says in ((_nested(nn.GELU), "GELU"), (_nested(nn.Tanh), "Tanh"),
+                        (_nested(lambda: nn.ReLU(inplace=True)), "inplace=True"),
+                        (_nested(nn.ReLU).double(), "float64"),
+                        (nn.Sequential(*_nested(nn.ReLU)[:2], nn.Linear(32, 5)), r"\(5, 32\)")):
+        with pytest.raises(ValueError, match=f"another chain .*{says}.*plan this model with plan_memory"):
+            plan.apply(other)
+    conv = lambda stride: nn.Sequential(nn.Sequential(nn.Conv1d(1, 4, 3, stride=stride)))  # noqa: E731
+    with pytest.raises(ValueError, match=r"stride=\(2,\)"):
+        plan_memory(conv(1), torch.randn(2, 1, 16), 10**6, repeats=1).apply(conv(2))
+    old = plan.to_dict()
+    old["version"] = 1
+    with pytest.raises(ValueError, match="earlier gradcomp.*plan the model again"):
+        Plan.from_dict(old)
