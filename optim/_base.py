@@ -8,15 +8,23 @@ average every step; register :meth:`comm_hook` instead of DDP's own reduction an
 densely (DDP's bits) exactly on the steps that need it and leaves the local gradient elsewhere.
 
 A parameter without a gradient counts as a zero gradient, so every rank steps the same
-parameters. At construction the parameters are broadcast from the group's first rank and the
-ranks check that they agree on the configuration and the parameters (the same ``ValueError``
-on every rank otherwise). ``state_dict`` adds the error-feedback residuals and counters to
+parameters; a sparse gradient is refused (``ValueError`` naming the parameter). At construction
+the parameters are broadcast from the group's first rank and the ranks check that they agree
+on the configuration, the learning rates and the parameters (the same ``ValueError`` on every
+rank otherwise; the learning rates are left out of a checkpoint's identity only, since
+schedulers change them).
+
+A step whose gradient is not finite, or so large that Adam's second moment would overflow
+(:class:`~gradcomp.optim._common.MomentRange`), on any rank is skipped on every rank: nothing
+changes, ``skipped_steps`` counts it and a ``RuntimeWarning`` says so; the next step goes on. ``state_dict`` adds the error-feedback residuals and counters to
 torch's optimizer state, with whose they are; ``load_state_dict`` refuses another rank's,
 another world size's or another model's.
 """
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import warnings
 
 import torch
 
@@ -46,15 +54,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._built = True
         codec = make_compressor(compressor, compressor_options, self.who)
         self.compressor_name = codec.name
+        self._codec_config = repr(codec.config)  # the options too: ranks must code alike
         # one exchange (its own residuals on both sides) per quantity that travels compressed
         self.exchanges: Dict[str, MomentumExchange] = {}
         for name in exchanges:  # one codec: its per-key state is kept apart by the keys
             self.exchanges[name] = MomentumExchange(codec, process_group, key=f"{self.who}/{name}")
         self._ddp = False  # comm_hook() was taken: DDP hands step() the gradients it needs
         self.steps = 0  # completed steps
+        #: steps that changed nothing (a gradient not finite or out of the second moment's range)
+        self.skipped_steps = 0
+        self._range = common.MomentRange()
         self._masks: Optional[List[Optional[torch.Tensor]]] = None
         if common.live(process_group):
-            common.agree_config({"configuration": self._config(),
+            common.agree_config({"configuration": self._config(), "learning rates": self._learning_rates(),
                                  "parameters": common.describe_params(self._params)}, process_group, self.who)
             broadcast_params(self._params, process_group)
 
@@ -82,7 +94,33 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Every option that must be the same on every rank and in a resumed run."""
         # not the learning rate: schedulers change it, and a resumed run is the same run
         hyper = [{k: v for k, v in g.items() if k not in _SCHEDULED} for g in self.param_groups]
-        return f"{self.who} {self._options()} compressor={self.compressor_name} groups={hyper}"
+        return f"{self.who} {self._options()} compressor={self.compressor_name} {self._codec_config} groups={hyper}"
+
+    def _learning_rates(self) -> str:
+        """Every group's learning rate (and a scheduler's ``initial_lr``): the same on every rank
+        at construction, or the replicas drift apart from the first step."""
+        return str([{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in self.param_groups])
+
+    # ---- steps that change nothing ------------------------------------------------------------
+    def _skip(self, what: str = "on every rank: a gradient on some rank was") -> None:
+        """Count and report a step that changed nothing."""
+        self.skipped_steps += 1
+        warnings.warn(f"{self.who}: step {self.steps + 1} skipped {what} not finite or too large for Adam's "
+                      f"second moment (|g| beyond ~1.8e19 in fp32); nothing changed, training goes on "
+                      f"({self.skipped_steps} skipped so far: opt.skipped_steps)", RuntimeWarning, stacklevel=3)
+
+    def _out_of_range(self, grads: List[torch.Tensor], vmax: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """True (a 0-d bool on the device, no sync) when a gradient of ``grads`` (one per
+        parameter) is not finite or would overflow its parameter's second moment."""
+        return self._range.out_of_range(grads, [self._state_of(p)["exp_avg_sq"] for p in self._params],
+                                        [self._group_of(p)["betas"][1] for p in self._params], vmax)
+
+    def _fits(self, grads: List[torch.Tensor], vmax: Optional[torch.Tensor] = None) -> bool:
+        """Whether the step on ``grads`` can go ahead (one host sync); counts and reports it if not."""
+        if bool(self._out_of_range(grads, vmax)):
+            self._skip()
+            return False
+        return True
 
     def _options(self) -> str:
         raise NotImplementedError
@@ -97,6 +135,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = common.run_closure(closure)
+        common.check_dense_grads(self._params, self.who)  # before anything changes
         dense = self.wants_dense()
         grads = self._grads(dense)
         if dense:
@@ -162,7 +201,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """torch's optimizer state plus the residuals and counters, with whose they are."""
         sd = super().state_dict()
-        sd["gradcomp"] = {"identity": self._identity(), "steps": self.steps,
+        sd["gradcomp"] = {"identity": self._identity(), "steps": self.steps, "skipped": self.skipped_steps,
                           "exchanges": {k: e.state_dict() for k, e in self.exchanges.items()},
                           "extra": self._extra_state()}
         return sd
@@ -178,6 +217,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for k, e in self.exchanges.items():
             e.load_state_dict(ours["exchanges"][k])
         self.steps = int(ours["steps"])
+        self.skipped_steps = int(ours.get("skipped", 0))
         self._load_extra_state(ours["extra"])
         self._masks = None  # recomputed from the loaded variance
         self._forget()

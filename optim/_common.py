@@ -52,6 +52,17 @@ def check_adam_options(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None
     check_number("weight_decay", weight_decay)
 
 
+def check_dense_grads(params: Sequence[torch.Tensor], who: str) -> None:
+    """``ValueError`` naming the first parameter whose gradient is sparse (``nn.Embedding(sparse=True)``),
+    before anything changes: these optimizers keep dense moments and exchange dense tensors."""
+    for i, p in enumerate(params):
+        g = p.grad
+        if g is not None and g.layout != torch.strided:
+            raise ValueError(f"{who}: parameter {i} (shape {tuple(p.shape)}) has a sparse gradient ({g.layout}); "
+                             f"{who} needs dense gradients: build that module with sparse=False (e.g. "
+                             f"nn.Embedding(..., sparse=False)), or give its parameters to torch.optim.SparseAdam")
+
+
 def trained(params: Sequence[torch.Tensor], who: str) -> List[torch.Tensor]:
     """The parameters (every group's, in order), refusing sparse, complex and non-float ones."""
     for p in params:
@@ -123,6 +134,59 @@ def run_closure(closure: Optional[Callable[[], Any]]) -> Any:
         return None
     with torch.enable_grad():
         return closure()
+
+
+class MomentRange:
+    """Whether a step's gradients fit Adam's second moment, decided on the device.
+
+    ``beta2 * v + (1 - beta2) * g * g`` overflows for a finite but huge gradient (about 1.8e19 in
+    fp32); ``v`` is then inf, ``sqrt(v)`` is inf and ``0 * inf`` is NaN downstream. A step whose
+    gradient is not finite or would take the second moment out of its dtype's range is skipped
+    instead. Decided per tensor from two read-only max-norms (of ``g`` and of ``v``) in fp64:
+    ``max|g|^2`` must fit the compute dtype and ``beta2 * max v + (1 - beta2) * max|g|^2`` the
+    moment's dtype (an upper bound of every element's new value: never lets an overflow through).
+    No host sync: the result is a bool tensor on the gradients' device."""
+
+    def __init__(self) -> None:
+        self._consts: Dict[Any, Tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def _constants(self, device: torch.device, beta2s: Sequence[float], sqs: Sequence[torch.Tensor]):
+        key = (device, tuple(beta2s), tuple(v.dtype for v in sqs))
+        if key not in self._consts:  # made once: a host-to-device copy each step would sync the stream
+            beta2 = torch.tensor(list(beta2s), dtype=torch.float64)
+            limit = torch.tensor([torch.finfo(v.dtype).max for v in sqs], dtype=torch.float64)
+            # the square is taken in fp32 for fp32 and 16-bit tensors (their compute dtype), fp64 for fp64
+            square = torch.tensor([torch.finfo(torch.float64 if v.dtype == torch.float64 else torch.float32).max
+                                   for v in sqs], dtype=torch.float64)
+            self._consts[key] = (beta2.to(device), limit.to(device), square.to(device))
+        return self._consts[key]
+
+    @staticmethod
+    def maxima(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """Per tensor, ``max |t|`` in fp64 (NaN where an element is NaN; 0 for an empty tensor)."""
+        dev = tensors[0].device
+        return torch.stack([torch.linalg.vector_norm(t.detach(), float("inf")).double() if t.numel()
+                            else torch.zeros((), dtype=torch.float64, device=dev) for t in tensors])
+
+    def out_of_range(self, grads: Sequence[torch.Tensor], sqs: Sequence[torch.Tensor], beta2s: Sequence[float],
+                     vmax: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """A bool scalar on the gradients' device: True when some gradient is not finite or would
+        overflow its second moment ``sqs[i]`` (``vmax``: their :meth:`maxima`, when known)."""
+        if not grads:
+            return torch.zeros((), dtype=torch.bool)
+        g = self.maxima(grads)
+        v = self.maxima(sqs) if vmax is None else vmax
+        beta2, limit, square = self._constants(g.device, beta2s, sqs)
+        g2 = g * g
+        fits = torch.isfinite(g) & (g2 <= square) & (beta2 * v + (1 - beta2) * g2 <= limit)
+        return ~fits.all()
+
+
+def poison_(flat: torch.Tensor, bad: torch.Tensor) -> torch.Tensor:
+    """``flat`` filled with NaN where the 0-d bool ``bad`` is True (in place, no host sync): a
+    rank's unusable contribution makes the exchanged mean non-finite on every rank, so every rank
+    skips the step together, whatever the codec keeps of it."""
+    return flat.masked_fill_(bad, float("nan"))
 
 
 def all_finite(tensors: Sequence[Optional[torch.Tensor]]) -> bool:

@@ -63,6 +63,7 @@ class Lamb(Layerwise, torch.optim.Optimizer):
     def step(self, closure: Optional[Any] = None) -> Any:
         loss = common.run_closure(closure)
         params = [p for g in self.param_groups for p in g["params"]]
+        common.check_dense_grads(params, "Lamb")  # before anything changes
         grads = self._clip([p.grad for p in params])
         moments: List[Optional[Tuple[torch.Tensor, torch.Tensor]]] = []
         updates: List[Optional[torch.Tensor]] = []

@@ -46,6 +46,7 @@ class Lars(Layerwise, torch.optim.Optimizer):
     def step(self, closure: Optional[Any] = None) -> Any:
         loss = common.run_closure(closure)
         params = [p for g in self.param_groups for p in g["params"]]
+        common.check_dense_grads(params, "Lars")  # before anything changes
         norms = self.norms_of.norms([params, [p.grad for p in params]])
         if not bool(torch.isfinite(norms).all()):
             return loss  # the same norms on every rank: every rank skips, nothing changed

@@ -14,10 +14,12 @@ several layers, and a local norm is wrong; the sharded optimizer then calls
   roots are the whole layers' norms on every rank. A rank without a slice of a layer adds 0.
 
 fp64 partial sums make the result independent of how the layer is split, up to fp64 rounding.
+Everything stays on the tensors' device (the all-reduced tensor too, as NCCL requires): no host
+copy and no host sync here; the optimizers read the norms' finiteness once per step.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -57,23 +59,30 @@ class LayerNorms:
         self.layout, self.num_layers, self.group = checked, num_layers, group
 
     def norms(self, rows: Sequence[Sequence[Optional[torch.Tensor]]]) -> torch.Tensor:
-        """``(k, num_layers)`` float64 norms: row ``c`` of ``rows[c][i]`` (tensor ``i``'s quantity
-        ``c``, or None for nothing) per layer. One all-reduce under a layout."""
-        sq = torch.zeros(len(rows), self.num_layers, dtype=torch.float64)
+        """``(k, num_layers)`` float64 norms on the tensors' device: row ``c`` of ``rows[c][i]``
+        (tensor ``i``'s quantity ``c``, or None for nothing) per layer. One all-reduce under a layout."""
+        present = [t for tensors in rows for t in tensors if t is not None]
+        device = present[0].device if present else torch.device("cpu")
+        # per (quantity, layer), the sum of its slices' squares, in slice order (deterministic,
+        # unlike an index_add on a GPU); device scalars only: nothing is copied to the host
+        sums: Dict[int, torch.Tensor] = {}
         for c, tensors in enumerate(rows):
             for i, t in enumerate(tensors):
                 if t is None:
                     continue
                 flat = t.detach().reshape(-1).double()
-                if self.layout is None:
-                    sq[c, i] = torch.dot(flat, flat)
-                    continue
-                for layer, start, stop in self.layout[i]:
+                slices = [(i, 0, flat.numel())] if self.layout is None else self.layout[i]
+                for layer, start, stop in slices:
                     piece = flat[start:stop]
-                    sq[c, layer] += torch.dot(piece, piece)
+                    at = c * self.num_layers + layer
+                    sq = torch.dot(piece, piece)
+                    sums[at] = sq if at not in sums else sums[at] + sq
+        zero = torch.zeros((), dtype=torch.float64, device=device)
+        table = torch.stack([sums.get(at, zero) for at in range(len(rows) * self.num_layers)])
+        table = table.view(len(rows), self.num_layers)
         if self.layout is not None and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(sq, group=self.group)
-        return sq.sqrt()
+            dist.all_reduce(table, group=self.group)
+        return table.sqrt()
 
     def scale_(self, i: int, t: torch.Tensor, per_layer: torch.Tensor) -> torch.Tensor:
         """Multiply tensor ``i``'s ``t`` (flat-indexable like the shard) by its layer's factor

@@ -19,8 +19,11 @@ zero at the freeze never had a gradient (an embedding row never looked up): a 1-
 cannot say zero, and a momentum there would be divided by ``eps``, so they are masked: sent as
 zero, whatever is decoded there dropped, their momentum kept at zero, the parameter where it is.
 
-A step whose mean is not finite (any rank's gradient non-finite) changes nothing on any rank:
-no parameter, moment, counter or residual. bf16/fp16 parameters keep moments in their dtype,
+A step whose gradient is not finite, or finite but too large for Adam's second moment (it
+would overflow to inf, and a frozen variance could not damp it), on any rank changes nothing on
+any rank: no parameter, moment, counter or residual; ``skipped_steps`` counts it, a
+``RuntimeWarning`` reports it, and the next step goes on. (``torch.optim.Adam`` takes such a
+step with ``v = inf`` and never moves those elements again.) bf16/fp16 parameters keep moments in their dtype,
 as ``torch.optim.Adam`` does; the exchange and its residuals are fp32.
 """
 from __future__ import annotations
@@ -54,6 +57,7 @@ class OneBitAdam(DistributedOptimizer):
                         maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
                         decoupled_weight_decay=False)
         self._denoms: Optional[List[torch.Tensor]] = None
+        self._vmax: Optional[torch.Tensor] = None  # max of each frozen variance (MomentRange)
         super().__init__(params, defaults, compressor=compressor, compressor_options=compressor_options,
                          process_group=process_group, exchanges=("momentum",))
 
@@ -79,7 +83,7 @@ class OneBitAdam(DistributedOptimizer):
 
     def _dense_step(self, grads: List[torch.Tensor]) -> None:
         """``torch.optim.Adam``'s step on the mean gradients."""
-        if not common.all_finite(grads):
+        if not self._fits(grads):
             return  # the same mean on every rank: every rank skips
         by_param = dict(zip(map(id, self._params), grads))
         for group in self.param_groups:
@@ -112,7 +116,8 @@ class OneBitAdam(DistributedOptimizer):
         """What this rank sends for ``grads``: its momentum ``beta1 * m + (1 - beta1) * (g +
         weight_decay * p)`` divided by the frozen denominator (the update's coordinates, where
         every element has Adam's scale: a 1-bit code's error is then that of the update, not
-        amplified by a small variance), zero where masked; one flat fp32 tensor."""
+        amplified by a small variance), zero where masked; one flat fp32 tensor, all NaN when a
+        gradient is out of range (so that every rank skips the step)."""
         masks, denoms = self.masks(), self.denominators()
         out = torch.empty(sum(p.numel() for p in self._params), dtype=torch.float32,
                           device=self._params[0].device if self._params else None)
@@ -129,13 +134,18 @@ class OneBitAdam(DistributedOptimizer):
                 if masks[i] is not None:
                     u.masked_fill_(masks[i], 0.0)
                 i += 1
+        if self._params:
+            if self._vmax is None:  # the variance is frozen: its maxima are too
+                self._vmax = common.MomentRange.maxima([self._state_of(p)["exp_avg_sq"] for p in self._params])
+            common.poison_(out, self._out_of_range(grads, self._vmax))
         return out
 
     def _compressed_step(self, grads: List[torch.Tensor]) -> None:
         # v is frozen and the same on every rank: the mean of m_r / d is mean(m_r) / d exactly
         mean = self.exchanges["momentum"].mean(self.to_send(grads))
         if not common.all_finite([mean]):
-            return  # NaN/Inf on some rank reaches every rank; the residuals were kept as they were
+            self._skip()  # NaN/Inf on some rank reaches every rank; the residuals were kept as they were
+            return
         masks, denoms = self.masks(), self.denominators()
         pieces = mean.split([p.numel() for p in self._params])  # ours: decoded in place
         i = 0
@@ -157,6 +167,7 @@ class OneBitAdam(DistributedOptimizer):
     # ---- state -------------------------------------------------------------------------------
     def _forget(self) -> None:
         self._denoms = None
+        self._vmax = None
 
     def error_state(self) -> Dict[str, torch.Tensor]:
         """This rank's residuals: ``worker`` over the whole exchanged tensor, ``server`` over the

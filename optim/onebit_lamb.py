@@ -17,7 +17,9 @@ masked as in ``OneBitAdam``.
 The update norms it needs are of whole tensors that every rank holds (the averaged update), so
 they are right under data parallel. It is itself the data-parallel layer (it exchanges the
 momentum), so it is not meant to run inside a sharded optimizer: ``shard_layout`` refuses.
-A step whose mean is not finite changes nothing.
+A step whose gradient is not finite, or finite but too large for the second moment (it would
+overflow to inf), on any rank changes nothing on any rank; ``skipped_steps`` counts it and a
+``RuntimeWarning`` reports it.
 """
 from __future__ import annotations
 
@@ -53,6 +55,7 @@ class OneBitLamb(DistributedOptimizer):
                            factor_min=factor_min, factor_threshold=factor_threshold)
         defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
         self._denoms: Optional[List[torch.Tensor]] = None
+        self._vmax: Optional[torch.Tensor] = None  # max of each frozen variance (MomentRange)
         super().__init__(params, defaults, compressor=compressor, compressor_options=compressor_options,
                          process_group=process_group, exchanges=("momentum",))
 
@@ -86,7 +89,7 @@ class OneBitLamb(DistributedOptimizer):
     # ---- warm-up ----------------------------------------------------------------------------
     def _dense_step(self, grads: List[torch.Tensor]) -> None:
         """LAMB on the mean gradients; at the freeze, the compression stage's start."""
-        if not common.all_finite(grads):
+        if not self._fits(grads):
             return
         beta = self.coeffs["coeff_beta"]
         for p, g in zip(self._params, grads):
@@ -107,13 +110,17 @@ class OneBitLamb(DistributedOptimizer):
             self._start_compression()
 
     def _start_compression(self) -> None:
-        """At the freeze: the fresh variance starts from the frozen one; each layer's momentum
-        scale (its RMS) sets the factor that brings every layer to their mean RMS."""
+        """At the freeze: the fresh variance starts from the frozen one; each layer's scale (the
+        RMS of what it sends, its momentum over the frozen denominator) sets the factor that
+        brings every layer to their mean RMS. (The raw momentum's RMS, DeepSpeed's, is wrong
+        here: what travels is divided by the denominator already, and a layer with a small
+        momentum but an equally small variance would be blown up, diverging on a conv net with
+        BatchNorm from the first compressed step.)"""
         scales = []
-        for p in self._params:
+        for p, d in zip(self._params, self._denominators()):
             st = self._state_of(p)
             st["exp_avg_sq_fresh"] = st["exp_avg_sq"].clone()
-            scales.append(float(st["exp_avg"].double().norm()) / max(p.numel(), 1) ** 0.5)
+            scales.append(float((st["exp_avg"].float() / d).double().norm()) / max(p.numel(), 1) ** 0.5)
         united = sum(scales) / max(len(scales), 1)
         for p, s in zip(self._params, scales):
             self._state_of(p)["scaling"] = united / s if s > 0 else 1.0
@@ -134,8 +141,12 @@ class OneBitLamb(DistributedOptimizer):
             st = self._state_of(p)
             m = torch.lerp(st["exp_avg"].float(), g.float(), 1 - self._group_of(p)["betas"][0])
             local.append(m.div_(d).mul_(st["scaling"]))
-        mean = self.exchanges["momentum"].mean(flat(local, self.masks()))
+        if self._vmax is None:
+            self._vmax = common.MomentRange.maxima([self._state_of(p)["exp_avg_sq"] for p in self._params])
+        sent = common.poison_(flat(local, self.masks()), self._out_of_range(grads, self._vmax))
+        mean = self.exchanges["momentum"].mean(sent)
         if not common.all_finite([mean]):
+            self._skip()
             return
         unflat_(local, self.masks(), mean)
         for p, u, d in zip(self._params, local, self._denominators()):
@@ -164,3 +175,4 @@ class OneBitLamb(DistributedOptimizer):
 
     def _forget(self) -> None:
         self._denoms = None
+        self._vmax = None

@@ -19,10 +19,12 @@ Two phases, with the paper's policy (and DeepSpeed's knobs):
    any step (call it before evaluating or saving at the end of training).
 
 The two compressed quantities (gradient in phase 1, accumulated moves in phase 2) keep their
-own residuals. Replicas are identical after every synchronising step. A dense or compressed
-step whose mean is not finite changes nothing; a local step with a non-finite gradient moves
-nothing on that rank (the counters advance on every rank, so all reach the next
-synchronisation together).
+own residuals. Replicas are identical after every synchronising step. A gradient that is not
+finite, or finite but too large for the second moment (it would overflow to inf, and then
+``0 * inf`` is NaN), is skipped and counted (``skipped_steps``, with a ``RuntimeWarning``): a
+dense or compressed step with such a gradient on any rank changes nothing on any rank; a local
+step with one moves nothing on that rank (the counters advance on every rank, so all reach the
+next synchronisation together).
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ class ZeroOneAdam(DistributedOptimizer):
                                        "local_interval": 1, "local_counter": 0}
         self.lrs = 0.0  # the sum of the learning rates since the last synchronisation
         self._denoms: Optional[List[torch.Tensor]] = None
+        self._vmax: Optional[torch.Tensor] = None  # max of each variance, kept with the denominators
         super().__init__(params, defaults, compressor=compressor, compressor_options=compressor_options,
                          process_group=process_group, exchanges=("grad", "sync"))
 
@@ -101,15 +104,16 @@ class ZeroOneAdam(DistributedOptimizer):
 
     def _dense_step(self, grads: List[torch.Tensor]) -> None:
         """A variance update on the mean gradients (phase 1)."""
-        if not common.all_finite(grads):
+        decayed = self._with_decay(grads)
+        if not self._fits(decayed):
             return
-        for p, g in zip(self._params, self._with_decay(grads)):
+        for p, g in zip(self._params, decayed):
             st = self._state_of(p)
             beta1, beta2 = self._group_of(p)["betas"]
             st["exp_avg_sq"].mul_(beta2).addcmul_(g, g, value=1 - beta2)
             st["exp_avg"].lerp_(g.to(p.dtype), 1 - beta1)
         self.policy["var_updates"] += 1
-        self._denoms = None
+        self._forget()
         self._adam_update()
 
     def _momentum_step(self, grads: List[torch.Tensor]) -> None:
@@ -120,8 +124,10 @@ class ZeroOneAdam(DistributedOptimizer):
         denoms = [d.float() for d in self.denominators()]
         seen = [self._state_of(p)["exp_avg_sq"] != 0 for p in self._params]
         whole = [None] * len(g)  # a fixed size: the residuals keep their shape while the mask grows
-        mean = self.exchanges["grad"].mean(flat([gi.div(d).mul_(s) for gi, d, s in zip(g, denoms, seen)], whole))
+        sent = flat([gi.div(d).mul_(s) for gi, d, s in zip(g, denoms, seen)], whole)
+        mean = self.exchanges["grad"].mean(common.poison_(sent, self._out_of_range(g, self._maxima())))
         if not common.all_finite([mean]):
+            self._skip()
             return
         unflat_(g, whole, mean)
         for p, gi, d, s in zip(self._params, g, denoms, seen):
@@ -141,8 +147,14 @@ class ZeroOneAdam(DistributedOptimizer):
                 self._denoms.append((self._state_of(p)["exp_avg_sq"].sqrt() / bc2_sqrt).add_(group["eps"]))
         return self._denoms
 
+    def _maxima(self) -> torch.Tensor:
+        if self._vmax is None:  # the variance changes only at a variance update
+            self._vmax = common.MomentRange.maxima([self._state_of(p)["exp_avg_sq"] for p in self._params])
+        return self._vmax
+
     def _forget(self) -> None:
         self._denoms = None
+        self._vmax = None
 
     def _adam_update(self) -> None:
         t = self.steps + 1
@@ -160,8 +172,11 @@ class ZeroOneAdam(DistributedOptimizer):
 
     # ---- phase 2 -----------------------------------------------------------------------------
     def _local_step(self, grads: List[torch.Tensor]) -> None:
-        if common.all_finite(grads):
-            for p, g, d in zip(self._params, self._with_decay(grads), self.denominators()):
+        decayed = self._with_decay(grads)
+        if bool(self._out_of_range(decayed, self._maxima())):  # this rank's own gradient: it alone skips
+            self._skip("on this rank: its gradient was")
+        else:
+            for p, g, d in zip(self._params, decayed, self.denominators()):
                 group = self._group_of(p)
                 st = self._state_of(p)
                 if "anchor" not in st:  # the last point every replica shared
