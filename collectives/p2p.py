@@ -24,9 +24,9 @@ from .reduction import check_input, label, make_spec
 _KIND = 3
 
 
-def _comm(op: str, peer: Any, group, spec, key: str) -> Comm:
+def _comm(op: str, peer: Any, group, spec, key: str, device: Optional[torch.device]) -> Comm:
     rec = telemetry.Record(op, "p2p", label(spec), key, 1)
-    comm = Comm(group, rec, op)
+    comm = Comm(group, rec, op, device=device)
     rec.world_size = comm.size
     if comm.size < 2:
         raise ValueError(f"{op} needs an initialised process group of at least 2 ranks")
@@ -41,8 +41,8 @@ def send(tensor: torch.Tensor, dst: int, compressor: Any = "none", *, key: Optio
     """Compress ``tensor`` and send it to global rank ``dst`` (blocking)."""
     spec = make_spec(compressor, None, False, False)
     key = "" if key is None else str(key)
-    comm = _comm("send", dst, group, spec, key)
     check_input(tensor)
+    comm = _comm("send", dst, group, spec, key, tensor.device)
     rec = comm.record
     with rec.timing("compress"):
         acc = tensor.detach()
@@ -66,23 +66,35 @@ def recv(src: int, compressor: Any = "none", *, key: Optional[str] = None, group
          device: Optional[torch.device] = None, max_numel: Optional[int] = None) -> torch.Tensor:
     """Receive a tensor that global rank ``src`` sent with ``send`` and the same compressor
     configuration; returns it decompressed, with the sender's shape and dtype, on ``device``
-    (default: the CPU, or the current CUDA device under NCCL). ``max_numel`` bounds the
-    elements the sender may announce: a payload that describes more raises ``ValueError``
-    once received (the channel stays in step), and one announced as longer than any payload
-    of ``max_numel`` elements can be (``max_wire_bytes``) raises ``ValueError`` before
-    anything is allocated for it, unreceived. Without ``max_numel``, a payload announced as
-    longer than this machine's memory is refused the same way."""
+    (default: the CPU, or under NCCL the CUDA device of ``device``/the calling thread).
+    ``max_numel`` bounds the elements the sender may announce. A refused message (longer or
+    describing more than ``max_numel`` allows, another compressor, another kind) is received
+    in full and then raises ``ValueError``, so the channel stays in step (an NCCL send does
+    not fail when its receiver gives up: it waits). Only a payload longer than this device's
+    memory is refused unreceived; the error then says the channel is out of step."""
     spec = make_spec(compressor, None, False, False)
     key = "" if key is None else str(key)
-    comm = _comm("recv", src, group, spec, key)
+    comm = _comm("recv", src, group, spec, key, None if device is None else torch.device(device))
     rec = comm.record
     head = comm.recv(torch.empty(5, dtype=torch.int64, device=comm.device), src, tag).tolist()
-    if head[0] != MAGIC or head[1] != _KIND or head[2] < 0:
-        raise ValueError(f"recv: the message from rank {src} is not a gradcomp send (header {head[:3]})")
-    _check_length(head[2], src, max_numel)
+    if head[0] != MAGIC or head[2] < 0:
+        raise ValueError(f"recv: the message from rank {src} is not a gradcomp send (header {head[:3]}): it announces "
+                         f"no payload this rank could drain, so the channel between the two is out of step (an "
+                         f"earlier message was not received as sent, or that rank sends something else)")
+    # A refused message is still received in full before raising: an NCCL send does not fail
+    # when the receiver gives up, it waits for the receive, and the next header would pair
+    # with this payload. Only a length no receive could take is refused unreceived.
+    too_long = _too_long(head[2], src, max_numel)
+    _check_drainable(head[2], src, comm.device, too_long)
     buf = comm.recv(torch.empty(head[2], dtype=torch.uint8, device=comm.device), src, tag)
-    if head[3] != h64(repr(spec.base)):  # raised only now, so the channel stays in step
-        raise ValueError(f"recv: rank {src} sent with a different compressor or options than {spec.base!r}")
+    if head[1] != _KIND:
+        raise ValueError(f"recv: the message from rank {src} is a gradcomp message of kind {head[1]}, not a send "
+                         f"(kind {_KIND}); its payload was received and dropped")
+    if too_long is not None:
+        raise ValueError(f"{too_long}; it was received and dropped, so the channel stays in step")
+    if head[3] != h64(repr(spec.base)):  # checked before decoding, after draining
+        raise ValueError(f"recv: rank {src} sent with a different compressor or options than {spec.base!r}; its "
+                         f"payload was received and dropped")
     with rec.timing("decompress"):
         payload = decode(buf, device or comm.device, max_numel=max_numel)
         out = spec.base.decompress(payload)
@@ -95,14 +107,29 @@ def recv(src: int, compressor: Any = "none", *, key: Optional[str] = None, group
     return out
 
 
-def _check_length(length: int, src: int, max_numel: Optional[int]) -> None:
-    """Refuse, before allocating, a payload longer than one of ``max_numel`` elements can be
-    (longer than this machine's memory without ``max_numel``)."""
-    if max_numel is not None:
-        limit, what = max_wire_bytes(max_numel), f"a payload of at most max_numel={max_numel} elements"
-    else:
-        limit, what = memory_bytes(), "this machine's memory"
+def _too_long(length: int, src: int, max_numel: Optional[int]) -> Optional[str]:
+    """Why a payload of ``length`` bytes is refused under ``max_numel`` (None: it is not)."""
+    if max_numel is None or length <= max_wire_bytes(max_numel):
+        return None
+    return (f"recv: rank {src} announced a payload of {length} bytes, more than a payload of at most "
+            f"max_numel={max_numel} elements can take ({max_wire_bytes(max_numel)} bytes)")
+
+
+def _drain_limit(device: torch.device) -> Optional[int]:
+    if device.type == "cuda":
+        try:
+            return torch.cuda.mem_get_info(device)[0]
+        except Exception:  # no driver query on this build
+            return None
+    return memory_bytes()
+
+
+def _check_drainable(length: int, src: int, device: torch.device, too_long: Optional[str]) -> None:
+    """Refuse, unreceived, a payload longer than this device's memory: nothing can take it, so
+    the channel is out of step from here on (say so)."""
+    limit = _drain_limit(device)
     if limit is not None and length > limit:
-        raise ValueError(f"recv: rank {src} announced a payload of {length} bytes, more than {what} can take "
-                         f"({limit} bytes); it was not received, so that rank's send fails and later messages "
-                         f"between the two are out of step")
+        said = f"{too_long}, and" if too_long else f"recv: rank {src} announced a payload of {length} bytes,"
+        raise ValueError(f"{said} more than this machine's memory can take ({limit} bytes on {device}); it was not "
+                         f"received, so that rank's send fails or waits and later messages between the two are out "
+                         f"of step")

@@ -56,6 +56,11 @@ _OBJECT = ("all_gather_object", "broadcast_object_list", "gather_object", "scatt
 _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "asarray", "arange", "linspace", "logspace",
               "rand", "randn", "randint", "randperm", "empty_strided", "eye", "from_numpy", "frombuffer")
 
+# Functions that build host tensors by contract, moved to the group's device by their one caller
+# when it is not the CPU (so on CPU the move is skipped and the tensor would look like a defect):
+# the self-describing wire format is made on the host and ``collectives/_wire.encode`` moves it.
+_HOST_BY_CONTRACT = {(os.path.join("compress", "payload.py"), "to_tensor")}
+
 _installed = False
 _REAL: Dict[str, Callable] = {}
 _cond = threading.Condition()
@@ -64,7 +69,7 @@ _inside: Dict[Any, List[Any]] = {}  # group -> [thread, what, depth] of the thre
 _declared: Dict[Any, torch.device] = {}
 _wait_s: Optional[float] = None
 _host: Dict[int, Tuple[Any, str]] = {}  # storage data_ptr -> (weakref to the allocated tensor, "file:line")
-_ours_cache: Dict[str, bool] = {}
+_ours_cache: Dict[Tuple[str, str], bool] = {}
 
 
 # ---- configuration ---------------------------------------------------------------------------
@@ -174,12 +179,13 @@ def _me() -> threading.Thread:
 # ---- rule 3: host tensors made by gradcomp's code --------------------------------------------
 def _ours(frame) -> bool:
     """Whether ``frame`` runs gradcomp's own code (not tests, not torch)."""
-    f = frame.f_code.co_filename
-    hit = _ours_cache.get(f)
+    code = frame.f_code
+    hit = _ours_cache.get((code.co_filename, code.co_name))
     if hit is None:
-        real = os.path.realpath(f)
-        hit = any(real.startswith(os.path.join(_ROOT, p) + os.sep) for p in _PACKAGES)
-        _ours_cache[f] = hit
+        real = os.path.realpath(code.co_filename)
+        hit = any(real.startswith(os.path.join(_ROOT, p) + os.sep) for p in _PACKAGES) \
+            and (os.path.relpath(real, _ROOT), code.co_name) not in _HOST_BY_CONTRACT
+        _ours_cache[(code.co_filename, code.co_name)] = hit
     return hit
 
 

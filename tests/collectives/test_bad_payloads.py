@@ -92,3 +92,47 @@ def test_a_p2p_length_beyond_the_bound_is_refused_before_allocating(tmp_path):
     assert r["unbounded"].startswith("ValueError: recv: rank 0 announced a payload of 1152921504606846976 bytes, "
                                      "more than this machine's memory"), r["unbounded"]
     assert torch.equal(r["after"], torch.zeros(10).index_fill_(0, torch.tensor([9]), 9.0))
+
+
+def _p2p_refused_then_good(rank, world):
+    import torch.distributed as dist
+
+    from gradcomp.collectives import p2p, recv, send
+    from gradcomp.collectives._header import MAGIC, dtype_code, h64
+    from gradcomp.compress import get_compressor
+
+    x = torch.arange(20000.0)
+    if rank == 0:  # each refused message is followed by a good one on the same pair
+        send(x, 1, "none")  # 80 kB, longer than any payload of the receiver's max_numel=10
+        send(x[:5], 1, "none")
+        send(x, 1, "int8")  # another compressor than the receiver's
+        send(x[:6], 1, "none")
+        buf = torch.arange(7, dtype=torch.uint8)  # a gradcomp message of another kind, with its payload
+        dist.send(torch.tensor([MAGIC, p2p._KIND + 1, 7, h64(repr(get_compressor("none"))),
+                                dtype_code(torch.float32)], dtype=torch.int64), 1)
+        dist.send(buf, 1)
+        send(x[:7], 1, "none")
+        return None
+    out = []
+    for compressor, bound in (("none", 10), ("none", 10), ("none", None), ("none", None), ("none", None),
+                              ("none", None)):
+        try:
+            out.append(recv(0, compressor, max_numel=bound).tolist())
+        except ValueError as exc:
+            out.append(str(exc))
+    return out
+
+
+def test_a_refused_p2p_message_is_drained_so_the_next_one_arrives(tmp_path):
+    """Item 8 of issue 22: a refused header (length over max_numel, another compressor, another
+    kind) once raised without receiving the payload; on NCCL the sender's payload send then
+    waits for ever, and under the strict mode (as on NCCL) the next header pairs with it."""
+    r = run_ranks(_p2p_refused_then_good, 2, tmp_path)[1]
+    too_long, first, other, second, kind, third = r
+    assert too_long.startswith("recv: rank 0 announced a payload of ") and "max_numel=10" in too_long, too_long
+    assert "received and dropped, so the channel stays in step" in too_long
+    assert first == [0.0, 1.0, 2.0, 3.0, 4.0]
+    assert "different compressor or options" in other and "received and dropped" in other, other
+    assert second == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    assert f"of kind {4}, not a send" in kind and "received and dropped" in kind, kind
+    assert third == [float(i) for i in range(7)]
