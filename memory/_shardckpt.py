@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from .lowbit import cut_packed, is_packed, join_packed
+from .lowbit import PackedState, as_packed, is_packed, saved
 
 if TYPE_CHECKING:
     from .sharded import ShardedOptimizer
@@ -34,7 +34,9 @@ FORMAT = "gradcomp.sharded/1"
 
 
 def _cpu(tree: Any) -> Any:
-    """A deep copy of ``tree`` with its tensors on the CPU."""
+    """A deep copy of ``tree`` with its tensors on the CPU (low-bit state as saved dicts)."""
+    if isinstance(tree, PackedState):
+        return saved(tree.to("cpu"))
     if isinstance(tree, torch.Tensor):
         return tree.detach().cpu().clone()
     if isinstance(tree, dict):
@@ -49,25 +51,48 @@ def sharded(opt: "ShardedOptimizer") -> Dict[str, Any]:
             "inner": _cpu(opt.optimizer.state_dict()), "master": _cpu(opt.masters),
             "grad_feedback": None if opt.grad_feedback is None else opt.grad_feedback.state_dict(),
             "weight_feedback": None if opt.weight_feedback is None else opt.weight_feedback.state_dict(),
-            "skipped": opt.skipped}
+            "buckets": _bucket_plan(opt), "skipped": opt.skipped}
+
+
+def _bucket_plan(opt: "ShardedOptimizer") -> List[List[int]]:
+    """``[group, start, stop]`` of each bucket, in key order: what the residual keys mean."""
+    return [[b.group, b.start, b.stop] for b in opt._buckets]
 
 
 # ---- consolidated ------------------------------------------------------------------------------
-def _grad_residuals(opt: "ShardedOptimizer") -> Optional[List[torch.Tensor]]:
-    """This rank's gradient residuals laid out on each group's flat vector (zeros where none)."""
+def _grad_residuals(opt: "ShardedOptimizer", residual: Any = None,
+                    plan: Optional[List[List[int]]] = None) -> Optional[List[torch.Tensor]]:
+    """This rank's gradient residuals laid out on each group's flat vector (zeros where none):
+    independent of the bucket layout. ``residual``/``plan``: a saved error feedback's
+    ``key -> tensor`` and the bucket plan its keys were made with (default: this run's)."""
     ef = opt.grad_feedback
     if ef is None:
         return None
+    if residual is None:
+        residual = ef.residual
+    buckets = [(b.group, b.start, b.stop) for b in opt._buckets] if plan is None else [tuple(b) for b in plan]
     out = [torch.zeros(lay.numel, dtype=torch.float32) for lay in opt.layouts]
-    for k, b in enumerate(opt._buckets):
-        splits = opt.layouts[b.group].splits(b.start, b.stop)
-        at = b.start
+    for k, (g, start, stop) in enumerate(buckets):
+        splits = opt.layouts[g].splits(start, stop)
+        at = start
         for j, n in enumerate(splits):
-            res = ef.residual(f"g{b.group}/b{k}/to{j}")
-            if n and res.numel() == n:
-                out[b.group][at:at + n] = res.reshape(-1).float().cpu()
+            res = residual(f"g{g}/b{k}/to{j}")
+            if n and res is not None and res.numel() == n:
+                out[g][at:at + n] = res.reshape(-1).float().cpu()
             at += n
     return out
+
+
+def _grad_pieces(opt: "ShardedOptimizer", flat: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The residual of each (bucket, destination) of this run's layout, cut from ``flat``."""
+    pieces: Dict[str, torch.Tensor] = {}
+    for k, b in enumerate(opt._buckets):
+        at = b.start
+        for j, n in enumerate(opt.layouts[b.group].splits(b.start, b.stop)):
+            if n and j != opt.rank:
+                pieces[f"g{b.group}/b{k}/to{j}"] = flat[b.group][at:at + n]
+            at += n
+    return pieces
 
 
 def _weight_residuals(opt: "ShardedOptimizer") -> Optional[List[torch.Tensor]]:
@@ -117,7 +142,7 @@ def _join_state(states: List[Dict[str, Any]]) -> Dict[str, Any]:
         values = [s[key] for s in states if key in s]
         packed = [v for v in values if is_packed(v)]
         if packed:
-            out[key] = join_packed(packed)
+            out[key] = PackedState.join([as_packed(v) for v in packed]).to_saved()
         elif isinstance(values[0], torch.Tensor) and values[0].dim() == 1:
             out[key] = torch.cat(values)
         else:
@@ -130,7 +155,7 @@ def _cut_state(state: Mapping[str, Any], numel: int, lo: int, hi: int) -> Dict[s
     out: Dict[str, Any] = {}
     for key, v in state.items():
         if is_packed(v):
-            out[key] = cut_packed(v, lo, hi) if hi > lo else torch.zeros(0)
+            out[key] = as_packed(v).cut(lo, hi).to_saved() if hi > lo else torch.zeros(0)
         elif isinstance(v, torch.Tensor) and v.dim() == 1 and v.numel() == numel:
             out[key] = v[lo:hi].clone()
         else:
@@ -155,6 +180,13 @@ def _problem(opt: "ShardedOptimizer", sd: Any) -> str:
     if saved.get("config") != mine["config"]:
         return ("the checkpoint was saved with another optimizer class, options, compressor, weight compressor, "
                 "state_bits or stage than this run's; resume with the same configuration")
+    if sd["kind"] == "consolidated":
+        for g, (state, lay) in enumerate(zip(sd.get("state") or [], opt.layouts)):
+            lo = lay.shard(opt.rank)[0]
+            for key, v in (state or {}).items():
+                if is_packed(v) and lo < as_packed(v).numel and not as_packed(v).is_boundary(lo):
+                    return (f"its low-bit {key!r} of group {g} has a block across element {lo}, where this rank's "
+                            f"shard starts; load it at the world size it was saved with and save it again")
     if sd["kind"] == "sharded":
         if saved.get("world") != mine["world"]:
             return (f"the checkpoint is one shard of {saved.get('world')} ranks, this run has {mine['world']}; "
@@ -181,11 +213,18 @@ def load(opt: "ShardedOptimizer", sd: Mapping[str, Any]) -> None:
     _agree(opt, _problem(opt, sd))
     if sd["kind"] == "sharded":
         opt.optimizer.load_state_dict(sd["inner"])
-        for m, saved in zip(opt.masters, sd["master"]):
-            m.copy_(saved)
-        for ef, saved in ((opt.grad_feedback, sd["grad_feedback"]), (opt.weight_feedback, sd["weight_feedback"])):
+        for m, saved_master in zip(opt.masters, sd["master"]):
+            m.copy_(saved_master)
+        for ef, saved_ef in ((opt.grad_feedback, sd["grad_feedback"]), (opt.weight_feedback, sd["weight_feedback"])):
             if ef is not None:
-                ef.load_state_dict(saved)
+                ef.load_state_dict(saved_ef)
+        plan = sd.get("buckets")
+        if opt.grad_feedback is not None and plan is not None and plan != _bucket_plan(opt):
+            # saved with another bucket_mb: the residual keys name other buckets; re-key them
+            state = sd["grad_feedback"]["state"]
+            flat = _grad_residuals(opt, state.get, plan)
+            assert flat is not None
+            _set_residuals(opt.grad_feedback, _grad_pieces(opt, flat))
     else:
         _load_consolidated(opt, sd)
     opt.skipped = int(sd["skipped"])
@@ -209,14 +248,7 @@ def _load_consolidated(opt: "ShardedOptimizer", sd: Mapping[str, Any]) -> None:
         # what the mean gradient still owes is the mean of the residuals; here w - 1 ranks send
         # each piece (its owner does not), so each holds w / (w - 1) of it
         mean = [r * (opt.world / (opt.world - 1)) for r in sd["grad_residual"]]
-        pieces: Dict[str, torch.Tensor] = {}
-        for k, b in enumerate(opt._buckets):
-            at = b.start
-            for j, n in enumerate(opt.layouts[b.group].splits(b.start, b.stop)):
-                if n and j != opt.rank:
-                    pieces[f"g{b.group}/b{k}/to{j}"] = mean[b.group][at:at + n]
-                at += n
-        _set_residuals(opt.grad_feedback, pieces)
+        _set_residuals(opt.grad_feedback, _grad_pieces(opt, mean))
 
 
 def _set_residuals(ef: Any, residuals: Mapping[str, torch.Tensor]) -> None:

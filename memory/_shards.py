@@ -3,7 +3,7 @@ their shards and the buckets their gradients travel in. Pure arithmetic, no comm
 
 Each parameter group's trainable parameters are laid end to end (in the order given) into
 one flat vector of ``numel`` elements. That vector is cut into ``world`` contiguous shards
-on :data:`ALIGN`-element boundaries, as evenly as whole blocks allow (``tensor_split`` of the
+on :data:`ALIGN`-element (256) boundaries, as evenly as whole blocks allow (``tensor_split`` of the
 blocks: the first ranks get one block more), so a shard starts where a block of the group's
 vector starts whatever the world size — the blocks of 8-bit state are the same blocks on any
 number of ranks, and resharding only re-cuts them. A group smaller than ``world`` blocks
@@ -20,9 +20,11 @@ from typing import List, NamedTuple, Sequence, Tuple
 
 import torch
 
-from .lowbit import BLOCK
+from .lowbit import BLOCK, LEGACY_BLOCK
 
-ALIGN = BLOCK
+# shards start on multiples of every low-bit block size (128, and the 256 of saved state of
+# format version 1), so a shard's blocks are the whole vector's blocks at any world size
+ALIGN = max(BLOCK, LEGACY_BLOCK)
 
 
 class Bucket(NamedTuple):

@@ -45,7 +45,7 @@ def test_checkpoints_alone(compensation):
     full, shard = opt.consolidated_state_dict(), opt.state_dict()
     assert full is not None and full["kind"] == "consolidated" and shard["kind"] == "sharded"
     packed = full["state"][0]["exp_avg"]
-    assert isinstance(packed, dict) and ("rcodes" in packed) == (compensation == "feedback")
+    assert isinstance(packed, dict) and ("residual" in packed) == (compensation == "feedback")
     opt.load_state_dict(full)
     again = opt.consolidated_state_dict()
     assert again is not None and torch.equal(again["state"][0]["exp_avg"]["codes"], packed["codes"])
@@ -56,7 +56,7 @@ def test_checkpoints_alone(compensation):
 
 
 @pytest.mark.parametrize("kw,message", [
-    ({"state_bits": 16}, "state_bits=16 is not allowed; allowed: 32, 8"),
+    ({"state_bits": 16}, "state_bits=16 is not allowed; allowed: 32, 8, 4"),
     ({"stage": 0}, "stage=0 is not allowed"),
     ({"bucket_mb": 0}, "bucket_mb=0 is not allowed"),
     ({"state_compensation": "kahan"}, "state_compensation='kahan' is not allowed; allowed: stochastic, feedback, none"),
