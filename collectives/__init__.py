@@ -10,7 +10,7 @@ scatter-reduce's exchanges on three or more), ``send``/``recv``
 exchanges the training runtime (DDP hook, ``CompressedOptimizer``) is built on.
 """
 from .worker import shutdown
-from ._comm import CommunicationError, group_timeout, rank_of, world_of
+from ._comm import CommunicationError, backend_for, check_device_set, group_timeout, on_device, rank_of, world_of
 from .allreduce import ALGORITHMS, allreduce, choose_algorithm
 from .bucket import allreduce_buckets, exchange_bucket, plan_buckets
 from .fused import allreduce_fused

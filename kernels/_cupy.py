@@ -293,14 +293,17 @@ def as_torch(a: Any) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(family: str, name: str, capability: int) -> Any:
-    return module(family, capability).get_function(name)
+def _kernel(family: str, name: str, capability: int, index: int) -> Any:
+    with _cupy().cuda.Device(index):  # a loaded module and its functions belong to one device
+        return module(family, capability, index).get_function(name)
 
 
 @functools.lru_cache(maxsize=None)
-def module(family: str, capability: int) -> Any:
-    """The ``cupy.RawModule`` of ``family`` for devices of compute capability ``capability``
-    (compiled on first use, see :func:`binary`)."""
+def module(family: str, capability: int, index: Optional[int] = None) -> Any:
+    """The ``cupy.RawModule`` of ``family`` compiled for compute capability ``capability``
+    (on first use, see :func:`binary`), one per device ``index``: a module loaded on one GPU
+    cannot launch on another, even of the same capability (None: a module not yet tied to a
+    device, loaded wherever it is first used)."""
     return _cupy().RawModule(path=str(binary(family, capability)))
 
 
@@ -359,7 +362,7 @@ class Launcher:
         self._keep.clear()
 
     def __call__(self, family: str, kernel: str, grid: int, block: int, *args: Any) -> None:
-        _kernel(family, kernel, self.capability)((int(grid),), (int(block),), tuple(self._arg(a) for a in args))
+        _kernel(family, kernel, self.capability, self.device.index)((int(grid),), (int(block),), tuple(self._arg(a) for a in args))
 
     def _arg(self, a: Any) -> Any:
         if isinstance(a, torch.Tensor):

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives import check_device_set
+
 from .lowbit import PackedState, as_packed, is_packed, saved
 
 if TYPE_CHECKING:
@@ -117,6 +119,7 @@ def consolidated(opt: "ShardedOptimizer", to: int) -> Optional[Dict[str, Any]]:
     else:
         gathered: Optional[List[Any]] = [None] * opt.world if opt.rank == to else None
         dst = to if opt.group is None else dist.get_global_rank(opt.group, to)
+        check_device_set(opt.group, opt.masters, "ShardedOptimizer.state_dict")  # NCCL's object collectives
         dist.gather_object(mine, gathered, dst=dst, group=opt.group)
         if opt.rank != to:
             return None
@@ -202,6 +205,7 @@ def _agree(opt: "ShardedOptimizer", problem: str) -> None:
     problems = [problem]
     if opt.world > 1:
         problems = [""] * opt.world
+        check_device_set(opt.group, opt.masters, "ShardedOptimizer")  # NCCL's object collectives need set_device
         dist.all_gather_object(problems, problem, group=opt.group)
     bad = [(r, p) for r, p in enumerate(problems) if p]
     if bad:

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradcomp.collectives import check_device_set
+
 from .balance import auto_balance
 
 
@@ -49,6 +51,7 @@ def split(stages: Union[nn.Module, Sequence[nn.Module]], balance: Union[None, st
         if dist.get_rank(group) == 0:
             chosen[0] = auto_balance(stages, sample, p * v, activation_codec=codecs[0], grad_codec=codecs[1],
                                      link_bps=link_bps).balance if sample is not None else "no sample"
+        check_device_set(group, None, "Pipeline(balance='auto')")  # NCCL's object collectives need set_device
         dist.broadcast_object_list(chosen, src=_first(group), group=group)
         if chosen[0] == "no sample":
             raise ValueError("balance='auto' needs sample= (one micro-batch of inputs) on the group's first rank")

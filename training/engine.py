@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import (Hierarchy, choose_algorithm, exchange_bucket, exchange_bucket_by_owners,
-                                  make_node_groups, rank_of, server_feedback, world_of, worker)
+                                  backend_for, check_device_set, make_node_groups, rank_of, server_feedback,
+                                  world_of, worker)
 from gradcomp.collectives._header import h64
 from gradcomp.compress.transaction import Transaction
 from .policy import Policy, base_of
@@ -320,6 +321,7 @@ def agree(config: Mapping[str, str], group, when: str, *, device: Optional[torch
     rank's value. One small all-gather of objects, run after the gradcomp jobs in flight (see
     :mod:`gradcomp.collectives.worker`) under ``device`` (default: the device this thread's
     object collectives use on ``group``)."""
+    check_device_set(group, device, f"gradcomp: agreeing {when}")  # NCCL's object collectives need set_device
     if device is None:
         device = _object_device(group)
     worker.submit(lambda eff: _agree(config, eff(group), when), (group,), False, device=device)
@@ -328,7 +330,7 @@ def agree(config: Mapping[str, str], group, when: str, *, device: Optional[torch
 def _object_device(group) -> torch.device:
     """Where object collectives on ``group`` put their tensors, read on the caller's thread
     (NCCL: the current CUDA device, which ``torch.cuda.set_device`` sets)."""
-    if dist.get_backend(group) == "nccl" and torch.cuda.is_available():
+    if backend_for(group, "cuda") == "nccl" and torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
