@@ -16,15 +16,16 @@ schedulers change them).
 
 A step whose gradient is not finite, or so large that Adam's second moment would overflow
 (:class:`~gradcomp.optim._common.MomentRange`), on any rank is skipped on every rank: nothing
-changes, ``skipped_steps`` counts it and a ``RuntimeWarning`` says so; the next step goes on. ``state_dict`` adds the error-feedback residuals and counters to
-torch's optimizer state, with whose they are; ``load_state_dict`` refuses another rank's,
-another world size's or another model's.
+changes, ``skipped_steps`` counts it and a ``RuntimeWarning`` says so; the next step goes on.
+
+``state_dict`` adds the error-feedback residuals and counters to torch's optimizer state, with
+whose they are; ``load_state_dict`` refuses another rank's, another world size's or another
+model's.
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
-
 import warnings
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 

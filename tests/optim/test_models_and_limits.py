@@ -233,8 +233,9 @@ def test_clean_runs_skip_nothing(runs):
 def test_disagreement_refused_at_construction_on_every_rank(runs, case):
     msgs = [r["disagree"][case] for r in runs]
     assert msgs[0] is not None and len(set(msgs)) == 1, msgs
-    field = "compressor options" if case == "codec_options" else "learning rates"
-    assert "disagree" in msgs[0] and ("configuration" if case == "codec_options" else field) in msgs[0]
+    field = "configuration" if case == "codec_options" else "learning rates"
+    assert "disagree" in msgs[0] and field in msgs[0]
+    assert ("ratio=0.1" if case == "codec_options" else "0.01") in msgs[0]  # each rank's value is shown
     assert all(r["disagree"]["agreed"] is None for r in runs)
 
 
@@ -267,3 +268,20 @@ def test_layer_norms_stay_on_the_tensors_device_one_collective(monkeypatch):
     cpu = norms.norms([[torch.arange(5.0), torch.ones(4)], [None, torch.full((4,), 2.0)]])
     expected = torch.tensor([[5.0, 9 + 16 + 4, 0.0], [0.0, 16.0, 0.0]], dtype=torch.float64).sqrt()
     assert torch.equal(cpu, expected)
+
+
+def test_learning_rate_left_out_of_the_checkpoint_identity_only():
+    """A scheduler changes the learning rate between saving and resuming: the checkpoint loads."""
+    for make in (lambda p, lr: OneBitAdam(p, lr=lr, freeze_step=2), lambda p, lr: ZeroOneAdam(p, lr=lr),
+                 lambda p, lr: OneBitLamb(p, lr=lr, freeze_step=2)):
+        model = _small()
+        opt = make(model.parameters(), 1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        for _ in range(3):
+            opt.zero_grad()
+            model(torch.ones(2, 10)).sum().backward()
+            opt.step()
+            sched.step()
+        resumed = make(_small().parameters(), 1e-2)
+        resumed.load_state_dict(opt.state_dict())
+        assert resumed.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 / 8
