@@ -25,6 +25,8 @@
    would escape it, and it would tax every torch call); ``x.new_*``, ``torch.*_like`` and any call
    with ``device=`` are not tracked. ``.cpu()``/``.to("cpu")`` of a CPU tensor return a copy here,
    as they would for a CUDA tensor.
+   gradcomp's ``Comm`` built off the main thread must be given its tensors' device (or run
+   under ``on_device``): under NCCL it would otherwise take the thread's current device.
 4. Object collectives are refused unless the calling thread has set its device: a rank's main
    thread counts as set (as a script calling ``torch.cuda.set_device(local_rank)``); any other
    thread must run inside ``gradcomp.collectives._comm.on_device``.
@@ -100,6 +102,25 @@ def install() -> None:
     _REAL["Tensor.cpu"], _REAL["Tensor.to"] = torch.Tensor.cpu, torch.Tensor.to
     torch.Tensor.cpu = _tensor_cpu
     torch.Tensor.to = _tensor_to
+    from gradcomp.collectives import _comm
+
+    _REAL["_group_device"] = _comm._group_device
+    _comm._group_device = _group_device
+
+
+def _group_device(group, device, op):
+    """Rule 3 for gradcomp's ``Comm``: off the main thread, its device must come from the
+    tensors (``device=``) or the thread's ``on_device``; under NCCL it would otherwise be the
+    thread's current CUDA device, GPU 0 whatever the rank uses."""
+    from gradcomp.collectives._comm import device_is_set
+
+    me = _me()
+    if device is None and me is not threading.main_thread() and not device_is_set() \
+            and not me.name.startswith("strict-p2p"):
+        raise RuntimeError(f"strict NCCL mode: {op} built its communicator in thread {me.name!r} with no device: "
+                           f"under NCCL it would use that thread's current CUDA device, GPU 0 whatever this rank "
+                           f"uses; pass the tensors' device or run the job under on_device(device)")
+    return _REAL["_group_device"](group, device, op)
 
 
 def installed() -> bool:

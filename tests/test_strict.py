@@ -128,6 +128,20 @@ def _cases(rank, world):
     dist.all_gather_object(objs, rank * 2)  # the main thread counts as having set its device
     out["objects"] = (res["plain"], res["placed"], objs)
 
+    # rule 3 for gradcomp's Comm: off the main thread its device comes from the tensors or on_device
+    rec = _comm.Record("t", "t", "none", "", 1)
+
+    def comms():
+        res["comm"] = [_raises(lambda: _comm.Comm(None, rec, "job")),
+                       _raises(lambda: _comm.Comm(None, rec, "job", device=torch.device("cpu")))]
+        with _comm.on_device("cpu"):
+            res["comm"].append(_raises(lambda: _comm.Comm(None, rec, "job")))
+
+    t = threading.Thread(target=comms, name="job")
+    t.start()
+    t.join()
+    out["comm"] = res["comm"]
+
     # check_device_set and Comm's device under a composite backend, from what they read
     real_backend, real_current = dist.get_backend, torch.cuda.current_device
     try:
@@ -139,10 +153,10 @@ def _cases(rank, world):
                   _comm.backend_for(None, "cpu"), _comm.backend_for(None, "cuda"), _comm.uses_nccl(None)]
         torch.cuda.current_device = lambda: 1
         checks.append(_raises(lambda: _comm.check_device_set(None, None)))
-        rec = _comm.Record("t", "t", "none", "", 1)
         checks.append(str(_comm.Comm(None, rec, "t", device=torch.device("cuda", 3)).device))
         checks.append(str(_comm.Comm(None, rec, "t").device))  # main thread: the current device
         in_thread = {}
+        _comm._group_device = strict._REAL["_group_device"]  # Comm's own check, not the strict mode's
         t = threading.Thread(target=lambda: in_thread.update(e=_raises(lambda: _comm.Comm(None, rec, "t"))),
                              name="job")
         t.start()
@@ -150,19 +164,26 @@ def _cases(rank, world):
         checks.append(in_thread["e"])
     finally:
         dist.get_backend, torch.cuda.current_device = real_backend, real_current
+        _comm._group_device = strict._group_device
         os.environ["LOCAL_RANK"] = str(rank)
     out["checks"] = checks
 
-    # rule 1, last (it leaves a pair out of step until repaired): each rank posts a receive,
-    # then a send to the same peer -- on NCCL the send waits behind the receive on the pair's
-    # stream on both ranks: a deadlock; here it raises within the bound
+    # rule 1: rank 0 posts a receive from rank 1, then a send to it: on NCCL the send waits behind
+    # the receive on the pair's stream, so while rank 1 holds back its send (here until rank 0
+    # has raised) nothing moves; here the send raises within the bound instead of hanging
     strict.set_wait(2.0)
     buf = torch.empty(2)
-    pending = dist.irecv(buf, peer)
-    out["deadlock"] = _raises(lambda: dist.send(torch.full((2,), float(rank)), peer))
-    strict._REAL["send"](torch.full((2,), float(rank)), peer)  # repair: unblock the pending receives
-    pending.wait()
-    out["repaired"] = buf.tolist()
+    if rank == 0:
+        pending = dist.irecv(buf, 1)
+        out["deadlock"] = _raises(lambda: dist.send(torch.zeros(2), 1))
+        dist.barrier(group=side)
+        pending.wait()
+        dist.send(torch.zeros(2), 1)  # legal now: the receive has completed
+    else:
+        dist.barrier(group=side)
+        dist.send(torch.ones(2), 0)
+        dist.recv(buf, 0)
+    out["after"] = buf.tolist()
     dist.barrier()
     return out
 
@@ -188,6 +209,9 @@ def test_strict_mode_rules_fire_and_legal_patterns_pass(tmp_path):
         assert "all_gather_object" in plain and "'plain', which has not set its device" in plain
         assert "on_device" in plain
         assert placed == [0, 1] and objs == [0, 2]
+        bare, given_cpu, under = out["comm"]
+        assert "strict NCCL mode: job built its communicator in thread 'job' with no device" in bare, bare
+        assert given_cpu is None and under is None
         # check_device_set, backend_for, Comm's device
         missing, fine, cpu, cuda, nccl, matching, given, main, thread = out["checks"]
         assert "agree: this rank works on cuda:1 but the current CUDA device is cuda:0" in missing
@@ -196,13 +220,13 @@ def test_strict_mode_rules_fire_and_legal_patterns_pass(tmp_path):
         assert (cpu, cuda, nccl) == ("gloo", "nccl", True)
         assert (given, main) == ("cuda:3", "cuda:1")
         assert "thread 'job' was given none" in thread and "on_device" in thread
-        # rule 1
-        assert "strict NCCL mode: send to rank %d" % peer in out["deadlock"]
-        assert "would deadlock on NCCL" in out["deadlock"]
-        assert "queued behind irecv from rank %d" % peer in out["deadlock"]
-        assert out["repaired"] == [float(peer)] * 2
+        assert out["after"] == [float(peer)] * 2
     assert "entered by thread 'MainThread' while thread 'other' is inside all_reduce" in res[0]["threads"]
     assert "the default group" in res[0]["threads"]
+    # rule 1
+    deadlock = res[0]["deadlock"]
+    assert "strict NCCL mode: send to rank 1 on the default group would deadlock on NCCL" in deadlock, deadlock
+    assert "queued behind irecv from rank 1 (issued by thread 'MainThread')" in deadlock
 
 
 def _off(rank, world):
