@@ -104,6 +104,8 @@ class Costs:
             self.rerun = [f["keep"] for f in self.fwd]
         if not self.inplace:
             self.inplace = [False] * n
+        if not len(self.spike) == len(self.rerun) == len(self.inplace) == n:
+            raise ValueError("Costs: spike, rerun and inplace need one entry per stage")
         for i in range(n):
             if "keep" not in self.fwd[i] or not (set(self.fwd[i]) == set(self.bwd[i]) == set(self.internal[i])
                                                  == set(self.form[i]) == set(self.modes)):
