@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 from collections import OrderedDict
-from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -223,7 +223,8 @@ _NormBase = nn.modules.batchnorm._NormBase  # BatchNorm, InstanceNorm, SyncBatch
 
 def _buffers(stages: Iterable[nn.Module]) -> List[Tuple[nn.Module, str, torch.Tensor, int]]:
     """Every buffer of ``stages``: its module, name, tensor and version."""
-    seen, out = set(), []
+    seen: Set[int] = set()
+    out: List[Tuple[nn.Module, str, torch.Tensor, int]] = []
     for stage in stages:
         for m in stage.modules():
             if id(m) in seen:
@@ -237,7 +238,11 @@ def _buffers(stages: Iterable[nn.Module]) -> List[Tuple[nn.Module, str, torch.Te
 def _stand_ins(changed: Sequence[Tuple[nn.Module, str]]) -> Iterator[None]:
     """Within: copies in place of the buffers ``changed`` (what a recomputation updates);
     afterwards the modules' own buffers again, as the first forward left them."""
-    own = [(m, name, m._buffers[name]) for m, name in changed]
+    own: List[Tuple[nn.Module, str, torch.Tensor]] = []
+    for m, name in changed:
+        t = m._buffers.get(name)
+        if t is not None:
+            own.append((m, name, t))
     try:
         for m, name, t in own:
             m._buffers[name] = t.detach().clone()
