@@ -72,7 +72,8 @@ class StageStore:
     Each tensor is keyed by what it is, not by who saved it first: the stage's input and
     output by the activation they are (``(step, i, "out")``), other saved tensors by ``(step,
     stage, their order)``. The input is encoded when it is saved; the rest when the stage has
-    returned and its output is known (until then it is held as it is). A storage saved twice
+    returned and its output is known (until then it is held as it is); what a stage saves at
+    its input's place after changing it in place is its output. A storage saved twice
     (ReLU's output, which the next Linear saves as its input) is encoded once. Kept as they
     are: parameters, non-floating tensors, tensors under ``min_numel`` elements, storages in
     ``exclude`` (held anyway, e.g. a recomputation's stored input), and any tensor whose
