@@ -3,6 +3,7 @@ import struct
 
 import pytest
 import torch
+hypothesis = pytest.importorskip("hypothesis", reason="the wire-format fuzzing needs hypothesis (the test extra)")
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
