@@ -125,9 +125,9 @@ def allreduce_buckets(tensors: Tensors, compressor: Any = "none", *, bucket_mb: 
         members = [items[i] for i in bucket]
         layout = ";".join(f"{n}:{tuple(t.shape)}" for n, t in members)
         key = f"{key_prefix}bucket:{members[0][0]}..{members[-1][0]}#{h64(layout) & 0xFFFFFFFF:08x}"
-        tensors = [t for _, t in members]  # one device per bucket (plan_buckets)
+        inputs = [t for _, t in members]  # one device per bucket (plan_buckets)
         futures.append(worker.submit(partial(_bucket_job, members, spec, key, group), (group,), async_op,
-                                     device=tensors[0].device, inputs=tensors))
+                                     device=inputs[0].device, inputs=inputs))
     if async_op:
         return worker.all_of(futures, lambda parts: _merge(names, parts), devices=[t.device for _, t in items])
     return _merge(names, futures)
@@ -302,7 +302,7 @@ def _advance(i: int, gen: Rounds, value: Optional[torch.Tensor], pending: Dict[i
 def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
     """Average ``flat`` over the group in place by the collectives' one rule (``Comm.mean_``),
     so the ``none`` and 16-bit cast hooks give the bits of DDP and of PyTorch's hooks."""
-    return flat if world == 1 else Comm(group, rec, "training exchange").mean_(flat)
+    return flat if world == 1 else Comm(group, rec, "training exchange", flat.device).mean_(flat)
 
 
 def _dense(grad: torch.Tensor) -> Rounds:

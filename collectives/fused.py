@@ -80,7 +80,7 @@ def _fused_job(items: List[Item], specs: list, group, algorithm: Optional[str]) 
 def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[str]) -> List[torch.Tensor]:
     labels = {label(s) for s in specs}
     rec = telemetry.Record("allreduce", "?", labels.pop() if len(labels) == 1 else "mixed", "fused", 1)
-    comm = Comm(group, rec, "allreduce")
+    comm = Comm(group, rec, "allreduce", worker.device_of([t for _, t, _ in items]))
     rec.world_size = comm.size
     name = rec.algorithm = algorithm or next(c.name for c in sorted(_sharing().values(), key=lambda c: c.order)
                                              if c.prefers(specs[0].base if specs else None, comm.size))

@@ -73,8 +73,9 @@ def make_node_groups(local_size: int) -> NodeGroups:
 def hierarchical_job(tensor, spec, key: str, intra_group, inter_group) -> torch.Tensor:
     """One hierarchical allreduce on this rank (see the module docstring)."""
     rec = telemetry.Record("allreduce", "?", label(spec), key, 1)
-    intra = Comm(intra_group, rec, "allreduce")
-    inter = Comm(inter_group, rec, "allreduce")
+    device = tensor.device if isinstance(tensor, torch.Tensor) else None  # the group's device under NCCL
+    intra = Comm(intra_group, rec, "allreduce", device)
+    inter = Comm(inter_group, rec, "allreduce", device)
     rec.world_size = intra.size * inter.size
     rec.algorithm = f"hierarchical+{choose_algorithm(spec.base, inter.size, spec.algorithm)}"
     n_local, i = intra.size, intra.rank
@@ -145,7 +146,7 @@ def exchange_bucket_by_owners(items: Sequence[Item], hier: Any, owners: Sequence
     L = hier.local_size
     for idx in by_dtype.values():
         rec = Record("allreduce", "intra-node", label, "bucket", L)
-        node = Comm(hier.intra, rec, "allreduce")
+        node = Comm(hier.intra, rec, "allreduce", items[idx[0]][1].device)
         parts = []  # (owner, item indices, flat): the same list on every rank of the node
         for o in range(L):
             mine = [i for i in idx if owners[i] == o]

@@ -59,17 +59,17 @@ new ``init_process_group`` drops whatever is left.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import contextvars
 import queue
 import threading
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import _comm
-from ._comm import CommunicationError, group_timeout, initialized, resolve
+# on_device: torch.cuda.device on CUDA; also marks the thread as having set its device (the strict
+# test mode refuses object collectives elsewhere)
+from ._comm import CommunicationError, group_timeout, initialized, on_device, resolve
 
 Job = Callable[[Callable[[Any], Any]], Any]  # job(eff): eff maps a caller's group to the one to use
 Then = Optional[Callable[[torch.futures.Future], Any]]
@@ -80,15 +80,6 @@ _CPU = torch.device("cpu")
 _lock = threading.Lock()
 _twins: Dict[int, Tuple[Any, Any, Any]] = {}  # id(group) -> (group, twin, default group); keeps them alive
 _workers: Dict[int, "Worker"] = {}  # id(default group) -> its worker (at most one live)
-
-
-def on_device(device: torch.device) -> ContextManager[Any]:
-    """Run under ``device``: on CUDA ``torch.cuda.device``; the strict test mode also marks the
-    thread as having set its device (``gradcomp.collectives._comm.on_device``)."""
-    comm_on_device = getattr(_comm, "on_device", None)  # the runtime's own, where it exists
-    if comm_on_device is not None:
-        return comm_on_device(device)
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def device_of(*values: Any) -> torch.device:
@@ -113,7 +104,7 @@ def _first_device(value: Any) -> Optional[torch.device]:
 
 def _future(devices: Iterable[torch.device]) -> torch.futures.Future:
     """A CUDA future over the CUDA ones among ``devices``, or a plain one."""
-    cuda = sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index or 0)
+    cuda: List[Any] = sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index or 0)
     return torch.futures.Future(devices=cuda) if cuda else torch.futures.Future()
 
 
@@ -373,7 +364,7 @@ def all_of(futures, assemble: Callable[[list], Any], *, devices: Iterable[torch.
     remaining = [len(futures)]
     lock = threading.Lock()
 
-    def finish():
+    def finish() -> None:
         values: List[Any] = []
         error = None
         for f in futures:

@@ -3,9 +3,12 @@
 ``state, hook = ddp_comm_hook(name, **options)`` for ``ddp_model.register_comm_hook``, and
 ``CompressedOptimizer(optimizer, compressor=name, **options)`` for data-parallel training
 without DDP. Both share one warm-up / layer policy (:mod:`gradcomp.training.policy`) and keep
-compressor and error-feedback state per parameter name.
+compressor and error-feedback state per parameter name. ``wait_all()``: wait for every
+gradcomp exchange in flight before a collective of your own (see docs/training.md, "Threads,
+streams and your own collectives").
 """
 from gradcomp.collectives import shutdown
+from gradcomp.collectives.worker import wait_all
 from .engine import Compression, agree
 from .hooks import HookState, cast_wrapper, compressed_hook, ddp_comm_hook
 from .optimizer import CompressedOptimizer
@@ -13,4 +16,4 @@ from .policy import Policy, Rule, make_codec
 from .reshard import reshard_states
 
 __all__ = ["agree", "ddp_comm_hook", "CompressedOptimizer", "HookState", "cast_wrapper", "compressed_hook",
-           "Compression", "Policy", "Rule", "make_codec", "reshard_states", "shutdown"]
+           "Compression", "Policy", "Rule", "make_codec", "reshard_states", "shutdown", "wait_all"]

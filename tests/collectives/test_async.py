@@ -173,7 +173,9 @@ def _wait_all(rank):
     timer = threading.Event()
     held = worker.submit(lambda eff: timer.wait(0.3), (None,), True, device=torch.device("cpu"))
     fut = allreduce(torch.ones(4), "fp16", key="w", async_op=True)
-    worker.wait_all()
+    from gradcomp.training import wait_all
+
+    wait_all()
     return held.done() and fut.done()
 
 
@@ -208,19 +210,28 @@ def test_async_calls_devices_and_thread_rules(tmp_path):
         assert waited, "wait_all() returned before the jobs submitted had completed"
 
 
-def _first_async_on_one_rank(rank, w):
+def _first_async_on_one_rank(rank, w, flag):
+    import os
+    import time
+
     from gradcomp.collectives import allreduce
 
-    if rank == 1:
-        return None  # never makes the call: rank 0's worker cannot make its twin group
+    if rank == 1:  # never makes the call: rank 0's worker cannot make its twin group
+        deadline = time.monotonic() + 30
+        while not os.path.exists(flag) and time.monotonic() < deadline:  # leave once rank 0 has its answer
+            time.sleep(0.05)
+        return None
     try:
         allreduce(torch.ones(4), "fp16", key="lonely", async_op=True).wait()
     except Exception as exc:
         return type(exc).__name__, str(exc)
+    finally:
+        open(flag, "w").close()
     return "no error"
 
 
 def test_a_first_async_call_on_one_rank_only_is_a_communication_error(tmp_path):
-    result = run_ranks(_first_async_on_one_rank, 2, tmp_path, timeout_s=5)[0]
+    # the group timeout (10 s) bounds the twin's creation; run_ranks allows 3 times that, spawning included
+    result = run_ranks(_first_async_on_one_rank, 2, tmp_path, str(tmp_path / "answered"), timeout_s=10)[0]
     assert result[0] == "CommunicationError", result
     assert "first async call" in result[1] and "rank 0" in result[1], result[1]

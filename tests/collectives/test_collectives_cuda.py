@@ -49,3 +49,46 @@ def test_cuda_tensors_on_two_gloo_ranks_agree(tmp_path):
         assert device.startswith("cuda"), combo
         assert r1[combo][0] == device and torch.equal(value, r1[combo][1]), f"{combo}: ranks differ"
         assert torch.isfinite(value).all(), combo
+
+
+SLEEP = 200_000_000  # GPU cycles (about 0.1 s): long enough for an unordered read to come first
+
+
+def _streams(rank, w):
+    """Issue 22, item 5: the module-level async path on CUDA tensors, read from a side stream."""
+    from gradcomp.collectives import allreduce_buckets, worker
+
+    torch.cuda.set_device(0)
+    dev = torch.device("cuda", 0)
+    side = torch.cuda.Stream()
+    out = {}
+    with torch.cuda.stream(side):
+        # the input is written on the caller's stream after a delay: the worker must wait for it
+        t = torch.empty(1 << 14, device=dev)
+        torch.cuda._sleep(SLEEP)
+        t.fill_(rank + 1.0)
+        out["ready"] = allreduce(t, "none", key="ready", async_op=True).wait().clone()
+        # the result is written on the worker's stream after a delay: wait() must order this stream
+        def late(eff):
+            x = torch.empty(1 << 14, device=dev).fill_(-1.0)
+            torch.cuda._sleep(SLEEP)
+            return x.fill_(7.0)
+        out["future"] = worker.submit(late, (None,), True, device=dev).wait().clone()
+        out["then"] = worker.submit(late, (None,), True, device=dev).then(lambda f: f.value() * 2).wait().clone()
+        # buckets: one event per bucket, the merged future over their device
+        u = torch.empty(1 << 12, device=dev)
+        torch.cuda._sleep(SLEEP)
+        u.fill_(2.0 * rank)
+        merged = allreduce_buckets({"a": u, "b": u[:100]}, "none", bucket_mb=0.001, async_op=True).wait()
+        out["buckets"] = torch.cat([merged["a"], merged["b"]]).clone()
+    torch.cuda.synchronize()
+    return {k: (str(v.device), v.cpu()) for k, v in out.items()}
+
+
+def test_async_results_are_ordered_on_the_callers_stream(tmp_path):
+    expected = {"ready": 1.5, "future": 7.0, "then": 14.0, "buckets": 1.0}
+    for result in run_ranks(_streams, 2, tmp_path, timeout_s=120):
+        for what, value in expected.items():
+            device, got = result[what]
+            assert device == "cuda:0", (what, device)
+            assert torch.equal(got, torch.full_like(got, value)), f"{what}: read before the work it waits for"
