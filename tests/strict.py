@@ -14,8 +14,11 @@
    running it; so a second thread may queue behind a p2p operation that is *running*, but two
    threads both waiting to enqueue on one pair race for the order and are refused at once.
 2. A collective entered by a thread while another thread of the process is inside a collective
-   on the same group is an error naming both threads and the group (the worker's twin group is
-   another group: legal).
+   on the same group is an error naming both threads and the group. So is one entered while
+   another thread is inside a collective on another group of shared ranks (the worker's twin
+   group beside a collective of the caller's): NCCL gives no progress guarantee across
+   concurrent kernels of two communicators. The worker using its twin while the caller
+   computes is legal.
 3. Every tensor handed to a collective or p2p must be on the group's device (CPU unless a test
    calls ``declare_device``), and must not be one that gradcomp's own code allocated on the host
    without ``device=`` (``torch.empty/zeros/ones/full/tensor/arange/...`` with no device,
@@ -70,6 +73,9 @@ _queues: Dict[Tuple[Any, int], List["_Op"]] = {}  # (group, global peer) -> ops 
 _inside: Dict[Any, List[Any]] = {}  # group -> [thread, what, depth] of the thread inside a collective
 _declared: Dict[Any, torch.device] = {}
 _wait_s: Optional[float] = None
+# rules switched off, for finding which rule catches what: GRADCOMP_STRICT_OFF=pairs,threads,groups,host,comm,objects
+_OFF = frozenset(filter(None, os.environ.get("GRADCOMP_STRICT_OFF", "").split(",")))
+_cross_group = "groups" not in _OFF
 _host: Dict[int, Tuple[Any, str]] = {}  # storage data_ptr -> (weakref to the allocated tensor, "file:line")
 _ours_cache: Dict[Tuple[str, str], bool] = {}
 
@@ -115,9 +121,9 @@ def _group_device(group, device, op):
     from gradcomp.collectives._comm import device_is_set
 
     me = _me()
-    if device is None and me is not threading.main_thread() and not device_is_set() \
+    if device is None and me is not threading.main_thread() and not device_is_set() and "comm" not in _OFF \
             and not me.name.startswith("strict-p2p"):
-        raise RuntimeError(f"strict NCCL mode: {op} built its communicator in thread {me.name!r} with no device: "
+        raise _error(f"strict NCCL mode: {op} built its communicator in thread {me.name!r} with no device: "
                            f"under NCCL it would use that thread's current CUDA device, GPU 0 whatever this rank "
                            f"uses; pass the tensors' device or run the job under on_device(device)")
     return _REAL["_group_device"](group, device, op)
@@ -138,6 +144,13 @@ def set_wait(seconds: Optional[float]) -> None:
     deadlock (None: half the group's timeout, 20 s when unknown)."""
     global _wait_s
     _wait_s = seconds
+
+
+def set_cross_group(on: bool) -> None:
+    """Whether two threads inside collectives on two groups of shared ranks at once is an error
+    (default: yes)."""
+    global _cross_group
+    _cross_group = on
 
 
 # ---- helpers ---------------------------------------------------------------------------------
@@ -185,12 +198,19 @@ def _check_tensors(name: str, pg, tensors: List[torch.Tensor]) -> None:
         or torch.device("cpu")
     for t in tensors:
         if t.device.type != want.type or (want.index is not None and t.device.index != want.index):
-            raise RuntimeError(f"strict NCCL mode: {name} on {_gname(pg)} was handed a tensor on {t.device}; the "
+            raise _error(f"strict NCCL mode: {name} on {_gname(pg)} was handed a tensor on {t.device}; the "
                                f"group stands for {want} and under NCCL every tensor must live on its device")
-        where = _origin(t)
+        where = _origin(t) if "host" not in _OFF else None
         if where is not None:
-            raise RuntimeError(f"strict NCCL mode: {name} was handed a tensor allocated on the host without device= "
+            raise _error(f"strict NCCL mode: {name} was handed a tensor allocated on the host without device= "
                                f"at {where}; under NCCL it must live on the group's device")
+
+
+def _error(message: str) -> RuntimeError:
+    """The mode's error, also written to stderr at once: raised on a thread whose errors surface
+    late (a pipeline channel, the worker), it is seen before the hang it prevents."""
+    sys.stderr.write(f"[rank {dist.get_rank() if dist.is_initialized() else '?'}] {message}\n")
+    return RuntimeError(message)
 
 
 def _me() -> threading.Thread:
@@ -339,7 +359,7 @@ class _Op:
 
     def wait_work(self, i: int, timeout: Optional[float]) -> None:
         if not self.finished[i].wait(timeout):
-            raise RuntimeError(f"strict NCCL mode: {self.what} did not complete within {timeout:g} s")
+            raise _error(f"strict NCCL mode: {self.what} did not complete within {timeout:g} s")
         if self.errors[i] is not None:
             raise self.errors[i]
 
@@ -372,11 +392,14 @@ class _Work:
 def _enqueue(op: _Op, pg) -> None:
     """Put ``op`` in its pairs' queues and wait (bounded) until everything before it completed."""
     me = op.thread
+    if "pairs" in _OFF:
+        op.issued = True
+        return
     with _cond:
         for k in op.keys:
             for other in _queues.get(k, ()):
                 if other.thread is not me and not other.issued:
-                    raise RuntimeError(
+                    raise _error(
                         f"strict NCCL mode: {op.what} on {_gname(pg)} from thread {me.name!r} while thread "
                         f"{other.thread.name!r} is queueing {other.what} on the same pair: two threads racing for "
                         f"one NCCL communicator (their order, hence the matching, differs from run to run)")
@@ -391,7 +414,7 @@ def _enqueue(op: _Op, pg) -> None:
         left = end - time.monotonic()
         if not prev.done.wait(max(left, 0.0)):
             op.complete()
-            raise RuntimeError(
+            raise _error(
                 f"strict NCCL mode: {op.what} on {_gname(pg)} would deadlock on NCCL: it is queued behind "
                 f"{prev.what} (issued by thread {prev.thread.name!r}), which did not complete within {bound:g} s; "
                 f"NCCL runs a pair's operations one at a time in issue order on one stream: post the ones that "
@@ -403,7 +426,7 @@ def _peer(name: str, b: inspect.BoundArguments, pg, sending: bool) -> int:
     a = b.arguments
     peer, gpeer = (a.get("dst"), a.get("group_dst")) if sending else (a.get("src"), a.get("group_src"))
     if peer is None and gpeer is None:
-        raise RuntimeError(f"strict NCCL mode: {name} without a peer rank; NCCL has no receive from any source")
+        raise _error(f"strict NCCL mode: {name} without a peer rank; NCCL has no receive from any source")
     return peer if peer is not None else dist.get_global_rank(pg, gpeer)
 
 
@@ -501,11 +524,11 @@ def _collective(name: str, real: Callable, *, objects: bool) -> Callable:
         b = _bind(real, args, kwargs)
         pg = _group(b.arguments.get("group"))
         me = _me()
-        if objects and me is not threading.main_thread():
+        if objects and me is not threading.main_thread() and "objects" not in _OFF:
             from gradcomp.collectives._comm import device_is_set
 
             if not device_is_set():
-                raise RuntimeError(
+                raise _error(
                     f"strict NCCL mode: {name} on {_gname(pg)} from thread {me.name!r}, which has not set its device: "
                     f"NCCL's object collectives stage through torch.cuda.current_device(), GPU 0 in a new thread; run "
                     f"it under gradcomp.collectives._comm.on_device(device)")
@@ -513,12 +536,14 @@ def _collective(name: str, real: Callable, *, objects: bool) -> Callable:
             _check_tensors(name, pg, _tensors(list(b.arguments.values()), []))
         with _cond:
             inside = _inside.get(pg)
-            if inside is not None and inside[0] is not me:
-                raise RuntimeError(
+            if inside is not None and inside[0] is not me and "threads" not in _OFF:
+                raise _error(
                     f"strict NCCL mode: {name} on {_gname(pg)} entered by thread {me.name!r} while thread "
                     f"{inside[0].name!r} is inside {inside[1]} on the same group; an NCCL communicator must be "
                     f"driven by one thread at a time")
-            if inside is None:
+            if _cross_group:
+                _check_other_groups(name, pg, me)
+            if inside is None or inside[0] is not me:
                 _inside[pg] = [me, name, 1]
             else:
                 inside[2] += 1
@@ -526,10 +551,32 @@ def _collective(name: str, real: Callable, *, objects: bool) -> Callable:
             return real(*b.args, **b.kwargs)
         finally:
             with _cond:
-                entry = _inside[pg]
-                entry[2] -= 1
-                if entry[2] == 0:
-                    del _inside[pg]
+                entry = _inside.get(pg)
+                if entry is not None and entry[0] is me:
+                    entry[2] -= 1
+                    if entry[2] == 0:
+                        del _inside[pg]
 
     collective.__name__ = name
     return collective
+
+
+@functools.lru_cache(maxsize=None)
+def _ranks(pg) -> frozenset:
+    return frozenset(dist.get_process_group_ranks(pg))
+
+
+def _check_other_groups(name: str, pg, me: threading.Thread) -> None:
+    """Rule 2 across groups: another thread inside a collective on another group of shared
+    ranks (called with ``_cond`` held)."""
+    for other_pg, (thread, what, _) in _inside.items():
+        if thread is me or other_pg is pg:
+            continue
+        shared = _ranks(pg) & _ranks(other_pg)
+        if len(shared) > 1:
+            raise _error(
+                f"strict NCCL mode: {name} on {_gname(pg)} entered by thread {me.name!r} while thread {thread.name!r} "
+                f"is inside {what} on {_gname(other_pg)}, which shares ranks {sorted(shared)}: two communicators "
+                f"driven from two threads at once can deadlock on NCCL (no progress guarantee across concurrent "
+                f"kernels, and the ranks may launch them in different orders); let one finish before the other "
+                f"starts (e.g. wait for gradcomp's jobs in flight before a collective of your own)")

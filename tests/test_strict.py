@@ -73,12 +73,15 @@ def _cases(rank, world):
         dist.send(torch.ones(1), 0)
     out["blocking"] = got.tolist()
 
-    # legal: the worker's twin group beside a collective on the default group
+    # legal: the worker on its twin group while the caller computes, then a collective of the caller's
     fut = allreduce(torch.full((4,), float(rank)), "none", key="twin", async_op=True)
-    dist.all_reduce(torch.ones(1))
+    torch.ones(64, 64) @ torch.ones(64, 64)
     out["twin"] = fut.wait().tolist()
+    dist.all_reduce(torch.ones(1))
 
-    # rule 2: two threads in one collective on the same group
+    # rule 2: two threads in one collective on the same group (signals through the store: a
+    # collective of the test's own would be a third one at once)
+    store = dist.distributed_c10d._get_default_store()
     held = threading.Event()
     if rank == 0:
         t = threading.Thread(target=lambda: (held.set(), dist.all_reduce(torch.ones(1))), name="other")
@@ -87,11 +90,25 @@ def _cases(rank, world):
         while strict._inside.get(strict._group(None)) is None:
             time.sleep(0.01)
         out["threads"] = _raises(lambda: dist.all_reduce(torch.ones(1)))
-        dist.barrier(group=side)
+        store.set("strict-threads", "checked")
         t.join()
     else:
-        dist.barrier(group=side)
+        store.get("strict-threads")
         dist.all_reduce(torch.ones(1))
+
+    # rule 2 across groups: a collective on the default group while another thread is inside
+    # one on another group of the same ranks (issue 22 item 7: the worker's twin beside the caller's)
+    if rank == 0:
+        t = threading.Thread(target=lambda: dist.all_reduce(torch.ones(1), group=side), name="twin-like")
+        t.start()
+        while strict._inside.get(side) is None:
+            time.sleep(0.01)
+        out["groups"] = _raises(lambda: dist.all_reduce(torch.ones(1)))
+        store.set("strict-groups", "checked")
+        t.join()
+    else:
+        store.get("strict-groups")
+        dist.all_reduce(torch.ones(1), group=side)
 
     # rule 3: a host tensor made without device= by gradcomp's code is refused; device=, new_*,
     # *_like and .to(device) pass; .cpu(), .to("cpu") and a numpy round trip are refused
@@ -223,6 +240,9 @@ def test_strict_mode_rules_fire_and_legal_patterns_pass(tmp_path):
         assert out["after"] == [float(peer)] * 2
     assert "entered by thread 'MainThread' while thread 'other' is inside all_reduce" in res[0]["threads"]
     assert "the default group" in res[0]["threads"]
+    groups = res[0]["groups"]
+    assert "entered by thread 'MainThread' while thread 'twin-like' is inside all_reduce on group" in groups, groups
+    assert "which shares ranks [0, 1]: two communicators driven from two threads at once can deadlock" in groups
     # rule 1
     deadlock = res[0]["deadlock"]
     assert "strict NCCL mode: send to rank 1 on the default group would deadlock on NCCL" in deadlock, deadlock
