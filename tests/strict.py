@@ -102,9 +102,16 @@ def install() -> None:
     for name in _OBJECT:
         if name in _REAL:
             setattr(dist, name, _collective(name, _REAL[name], objects=True))
+    from torch.jit import _builtins
+
+    builtins = _builtins._get_builtin_table()
     for name in _FACTORIES:
         if hasattr(torch, name):
-            setattr(torch, name, _factory(getattr(torch, name)))
+            real = getattr(torch, name)
+            wrapped = _factory(real)
+            setattr(torch, name, wrapped)
+            if id(real) in builtins:  # TorchScript (scripted in torch's own modules) sees the aten op
+                _builtins._register_builtin(wrapped, builtins[id(real)])
     _REAL["Tensor.cpu"], _REAL["Tensor.to"] = torch.Tensor.cpu, torch.Tensor.to
     torch.Tensor.cpu = _tensor_cpu
     torch.Tensor.to = _tensor_to
