@@ -19,7 +19,7 @@ from ranks import run_ranks
 
 KINDS = ("conv_bn", "transformer", "many_small")
 CODECS = {"none": {}, "powersgd": {"rank": 2}, "topk+ef": {"ratio": 0.1, "error_feedback": "ef"}, "onebit": {}}
-STEPS, BATCH, LR = 15, 32, 3e-3
+STEPS, BATCH, LR = 12, 32, 3e-3
 
 
 def _loss(model, x, y):
@@ -42,9 +42,9 @@ def _train(kind, wrapper, codec, rank):
     if wrapper == "optimizer":
         net = model
         opt = CompressedOptimizer(torch.optim.Adam(model.parameters(), lr=LR), name, model=model, min_numel=0,
-                                  bucket_mb=0.01, **options)
+                                  bucket_mb=0.05, **options)
     else:
-        net = DDP(model, bucket_cap_mb=0.01)
+        net = DDP(model, bucket_cap_mb=0.05)
         if wrapper == "hook":
             net.register_comm_hook(*ddp_comm_hook(name, model=model, min_numel=0, **options))
         opt = torch.optim.Adam(model.parameters(), lr=LR)
