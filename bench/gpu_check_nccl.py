@@ -130,6 +130,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     else:
         device = torch.device(args.device)
     dist.init_process_group(args.backend, timeout=timedelta(seconds=args.timeout))
+    from gradcomp.training import shutdown
+
     rank = dist.get_rank()
     failed = 0
     try:
@@ -146,9 +148,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 if rank == 0:
                     print(f"FAIL {name}: {type(exc).__name__}: {exc}", flush=True)
                 print(f"rank {rank}, {name}:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+            finally:
+                shutdown()  # each check as its own program would run: no worker or twin group left over
     finally:
-        from gradcomp.training import shutdown
-
         shutdown()
         dist.destroy_process_group()
     return 1 if failed else 0

@@ -2,7 +2,9 @@
 (with only the device's packages importable), how it counts and judges a part (minimums,
 nothing collected is a failure, a failed test, a part killed at its limit), the budget
 arithmetic and the report. The real run needs a CUDA GPU; the script is the check there."""
+import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
@@ -168,3 +170,25 @@ def test_tests_are_picked_by_marker_and_file():
     ids, errors = gc.read_collection("a/test_x.py::t[1]\na/test_x.py::u\n\nERROR a/test_y.py - ImportError\n"
                                      "2 tests collected, 1 error in 0.1s\n")
     assert ids == ["a/test_x.py::t[1]", "a/test_x.py::u"] and errors == ["a/test_y.py"]
+
+
+def _smoke_rank(rank, world):
+    from gradcomp.bench import gpu_check_nccl
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):  # the PASS/FAIL lines the part counts
+        rc = gpu_check_nccl.main(["--backend", "gloo", "--device", "cpu"])
+    return rc, out.getvalue()
+
+
+@pytest.mark.slow
+def test_nccl_smoke_checks_run_on_gloo_ranks(tmp_path):
+    """The NCCL smoke part's four checks, on 2 CPU ranks under the strict NCCL mode (gloo made
+    as strict as NCCL): the script the 2-GPU run uses is not first run there."""
+    from ranks import run_ranks
+
+    (rc0, out0), (rc1, out1) = run_ranks(_smoke_rank, 2, tmp_path, timeout_s=120, torchrun_env=True)
+    assert (rc0, rc1) == (0, 0), out0
+    assert [line.split(":")[0] for line in out0.splitlines()] == \
+        ["PASS hook", "PASS compressed_optimizer", "PASS pipeline", "PASS sharded"], out0
+    assert out1 == ""  # rank 0 reports for both
