@@ -512,7 +512,7 @@ class Pipeline:
         bad = torch.full((), 0.0 if txn.finite else 1.0, dtype=torch.float64, device=dev)
         value = torch.zeros((), dtype=torch.float64, device=dev)
         if loss is not None:
-            value = loss.detach().reshape(()).to(dev, torch.float64)
+            value = loss.detach().reshape(()).double()  # the loss is on the stage's device
             bad = bad + (~torch.isfinite(value)).double()
         if check_grads:
             grads = [p.grad.detach() for p in self.local.parameters() if p.grad is not None and p.grad.numel()]

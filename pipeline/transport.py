@@ -107,7 +107,7 @@ class _Slot:
         self.msg, self.out, self.peer = msg, out, peer
         self.buf: Optional[torch.Tensor] = None  # the first part (sent, or posted for receiving)
         self.tail: Optional[torch.Tensor] = None  # the rest of a payload longer than the capacity
-        self.works: List[Any] = []
+        self.works: List[int] = []  # positions of its operations' works in the transport's issue order
         self.length = -1  # payload bytes
         self.read = False  # receive: header read and the tail (if any) posted
         self.hdr: List[int] = []
@@ -122,6 +122,7 @@ class Transport:
         self.group, self.rank_of_stage, self.device = group, rank_of_stage, device
         self.mine = set(my_stages)
         self.broken: Optional[BaseException] = None
+        self.idle = True  # no step open: every operation of the last one is done
         self.sent_bytes = 0  # wire bytes this rank sent in the current (or last) step (framing included)
         self.payload_bytes = 0  # of which the payloads' tensors (what telemetry calls payload bytes)
         self.messages = 0  # point-to-point operations this rank posted in the current step
@@ -129,6 +130,8 @@ class Transport:
         self._slot: Dict[Message, _Slot] = {}
         self._pos = 0
         self._cap: Dict[Tuple[str, int], int] = {}
+        self._works: List[Any] = []  # every work of the step, in issue order
+        self._waited = 0  # the works before this position have been waited
 
     # ---- a step -------------------------------------------------------------------------
     def begin(self, order: Sequence[Message]) -> None:
@@ -140,7 +143,9 @@ class Transport:
                 out = m.src in self.mine
                 self._seq.append(_Slot(m, out, self.rank_of_stage(m.dst if out else m.src)))
         self._slot = {s.msg: s for s in self._seq}
+        self.idle = not self._seq
         self._pos, self._cap, self.sent_bytes, self.payload_bytes, self.messages = 0, {}, 0, 0, 0
+        self._works, self._waited = [], 0
 
     def send(self, msg: Message, tensor: torch.Tensor, codec: Any) -> None:
         """Compress ``tensor`` with ``codec`` (a compressor or a feedback wrapper; its state
@@ -184,11 +189,7 @@ class Transport:
             raise RuntimeError(f"pipeline: {msg.key} is needed before this rank produced "
                                f"{self._seq[self._pos].msg.key}, which comes first in the agreed order: the "
                                f"schedule and the message order disagree")
-        try:
-            for w in slot.works:
-                w.wait()
-        except RuntimeError as exc:
-            raise self._lost(slot, exc) from exc
+        self._wait(slot)
         data = slot.buf[HEADER_BYTES:] if slot.tail is None else torch.cat([slot.buf[HEADER_BYTES:], slot.tail])
         data = data[:slot.length]
         base, feedback = _split_codec(codec)
@@ -211,14 +212,11 @@ class Transport:
         self._check()
         self._advance(len(self._seq) - 1)
         for slot in self._seq:
-            try:
-                for w in slot.works:
-                    w.wait()
-            except RuntimeError as exc:
-                raise self._lost(slot, exc) from exc
+            self._wait(slot)
         if self._pos != len(self._seq):
             missing = [s.msg.key for s in self._seq[self._pos:]]
             raise RuntimeError(f"pipeline: the step ended with messages never produced: {missing}")
+        self.idle = True
 
     # ---- the frontier -------------------------------------------------------------------
     def _capacity(self, msg: Message) -> int:
@@ -244,10 +242,9 @@ class Transport:
                     ops.append((dist.P2POp(dist.irecv, slot.buf, slot.peer, self.group), slot))
                     self._post(ops)
                     ops = []
-                if (until is None or self._pos > until) and not all(w.is_completed() for w in slot.works):
+                if (until is None or self._pos > until) and not self._completed(slot):
                     break  # its header may announce a tail, which must be posted before anything after it
-                for w in slot.works:
-                    w.wait()  # raises for a failed one
+                self._wait(slot)
                 self._read(slot)
                 if slot.tail is not None:
                     ops.append((dist.P2POp(dist.irecv, slot.tail, slot.peer, self.group), slot))
@@ -262,14 +259,32 @@ class Transport:
                 self._post(ops)
 
     def _post(self, ops: List[Tuple[Any, _Slot]]) -> None:
-        works = dist.batch_isend_irecv([op for op, _ in ops])
+        works = list(dist.batch_isend_irecv([op for op, _ in ops]))
         self.messages += len(ops)
-        if len(works) == len(ops):
-            for w, (_, slot) in zip(works, ops):
-                slot.works.append(w)
-        else:  # one work for the whole batch (a coalesced backend): every op completes with it
-            for _, slot in ops:
-                slot.works.extend(works)
+        first = len(self._works)
+        self._works.extend(works)
+        for i, (_, slot) in enumerate(ops):
+            # one work per operation, or one for the whole batch (a coalesced backend): the op completes with it
+            slot.works.append(first + (i if len(works) == len(ops) else len(works) - 1))
+
+    def _completed(self, slot: _Slot) -> bool:
+        """Whether the slot's operations are known done without waiting (gloo tells only once waited)."""
+        return all(i < self._waited or self._works[i].is_completed() for i in slot.works)
+
+    def _wait(self, slot: _Slot) -> None:
+        """Wait for the slot's operations and, first, for every operation issued before them:
+        NCCL completes a stream's operations in issue order anyway, and on gloo a receive
+        waited before the sends issued ahead of it can hang (their data does not move until
+        they are waited)."""
+        if not slot.works:
+            return
+        end = max(slot.works) + 1
+        try:
+            while self._waited < end:
+                self._works[self._waited].wait()
+                self._waited += 1
+        except RuntimeError as exc:
+            raise self._lost(slot, exc) from exc
 
     def _read(self, slot: _Slot) -> None:
         """The received header: checked, the capacity of the channel's next message noted, the

@@ -43,8 +43,11 @@ def _grid(rank, compressor, options):
     pipe = Pipeline(chain(), balance=[4, 3], chunks=4, replicas=2, dp_compressor=compressor, dp_options=options,
                     optimizer=sgd, activation_codec="int8", grad_codec="fp16")
     replica = pipe.grid.replica
+    launched = []  # whether the step's messages were all done when each data-parallel bucket left
+    launch = pipe.optimizer._launch
+    pipe.optimizer._launch = lambda b: (launched.append(pipe._transport.idle), launch(b))[1]
     losses = [float(pipe.step(x, y, LOSS)) for x, y in _batches(replica)]
-    return losses, (pipe.grid.stage, replica), gathered_params(pipe, 0), gathered_params(pipe, 1)
+    return losses, (pipe.grid.stage, replica), gathered_params(pipe, 0), gathered_params(pipe, 1), launched
 
 
 def _mismatch(rank):
@@ -95,11 +98,14 @@ def test_four_stages_equal_single_process(results, schedule):
 
 @pytest.mark.parametrize("name", [n for n, _ in DP])
 def test_pp_x_dp_replicas_stay_identical(results, name):
-    losses, _, replica0, replica1 = results[0][("grid", name)]
+    losses, _, replica0, replica1, _ = results[0][("grid", name)]
     places = sorted(results[r][("grid", name)][1] for r in range(4))
     assert places == [(0, 0), (0, 1), (1, 0), (1, 1)], "group rank g is stage g % 2 of replica g // 2"
     assert all(torch.equal(a, b) for a, b in zip(replica0, replica1)), "stage replicas diverged"
     assert all(results[r][("grid", name)][0] == losses for r in range(4)), "every rank returns the same loss"
+    for r in range(4):  # issue 22 item 7: no exchange on the replica group beside the pipeline's messages
+        launched = results[r][("grid", name)][4]
+        assert launched and all(launched), f"rank {r}: a data-parallel bucket left while messages were in flight"
     if name == "none":  # the mean over replicas of what each would compute alone
         ref_losses, ref_params = _dp_reference()
         assert losses == pytest.approx(ref_losses, abs=1e-6)

@@ -123,3 +123,64 @@ def test_a_pipeline_needs_two_ranks():
 
     with pytest.raises(ValueError, match="at least 2 stages"):
         Pipeline(nn.Linear(2, 2))
+
+
+def _nccl_run(plans, p, queues):
+    """Whether every rank finishes when each issues the operations of ``queues[r]`` (messages,
+    in order) on one stream for all its peers (stricter than NCCL's stream per pair): an
+    operation completes only together with its peer's matching one, both first on their
+    streams; a rank runs its actions in order, each waiting for its input, and a send's data
+    exists once the action producing it ran."""
+    from gradcomp.pipeline.transport import Message
+
+    n = p * (1 + max(a.chunk for plan in plans for a in plan))
+    queues = [list(q) for q in queues]
+    produced, delivered, pos = set(), set(), [0] * p
+    moved = True
+    while moved:
+        moved = False
+        for r in range(p):
+            while pos[r] < len(plans[r]):
+                a = plans[r][pos[r]]
+                s = a.chunk * p + r
+                fwd = a.kind == "F"
+                need = (Message("act", s - 1, a.mb) if fwd and s > 0 else
+                        Message("grad", s, a.mb) if not fwd and s < n - 1 else None)
+                if need is not None and need not in delivered:
+                    break
+                out = (Message("act", s, a.mb) if fwd and s < n - 1 else
+                       Message("grad", s - 1, a.mb) if not fwd and s > 0 else None)
+                if out is not None:
+                    produced.add(out)
+                pos[r] += 1
+                moved = True
+        for r in range(p):
+            if queues[r]:
+                m = queues[r][0]
+                peer = (m.dst if m.src % p == r else m.src) % p
+                if m in produced and queues[peer] and queues[peer][0] == m:
+                    queues[r].pop(0)
+                    queues[peer].pop(0)
+                    delivered.add(m)
+                    moved = True
+    return all(pos[r] == len(plans[r]) for r in range(p)) and not any(queues)
+
+
+@pytest.mark.parametrize("schedule,p,m,v", [s for s in _shapes() if s[1] <= 4 and s[2] <= 8])
+def test_message_order_runs_under_nccl_rules(schedule, p, m, v):
+    """The transport's agreed order completes under pair matching in issue order with one
+    operation at a time; the channel threads' order (every receive of the step posted before
+    the first send, issue 22) deadlocks under the same rules."""
+    from gradcomp.pipeline.schedule import Action
+    from gradcomp.pipeline.transport import message_order
+
+    plans = [build(schedule, r, p, m, v) for r in range(p)]
+    order = message_order(plans, p)
+    assert len(order) == len(set(order)) == 2 * m * (p * v - 1)
+    mine = [[x for x in order if r in (x.src % p, x.dst % p)] for r in range(p)]
+    assert _nccl_run(plans, p, mine)
+    old = [[x for x in order if x.dst % p == r] + [x for x in order if x.src % p == r] for r in range(p)]
+    assert not _nccl_run(plans, p, old)
+    evals = [[Action("F", c, i) for i in range(m) for c in range(v)] for _ in range(p)]
+    eval_order = message_order(evals, p)
+    assert _nccl_run(evals, p, [[x for x in eval_order if r in (x.src % p, x.dst % p)] for r in range(p)])
