@@ -155,9 +155,9 @@ def plan(root: Path, logs: Path, py: str = sys.executable) -> List[Part]:
     pt = pytest_argv(py)
     files = gpu_test_files(root)
     parts = [
-        Part("install", CAPS["install"], 0, "command",
-             [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "-e", str(root)],
-             note="pip install --no-deps --no-build-isolation -e . (nothing is downloaded)"),
+        Part("install", CAPS["install"], 1, "lines", here + ["--install", str(root)],
+             note="pip install --no-deps --no-build-isolation -e . (nothing is downloaded; where setuptools is "
+                  "too old to build it without the wheel package, setup.py develop)"),
         Part("environment", CAPS["environment"], 1, "lines", here + ["--environment"]),
         Part("collect GPU tests", CAPS["collect GPU tests"], 1, "collect",
              pt + ["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
@@ -336,7 +336,7 @@ def describe(env: Dict[str, Any]) -> str:
     gpus = "; ".join(env.get("gpus", [])) or "no CUDA GPU visible to torch"
     return (f"{env.get('gpu_count', 0)} GPU(s): {gpus} | driver {env.get('driver', '?')} | torch {env.get('torch')} "
             f"(CUDA {env.get('torch_cuda')}) | CuPy {env.get('cupy')} | numpy {env.get('numpy')} | "
-            f"python {env.get('python')}")
+            f"NCCL {env.get('nccl')} | python {env.get('python')}")
 
 
 def listed(parts: Sequence[Part], collected: Outcome) -> List[Outcome]:
@@ -491,6 +491,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 # ---- helpers the parts run (each in its own process) -------------------------------------------
+def install(root: Path, py: str = sys.executable) -> int:
+    """Install the checkout editable without downloading anything; a PASS or FAIL line."""
+    tries = [("pip install --no-deps --no-build-isolation -e .",
+              [py, "-m", "pip", "install", "--no-deps", "--no-build-isolation", "--no-index",
+               "--disable-pip-version-check", "-e", str(root)]),
+             # setuptools before 70.1 builds pip's editable wheel only with the wheel package
+             ("python setup.py develop --no-deps (pip's editable install failed above)",
+              [py, "setup.py", "develop", "--no-deps"])]
+    for what, argv in tries:
+        r = subprocess.run(argv, cwd=root, capture_output=True, text=True)
+        print(f"$ {' '.join(argv)}\n{(r.stdout + r.stderr)[-2500:]}", flush=True)
+        if r.returncode == 0:
+            print(f"PASS installed: {what}")
+            return 0
+    print("FAIL not installed (the parts import gradcomp from the checkout)")
+    return 1
+
+
 def print_environment() -> int:
     """Print the GPU, versions and whether CuPy sees the device; the facts as one ``ENV {json}`` line."""
     import platform
@@ -545,7 +563,7 @@ def compile_families() -> int:
         t = time.perf_counter()
         try:
             path = _cupy.binary(fam, cc)
-            _cupy.module(fam, cc)
+            _cupy.module(fam, cc, 0)  # loaded on GPU 0, as the tests will use it
             print(f"PASS {fam}.cu: {path.name} ({path.stat().st_size} bytes) in {time.perf_counter() - t:.1f}s")
         except Exception:  # noqa: BLE001 - every family is tried
             bad += 1
@@ -605,6 +623,8 @@ def pytest_with_device_packages(args: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--install"]:
+        sys.exit(install(Path(sys.argv[2])))
     if sys.argv[1:2] == ["--environment"]:
         sys.exit(print_environment())
     if sys.argv[1:2] == ["--compile"]:
