@@ -126,6 +126,10 @@ class Pipeline:
         self.n_stages = p * self.v
         self.stage_ids = [c * p + self.grid.stage for c in range(self.v)]  # the virtual stage of each chunk
         self.local = nn.ModuleList(self.modules)
+        try:  # a rank that cannot tell its device says so in the agreement, as the others wait there
+            self.device = self._stage_device(device)
+        except ValueError as exc:
+            self.device, problem = torch.device("cpu"), problem or str(exc)
         self._act = [_codec(activation_codec, "activation_codec") for _ in range(self.v)]
         self._grad = [_codec(grad_codec, "grad_codec") for _ in range(self.v)]
         self._agree(dp_compressor, dp_options, optimizer, problem)
@@ -139,7 +143,6 @@ class Pipeline:
         self._ids: List[Any] = []
         self.optimizer = self._make_optimizer(optimizer, dp_compressor, dp_options or {})
         self.actions: List[Action] = build(schedule, self.grid.stage, p, chunks, self.v)
-        self.device = self._stage_device(device)
         # every rank's actions are known to every rank: the message order follows from them
         self._order = message_order([build(schedule, r, p, chunks, self.v) for r in range(p)], p)
         self._eval_order = message_order([[Action("F", c, mb) for mb in range(chunks) for c in range(self.v)]

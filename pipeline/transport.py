@@ -190,6 +190,7 @@ class Transport:
                                f"{self._seq[self._pos].msg.key}, which comes first in the agreed order: the "
                                f"schedule and the message order disagree")
         self._wait(slot)
+        assert slot.buf is not None
         data = slot.buf[HEADER_BYTES:] if slot.tail is None else torch.cat([slot.buf[HEADER_BYTES:], slot.tail])
         data = data[:slot.length]
         base, feedback = _split_codec(codec)
@@ -197,7 +198,7 @@ class Transport:
             raise ValueError(f"pipeline: {msg.key} from rank {slot.peer} was sent with another codec than "
                              f"{base!r}; every rank must be built with the same codecs")
         try:  # the bytes are this rank's own: the payload may view them
-            payload = Payload.from_bytes(data.cpu().numpy(), copy=False)
+            payload = Payload.from_bytes(data.cpu().numpy().data, copy=False)
         except ValueError as exc:
             raise ValueError(f"pipeline: the payload of {msg.key} from rank {slot.peer} is invalid: {exc}") from None
         if self.device.type != "cpu":
@@ -289,6 +290,7 @@ class Transport:
     def _read(self, slot: _Slot) -> None:
         """The received header: checked, the capacity of the channel's next message noted, the
         tail of a longer payload allocated (posted by the caller, next in order)."""
+        assert slot.buf is not None
         hdr = slot.buf[:HEADER_BYTES].view(torch.int64).tolist()  # one host read per message
         slot.hdr = hdr
         if hdr[0] != MAGIC:
