@@ -113,12 +113,12 @@ MINIMUMS = {"kernel tests: rng, sign, bits": 58, "kernel tests: select, sparse":
 # seconds per part. A part may also use what the parts before it left of their caps (it runs
 # until the sum of the caps up to it), so the total never exceeds the sum, and a part that hangs
 # costs only its own share.
-CAPS = {"install": 30, "environment": 30, "collect GPU tests": 30, "NVRTC compile": 60,
+CAPS = {"install": 20, "environment": 30, "collect GPU tests": 25, "NVRTC compile": 50,
         "kernel tests: rng, sign, bits": 35, "kernel tests: select, sparse": 40,
         "kernel tests: quant, plumbing, compressors": 35,
-        "GPU tests: gloo ranks on CUDA tensors (collectives, training)": 75,
+        "GPU tests: gloo ranks on CUDA tensors (collectives, training)": 70,
         "GPU tests: memory layer": 30, "GPU tests: others (compressors, kernels)": 25,
-        "NCCL smoke: 2 ranks, one GPU each": 60, "memory benchmark (transformer-like)": 30,
+        "NCCL smoke: 2 ranks, one GPU each": 60, "memory benchmark (transformer-like)": 25,
         "kernel benchmarks": 35}
 
 
@@ -485,6 +485,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         lines += ["", bench.read_text()]
     report.write_text("\n".join(lines) + "\n")
     print("\n".join(table(outcomes, args.list)))
+    if not args.list:
+        print(f"environment: {describe(env)}")
     print(nccl_line)
     print(f"{verdict}\nreport: {report}")
     return 1 if failed else 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every GPU check of gradcomp in one run (about 8 minutes at most on one GPU), report written to
+# Every GPU check of gradcomp in one run (7 minutes at most on one GPU, 8 on two), report written to
 # REPORT_PATH (markdown; full logs in REPORT_PATH.logs/):
 #   install (pip install --no-deps --no-build-isolation -e .: nothing is downloaded), the
 #   environment, collection of every test marked gpu, NVRTC compiling each kernel family, the

@@ -134,7 +134,8 @@ def test_report_of_a_run(tmp_path, monkeypatch, capsys):
     assert "NCCL between ranks was not exercised: this machine has 1 GPU(s), and NCCL needs one GPU per rank" in text
     assert re.search(r"^\| tests \| ok \| 1 \| 0 \| 0 \| 1 \| \d+s \| 40s", text, re.M), text
     assert "| NCCL smoke: 2 ranks, one GPU each | NOT RUN: needs 2 GPUs, 1 here |" in text
-    assert "NCCL between ranks was not exercised" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "NCCL between ranks was not exercised" in out and "environment: 1 GPU(s): 0: Fake GPU" in out
     # no GPU: every later part fails, none is tried
     monkeypatch.setattr(gc, "plan", lambda root, logs, py=PY: _fake_plan(0))
     assert gc.main([str(tmp_path / "r0.md"), "--root", str(tmp_path)]) == 1
