@@ -321,9 +321,12 @@ class Comm:
 def _group_device(group, device: Optional[torch.device], op: str) -> torch.device:
     if not uses_nccl(group):
         return torch.device("cpu")
-    if device is not None and torch.device(device).type == "cuda":
+    if device is not None:
         device = torch.device(device)
-        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cuda":
+            return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+        if device.type == "cpu" and backend_for(group, "cpu") not in (None, "nccl"):
+            return device  # a composite backend ("cpu:gloo,cuda:nccl") takes the CPU tensors as they are
     mine = thread_device()
     if mine is not None and mine.type == "cuda":
         return mine

@@ -171,6 +171,7 @@ def _cases(rank, world):
         torch.cuda.current_device = lambda: 1
         checks.append(_raises(lambda: _comm.check_device_set(None, None)))
         checks.append(str(_comm.Comm(None, rec, "t", device=torch.device("cuda", 3)).device))
+        checks.append(str(_comm.Comm(None, rec, "t", device=torch.device("cpu")).device))  # gloo takes CPU ones
         checks.append(str(_comm.Comm(None, rec, "t").device))  # main thread: the current device
         in_thread = {}
         _comm._group_device = strict._REAL["_group_device"]  # Comm's own check, not the strict mode's
@@ -230,12 +231,12 @@ def test_strict_mode_rules_fire_and_legal_patterns_pass(tmp_path):
         assert "strict NCCL mode: job built its communicator in thread 'job' with no device" in bare, bare
         assert given_cpu is None and under is None
         # check_device_set, backend_for, Comm's device
-        missing, fine, cpu, cuda, nccl, matching, given, main, thread = out["checks"]
+        missing, fine, cpu, cuda, nccl, matching, given, given_cpu, main, thread = out["checks"]
         assert "agree: this rank works on cuda:1 but the current CUDA device is cuda:0" in missing
         assert "torch.cuda.set_device(local_rank) before init_process_group" in missing
         assert fine is None and matching is None
         assert (cpu, cuda, nccl) == ("gloo", "nccl", True)
-        assert (given, main) == ("cuda:3", "cuda:1")
+        assert (given, given_cpu, main) == ("cuda:3", "cpu", "cuda:1")
         assert "thread 'job' was given none" in thread and "on_device" in thread
         assert out["after"] == [float(peer)] * 2
     assert "entered by thread 'MainThread' while thread 'other' is inside all_reduce" in res[0]["threads"]
