@@ -273,3 +273,42 @@ def test_four_bit_state_is_an_eighth_and_trains():
     assert state_nbytes(low) / state_nbytes(plain) == pytest.approx(0.5 / 4 + 4 / 128 / 4 / 1, abs=0.01)
     assert (params[0] - target).norm() < 1.05 * (ref[0] - target).norm() + 1e-3
     assert {p.format for p in _packs(low)} == {"s4", "u4"}
+
+
+def test_update_error_on_a_cnn_is_bounded():
+    """Issue 21's 1-D CNN, its parameters as one tensor (mixed shapes in each block), every
+    element in 8 bits: Adam's update m_hat / (sqrt(v_hat) + eps) against fp32 Adam fed the same
+    gradients. With zero a second-moment code it was off by 56x at step 1 and ~300x later."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    import models
+
+    torch.manual_seed(0)
+    model = models.cnn1d()
+    x, y = models.data("cnn1d", 800, seed=1)
+    params = list(model.parameters())
+    flat = torch.nn.Parameter(torch.cat([p.detach().reshape(-1) for p in params]))
+    shadow = torch.nn.Parameter(flat.detach().clone())
+    ref = torch.optim.Adam([flat], lr=1e-2)
+    low = LowBitState(torch.optim.Adam([shadow], lr=1e-2), min_numel=0)
+    worst = 0.0
+    for s in range(40):
+        at = 0
+        for p in params:
+            p.data.copy_(flat.data[at:at + p.numel()].view_as(p))
+            at += p.numel()
+        model.zero_grad()
+        i = (s % 8) * 100
+        torch.nn.functional.cross_entropy(model(x[i:i + 100]), y[i:i + 100]).backward()
+        g = torch.cat([p.grad.reshape(-1) for p in params])
+        flat.grad, shadow.grad = g.clone(), g.clone()
+        ref.step()
+        low.step()
+        rs, ls = ref.state[flat], low.state[shadow]
+        bc1, bc2 = 1 - 0.9 ** (s + 1), 1 - 0.999 ** (s + 1)
+        u_ref = (rs["exp_avg"] / bc1) / ((rs["exp_avg_sq"] / bc2).sqrt() + 1e-8)
+        u_low = (unpack(ls["exp_avg"]) / bc1) / ((unpack(ls["exp_avg_sq"]) / bc2).sqrt() + 1e-8)
+        worst = max(worst, float((u_low - u_ref).norm() / u_ref.norm()))
+    assert worst < 0.25, worst  # measured 0.06-0.09 over these steps
