@@ -31,6 +31,9 @@ from . import _common as common
 from ._base import DistributedOptimizer, flat, unflat_
 
 
+_EXACT = ("coeff_freeze", "last_factor")  # fp64 scalars kept exactly across a checkpoint
+
+
 class OneBitLamb(DistributedOptimizer):
     """1-bit LAMB; see the module docstring. Under DDP register ``comm_hook()``."""
 
@@ -78,9 +81,9 @@ class OneBitLamb(DistributedOptimizer):
         if not st:
             st["exp_avg"] = torch.zeros_like(p)
             st["exp_avg_sq"] = torch.zeros_like(p)
-            # Python floats: torch's load_state_dict would cast tensors to the parameter's dtype
-            st["coeff_freeze"] = 0.0
-            st["last_factor"] = 1.0
+            # fp64 device scalars, never read on the host (load_state_dict keeps their dtype)
+            st["coeff_freeze"] = torch.zeros((), dtype=torch.float64, device=p.device)
+            st["last_factor"] = torch.ones((), dtype=torch.float64, device=p.device)
         return st
 
     def _clamp(self, ratio: torch.Tensor) -> torch.Tensor:
@@ -100,11 +103,13 @@ class OneBitLamb(DistributedOptimizer):
             update = st["exp_avg"] / (st["exp_avg_sq"].sqrt() + group["eps"])
             if group["weight_decay"]:
                 update.add_(p, alpha=group["weight_decay"])
+            # the trust ratio stays on the device: no host sync per parameter
             w, u = p.double().norm(), update.double().norm()
-            ratio = float(self._clamp(w / u)) if bool(w > 0) and bool(u > 0) else 1.0
-            if ratio != 1.0:
-                st["coeff_freeze"] = beta * st["coeff_freeze"] + (1 - beta) * ratio
-            p.add_(update, alpha=-group["lr"] * ratio)
+            ok = (w > 0) & (u > 0)
+            ratio = torch.where(ok, self._clamp(w / torch.where(ok, u, 1.0)), 1.0)
+            cf = st["coeff_freeze"]
+            st["coeff_freeze"] = torch.where(ratio != 1.0, beta * cf + (1 - beta) * ratio, cf)
+            p.add_(update.mul_((ratio * -group["lr"]).to(update.dtype)))
         self.steps += 1
         if self.frozen:
             self._start_compression()
@@ -162,17 +167,29 @@ class OneBitLamb(DistributedOptimizer):
         denom = st["exp_avg_sq"].sqrt() + group["eps"]
         prelim = st["exp_avg"] / denom
         update = prelim.add(p, alpha=group["weight_decay"]) if group["weight_decay"] else prelim
-        factor = float((denom / (st["exp_avg_sq_fresh"].sqrt() + group["eps"])).max())
+        # the factor stays on the device (fp64 scalars): no host sync per parameter
+        factor = (denom / (st["exp_avg_sq_fresh"].sqrt() + group["eps"])).max().double()
         if group["weight_decay"]:
-            un = float(update.double().norm())
-            share = min(1.0, float(prelim.double().norm()) / un) if un > 0 else 1.0
+            un = update.double().norm()
+            share = torch.where(un > 0, (prelim.double().norm() / torch.where(un > 0, un, 1.0)).clamp(max=1.0), 1.0)
             factor = factor * share + (1.0 - share)
         last = st["last_factor"]
-        factor = min(max(factor, c["factor_min"]), c["factor_max"])
-        factor = min(max(factor, last * (1 - c["factor_threshold"])), last * (1 + c["factor_threshold"]))
+        factor = factor.clamp(c["factor_min"], c["factor_max"])
+        factor = torch.minimum(torch.maximum(factor, last * (1 - c["factor_threshold"])),
+                               last * (1 + c["factor_threshold"]))
         st["last_factor"] = factor
-        p.add_(update, alpha=-group["lr"] * st["coeff_freeze"] * factor)
+        p.add_(update * (st["coeff_freeze"] * factor * -group["lr"]).to(update.dtype))
 
     def _forget(self) -> None:
         self._denoms = None
         self._vmax = None
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """As :class:`DistributedOptimizer`'s, with the fp64 coefficients kept in fp64 (torch's
+        load casts state tensors to the parameter's dtype: the resumed run would differ)."""
+        exact = {i: {k: v for k, v in st.items() if k in _EXACT}
+                 for i, st in (state_dict.get("state", {}) if isinstance(state_dict, Mapping) else {}).items()}
+        super().load_state_dict(state_dict)
+        for i, p in enumerate(self._params):
+            for k, v in exact.get(i, {}).items():  # a float from an older checkpoint becomes a tensor
+                self.state[p][k] = torch.as_tensor(v, dtype=torch.float64).to(p.device, copy=True)

@@ -158,6 +158,9 @@ def _disagreements(rank):
                                                  {"params": list(_small()[2].parameters())}], freeze_step=4)),
         "codec_options": _refused(lambda: OneBitAdam(params(), freeze_step=4, compressor="topk",
                                                      compressor_options={"ratio": 0.1 * (1 + rank)})),
+        "betas": _refused(lambda: OneBitLamb(params(), betas=(0.9, 0.999 - 0.009 * rank))),
+        "eps": _refused(lambda: ZeroOneAdam(params(), eps=1e-8 * (1 + rank))),
+        "weight_decay": _refused(lambda: OneBitAdam(params(), weight_decay=0.01 * rank, freeze_step=4)),
         "agreed": _refused(lambda: ZeroOneAdam(params(), lr=1e-2)),
     }
 
@@ -228,14 +231,18 @@ def test_clean_runs_skip_nothing(runs):
         assert all(c["skipped"][-1] == 0 and all(c["moved"]) for c in r["clean"].values())
 
 
+# what each rank passed, as the message shows it (a long configuration is cut before the groups)
+SHOWN = {"codec_options": "ratio=0.1", "betas": "", "eps": "", "weight_decay": ""}
+
+
 @pytest.mark.parametrize("case", ["onebit_adam_lr", "zero_one_adam_lr", "onebit_lamb_lr", "group_lr",
-                                  "codec_options"])
+                                  "codec_options", "betas", "eps", "weight_decay"])
 def test_disagreement_refused_at_construction_on_every_rank(runs, case):
     msgs = [r["disagree"][case] for r in runs]
     assert msgs[0] is not None and len(set(msgs)) == 1, msgs
-    field = "configuration" if case == "codec_options" else "learning rates"
+    field = "learning rates" if case.endswith("_lr") else "configuration"
     assert "disagree" in msgs[0] and field in msgs[0]
-    assert ("ratio=0.1" if case == "codec_options" else "0.01") in msgs[0]  # each rank's value is shown
+    assert SHOWN.get(case, "0.01") in msgs[0], msgs[0]  # each rank's value is shown
     assert all(r["disagree"]["agreed"] is None for r in runs)
 
 
@@ -285,3 +292,41 @@ def test_learning_rate_left_out_of_the_checkpoint_identity_only():
         resumed = make(_small().parameters(), 1e-2)
         resumed.load_state_dict(opt.state_dict())
         assert resumed.param_groups[0]["lr"] == opt.param_groups[0]["lr"] == 1e-2 / 8
+
+
+def test_onebit_lamb_reads_the_host_once_per_step(monkeypatch):
+    """1-bit LAMB's trust ratios and factors stay on the device: its own code reads the host once
+    per warm-up step (whether the step can go ahead) and not at all after the freeze (where the
+    exchanged mean's finiteness is read once, by the collectives' transaction), where it used to
+    read several times per parameter and step."""
+    import inspect
+    import os
+
+    reads = []
+    real_bool, real_float, real_item = torch.Tensor.__bool__, torch.Tensor.__float__, torch.Tensor.item
+
+    def counted(real):
+        def read(self, *args):
+            caller = inspect.currentframe().f_back.f_code.co_filename
+            if os.sep + "optim" + os.sep in caller and "tests" not in caller:
+                reads.append(caller)
+            return real(self, *args)
+        return read
+
+    model = _small()
+    opt = OneBitLamb(model.parameters(), lr=1e-2, freeze_step=2, weight_decay=0.01)
+    x = torch.randn(8, 10)
+    per_step = []
+    for s in range(5):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        reads.clear()
+        monkeypatch.setattr(torch.Tensor, "__bool__", counted(real_bool))
+        monkeypatch.setattr(torch.Tensor, "__float__", counted(real_float))
+        monkeypatch.setattr(torch.Tensor, "item", counted(real_item))
+        opt.step()
+        monkeypatch.undo()
+        per_step.append(len(reads))
+    # step 2 also starts the compression stage, step 3 finds the masks (once: per layer)
+    assert per_step[0] == 1 and per_step[3] == per_step[4] == 0, per_step
+    assert bool(torch.isfinite(_flat(model)).all())
