@@ -16,7 +16,7 @@ existed when they were set (raise them when you add tests).
 
 ``--list`` collects and plans only (seconds, no GPU needed): each part with the tests it
 would run against its minimum. Nothing beyond torch, CuPy, numpy and pytest is needed on the
-device; ``GPU_CHECK_DEVICE_PACKAGES_ONLY=1`` makes the pytest runs refuse every other
+device; ``GPU_CHECK_DEVICE_PACKAGES_ONLY=1`` makes the pytest runs hide every other
 installed distribution, as on the device (how the test suite checks collection here).
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ NCCL_NOT_RUN = ("NCCL between ranks was not exercised: this machine has {n} GPU(
                 "CUDA tensors (devices, streams, kernels), not NCCL.")
 
 # the distributions the device machine has (with what they require); GPU_CHECK_DEVICE_PACKAGES_ONLY=1
-# refuses every other installed one
+# hides every other installed one
 DEVICE_DISTRIBUTIONS = ("torch", "numpy", "pytest", "setuptools", "cupy-cuda12x", "cupy-cuda13x", "gradcomp")
 
 
@@ -162,7 +162,8 @@ def plan(root: Path, logs: Path, py: str = sys.executable) -> List[Part]:
         Part("collect GPU tests", CAPS["collect GPU tests"], 1, "collect",
              pt + ["--collect-only", "-q", "-m", "gpu", "-p", "no:cacheprovider", "--continue-on-collection-errors"]
              + files, note=f"{len(files)} files mark tests gpu"),
-        Part("NVRTC compile", CAPS["NVRTC compile"], 6, "lines", here + ["--compile"],
+        Part("NVRTC compile", CAPS["NVRTC compile"], len(list((root / "kernels" / "cuda").glob("*.cu"))), "lines",
+             here + ["--compile"],
              note="every kernel family (warms CuPy's cache for the tests)"),
     ]
     for name in [f"kernel tests: {g}" for g, _ in KERNEL_GROUPS] + [
@@ -170,6 +171,7 @@ def plan(root: Path, logs: Path, py: str = sys.executable) -> List[Part]:
             "GPU tests: others (compressors, kernels)"]:
         parts.append(Part(name, CAPS[name], MINIMUMS[name], "pytest",
                           pt + ["-v", "-m", "gpu", "-rfEs", "--durations=5", "-p", "no:cacheprovider"]))
+    # 4: gpu_check_nccl.CHECKS (not imported here: this module stays free of torch)
     parts.append(Part("NCCL smoke: 2 ranks, one GPU each", CAPS["NCCL smoke: 2 ranks, one GPU each"], 4, "lines",
                       [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
                        "gradcomp.bench.gpu_check_nccl"], needs_gpus=2,

@@ -3,6 +3,7 @@
 nothing collected is a failure, a failed test, a part killed at its limit), the budget
 arithmetic and the report. The real run needs a CUDA GPU; the script is the check there."""
 import contextlib
+import importlib
 import importlib.util
 import io
 import json
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from gradcomp.bench import gpu_check as gc
+from gradcomp.kernels import _cupy
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "bench" / "gpu_check.sh"
@@ -172,6 +174,14 @@ def test_tests_are_picked_by_marker_and_file():
     ids, errors = gc.read_collection("a/test_x.py::t[1]\na/test_x.py::u\n\nERROR a/test_y.py - ImportError\n"
                                      "2 tests collected, 1 error in 0.1s\n")
     assert ids == ["a/test_x.py::t[1]", "a/test_x.py::u"] and errors == ["a/test_y.py"]
+    # a run killed before it wrote its XML is counted from its -v lines
+    assert gc.read_verbose("a/test_x.py::t[1] PASSED  [ 25%]\na/test_x.py::u FAILED  [ 50%]\n"
+                           "b/test_y.py::v[a b] SKIPPED (why)  [ 75%]\nb/test_y.py::w ERROR  [100%]\n") == \
+        {"a/test_x.py": [1, 1, 0], "b/test_y.py": [0, 1, 1]}
+    nccl = importlib.import_module("gradcomp.bench.gpu_check_nccl")
+    assert next(p.minimum for p in gc.plan(ROOT, Path("logs")) if p.needs_gpus == 2) == len(nccl.CHECKS)
+    assert next(p.minimum for p in gc.plan(ROOT, Path("logs")) if p.name == "NVRTC compile") == \
+        len(_cupy.families()) >= 6
 
 
 def _smoke_rank(rank, world):
