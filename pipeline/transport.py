@@ -177,7 +177,14 @@ class Transport:
         slot.length = body.numel()
         self.sent_bytes += whole.numel()
         self.payload_bytes += payload.nbytes
+        before = len(self._works)
         self._advance(None)
+        if slot.works and self._waited < before:
+            # what was issued before this message is waited now (torch's pipelining waits a
+            # chunk's sends at the next one too): on gloo an unwaited send may not move, and a
+            # wait here is safe in the agreed order; measured on 2 gloo ranks, 8192-wide
+            # boundaries, 8 micro-batches: GPipe 351 -> 235 ms, 1F1B 300 -> 262 ms a step
+            self._wait_index(before)
 
     def take(self, msg: Message, codec: Any) -> torch.Tensor:
         """The decoded tensor of ``msg`` (waits for it), through ``codec`` as :meth:`send`."""
@@ -277,15 +284,17 @@ class Transport:
         NCCL completes a stream's operations in issue order anyway, and on gloo a receive
         waited before the sends issued ahead of it can hang (their data does not move until
         they are waited)."""
-        if not slot.works:
-            return
-        end = max(slot.works) + 1
+        if slot.works:
+            self._wait_index(max(slot.works) + 1, slot)
+
+    def _wait_index(self, end: int, slot: Optional[_Slot] = None) -> None:
+        """Wait for the works issued before position ``end``, in issue order."""
         try:
             while self._waited < end:
                 self._works[self._waited].wait()
                 self._waited += 1
         except RuntimeError as exc:
-            raise self._lost(slot, exc) from exc
+            raise self._lost(slot or self._seq[min(self._pos, len(self._seq) - 1)], exc) from exc
 
     def _read(self, slot: _Slot) -> None:
         """The received header: checked, the capacity of the channel's next message noted, the
