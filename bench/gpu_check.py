@@ -41,8 +41,8 @@ KERNEL_TESTS = "tests/kernels/test_cuda_kernels.py"
 KERNEL_GROUPS = (("rng, sign, bits", ("uniform", "sign", "count_set", "pack_unpack")),
                  ("select, sparse", ("topk", "threshold", "scatter")),
                  ("quant, plumbing, compressors", ()))  # the rest
-MULTI_RANK_DIRS = ("tests/collectives", "tests/training")
-ONE_PROCESS_DIRS = ("tests/memory",)
+# the folders whose GPU tests include multi-rank ones (gloo ranks sharing the GPU), in one part
+MULTI_RANK_DIRS = ("tests/collectives", "tests/training", "tests/memory")
 _GPU_MARK = re.compile(r"\bmark\.gpu\b")
 NCCL_NOT_RUN = ("NCCL between ranks was not exercised: this machine has {n} GPU(s), and NCCL needs one GPU "
                 "per rank (two ranks on one GPU are refused). The multi-rank GPU tests ran gloo ranks on "
@@ -108,16 +108,15 @@ def kernel_group(nodeid: str) -> int:
 # that runs fewer has lost tests or skipped them)
 MINIMUMS = {"kernel tests: rng, sign, bits": 58, "kernel tests: select, sparse": 95,
             "kernel tests: quant, plumbing, compressors": 69,
-            "GPU tests: gloo ranks on CUDA tensors (collectives, training)": 3,
-            "GPU tests: memory layer": 10, "GPU tests: others (compressors, kernels)": 22}
+            "GPU tests: collectives, training, memory (with gloo ranks on CUDA tensors)": 18, "GPU tests: others (compressors, kernels)": 22}
 # seconds per part. A part may also use what the parts before it left of their caps (it runs
 # until the sum of the caps up to it), so the total never exceeds the sum, and a part that hangs
 # costs only its own share.
 CAPS = {"install": 20, "environment": 30, "collect GPU tests": 25, "NVRTC compile": 50,
         "kernel tests: rng, sign, bits": 35, "kernel tests: select, sparse": 40,
         "kernel tests: quant, plumbing, compressors": 35,
-        "GPU tests: gloo ranks on CUDA tensors (collectives, training)": 70,
-        "GPU tests: memory layer": 30, "GPU tests: others (compressors, kernels)": 25,
+        "GPU tests: collectives, training, memory (with gloo ranks on CUDA tensors)": 100,
+        "GPU tests: others (compressors, kernels)": 25,
         "NCCL smoke: 2 ranks, one GPU each": 60, "memory benchmark (transformer-like)": 25,
         "kernel benchmarks": 35}
 
@@ -128,9 +127,7 @@ def part_of(nodeid: str) -> str:
     if path == KERNEL_TESTS:
         return f"kernel tests: {KERNEL_GROUPS[kernel_group(nodeid)][0]}"
     if path.startswith(tuple(d + "/" for d in MULTI_RANK_DIRS)):
-        return "GPU tests: gloo ranks on CUDA tensors (collectives, training)"
-    if path.startswith(tuple(d + "/" for d in ONE_PROCESS_DIRS)):
-        return "GPU tests: memory layer"
+        return "GPU tests: collectives, training, memory (with gloo ranks on CUDA tensors)"
     return "GPU tests: others (compressors, kernels)"
 
 
@@ -167,8 +164,7 @@ def plan(root: Path, logs: Path, py: str = sys.executable) -> List[Part]:
              note="every kernel family (warms CuPy's cache for the tests)"),
     ]
     for name in [f"kernel tests: {g}" for g, _ in KERNEL_GROUPS] + [
-            "GPU tests: gloo ranks on CUDA tensors (collectives, training)", "GPU tests: memory layer",
-            "GPU tests: others (compressors, kernels)"]:
+            "GPU tests: collectives, training, memory (with gloo ranks on CUDA tensors)", "GPU tests: others (compressors, kernels)"]:
         parts.append(Part(name, CAPS[name], MINIMUMS[name], "pytest",
                           pt + ["-v", "-m", "gpu", "-rfEs", "--durations=5", "-p", "no:cacheprovider"]))
     # 4: gpu_check_nccl.CHECKS (not imported here: this module stays free of torch)

@@ -3,8 +3,9 @@
 # REPORT_PATH (markdown; full logs in REPORT_PATH.logs/):
 #   install (pip install --no-deps --no-build-isolation -e .: nothing is downloaded), the
 #   environment, collection of every test marked gpu, NVRTC compiling each kernel family, the
-#   gpu tests in groups (kernels, gloo ranks on CUDA tensors, the memory layer, the rest), an
-#   NCCL smoke test on 2 ranks where there are 2 GPUs, the memory and kernel benchmarks.
+#   gpu tests in groups (kernels; collectives, training and memory with their gloo ranks on
+#   CUDA tensors; the rest), an NCCL smoke test on 2 ranks where there are 2 GPUs, the memory
+#   and kernel benchmarks.
 # Each part has a time cap and a minimum of passed tests; a part that ran nothing, or fewer
 # than its minimum, fails. Needs only torch, CuPy, numpy and pytest. Exit status 0 only if
 # every part passed. Details: bench/gpu_check.py.

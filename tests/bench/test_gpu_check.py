@@ -168,8 +168,8 @@ def test_tests_are_picked_by_marker_and_file():
     assert "tests/compress/test_payload.py" not in files  # no gpu marker: never collected there
     assert gc.part_of("tests/kernels/test_cuda_kernels.py::test_topk_exact[1]") == "kernel tests: select, sparse"
     assert gc.part_of("tests/kernels/test_cuda_kernels.py::test_quantize[x]").endswith("quant, plumbing, compressors")
-    assert gc.part_of("tests/training/test_x.py::t").startswith("GPU tests: gloo ranks")
-    assert gc.part_of("tests/memory/test_x.py::t") == "GPU tests: memory layer"
+    assert gc.part_of("tests/training/test_x.py::t") == gc.part_of("tests/memory/test_x.py::t") == \
+        "GPU tests: collectives, training, memory (with gloo ranks on CUDA tensors)"
     assert gc.part_of("tests/pipeline/test_x.py::t") == "GPU tests: others (compressors, kernels)"
     ids, errors = gc.read_collection("a/test_x.py::t[1]\na/test_x.py::u\n\nERROR a/test_y.py - ImportError\n"
                                      "2 tests collected, 1 error in 0.1s\n")
