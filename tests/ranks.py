@@ -18,7 +18,7 @@ import threading
 import time
 import traceback
 from datetime import timedelta
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -103,13 +103,16 @@ def free_ports(n: int) -> List[int]:
 
 
 def run_ranks(fn: Callable, world_size: int, tmp_path, *args: Any, timeout_s: float = 60.0,
-              torchrun_env: bool = False, strict: bool = True) -> List[Any]:
+              torchrun_env: bool = False, strict: Optional[bool] = None) -> List[Any]:
     """Results of ``fn(rank, world_size, *args)`` on every rank; raises if any rank failed.
     ``torchrun_env=True``: no group is made; each rank gets torchrun's environment variables
     (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ...) and ``fn`` calls
     ``init_process_group`` itself, as a script under torchrun does. ``strict=False``: without
-    the strict NCCL mode (say why at the call). Once a rank has reported an error the others
+    the strict NCCL mode (say why at the call; ``GRADCOMP_STRICT=0`` turns it off for every
+    call, to measure what it costs). Once a rank has reported an error the others
     get ``timeout_s`` more (a rank blocked on a failed peer raises within its group timeout)."""
+    if strict is None:
+        strict = os.environ.get("GRADCOMP_STRICT", "1") != "0"
     store_path = os.path.join(str(tmp_path), f"store-{os.getpid()}-{id(fn)}-{world_size}")
     out_dir = os.path.join(str(tmp_path), f"out-{os.getpid()}-{id(fn)}-{world_size}")
     os.makedirs(out_dir, exist_ok=True)
