@@ -102,6 +102,15 @@ def _first_device(value: Any) -> Optional[torch.device]:
     return None
 
 
+def _device(device: Device) -> torch.device:
+    """``device`` as a torch.device; a CUDA one without an index is the caller's current one
+    (read here, on the submitting thread, never on the worker's)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def _future(devices: Iterable[torch.device]) -> torch.futures.Future:
     """A CUDA future over the CUDA ones among ``devices``, or a plain one."""
     cuda: List[Any] = sorted({d for d in devices if d.type == "cuda"}, key=lambda d: d.index or 0)
@@ -169,7 +178,7 @@ class Worker:
         before it, under ``on_device(device)`` — ``device`` is where the job's tensors are.
         ``inputs``: the tensors made on the caller's stream that the job reads (see the module
         docstring); ``inline``: run it on this thread once the queue is empty."""
-        device = torch.device(device)
+        device = _device(device)
         fut = _future([device])
         out = fut if then is None else fut.then(then)
         if threading.current_thread() is self.thread:  # from a callback on this worker
@@ -286,7 +295,7 @@ def submit(job: Job, groups: Tuple[Any, ...], async_op: bool, *, device: Device,
     """Run ``job`` now (sync) or on the worker (async), under ``on_device(device)`` — the
     device of the job's tensors; see the module docstring. ``inputs``: the tensors the job
     reads (marked used on the worker's stream)."""
-    device = torch.device(device)
+    device = _device(device)
     if not initialized():
         return completed(job, device=device) if async_op else _now(job, _direct, device)
     worker = current()
@@ -308,7 +317,7 @@ def completed(job: Job, then: Then = None, *, eff: Callable[[Any], Any] = _direc
               device: Device = _CPU) -> torch.futures.Future:
     """Run ``job(eff)`` now under ``on_device(device)``; its finished future (a CUDA future for
     a CUDA device; chained with ``.then(then)``)."""
-    device = torch.device(device)
+    device = _device(device)
     fut = _future([device])
     _complete(fut, job, eff, device)
     return fut if then is None else fut.then(then)
