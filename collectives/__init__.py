@@ -9,7 +9,7 @@ scatter-reduce's exchanges on three or more), ``send``/``recv``
 ``reset_telemetry()``). ``exchange_bucket`` / ``exchange_bucket_by_owners`` are the bucket
 exchanges the training runtime (DDP hook, ``CompressedOptimizer``) is built on.
 """
-from .worker import shutdown
+from .worker import shutdown, wait_all
 from ._comm import CommunicationError, backend_for, check_device_set, group_timeout, on_device, rank_of, world_of
 from .allreduce import ALGORITHMS, allreduce, choose_algorithm
 from .bucket import allreduce_buckets, exchange_bucket, plan_buckets
@@ -24,4 +24,5 @@ __all__ = [
     "allreduce_fused", "exchange_bucket", "exchange_bucket_by_owners", "Hierarchy",
     "make_node_groups", "NodeGroups", "world_of", "rank_of", "send", "recv", "server_feedback",
     "telemetry", "reset_telemetry", "set_measure_error", "CommunicationError", "group_timeout", "shutdown",
+    "wait_all", "backend_for", "check_device_set", "on_device",
 ]
