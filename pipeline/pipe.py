@@ -318,7 +318,8 @@ class Pipeline:
 
     def close(self) -> None:
         """Drop the last step's message buffers (the pipeline owns no thread)."""
-        self._transport.begin([]) if self._transport.broken is None else None
+        if self._transport.broken is None:
+            self._transport.begin([])
 
     @property
     def sent_bytes(self) -> int:

@@ -178,12 +178,15 @@ class Transport:
         self.sent_bytes += whole.numel()
         self.payload_bytes += payload.nbytes
         before = len(self._works)
-        self._advance(None)
+        # The message leaves now: the receives ahead of it in the agreed order are waited for
+        # (else it would stay queued until the next take), and so is what was issued before it
+        # (torch's pipelining waits a chunk's sends at the next one too; on gloo an unwaited
+        # send may not move). Both waits are safe in the agreed order. Measured on 2 gloo
+        # ranks, 8192-wide boundaries, 8 micro-batches, each against the step without it: the
+        # second GPipe 351 -> 235 ms and 1F1B 300 -> 262 ms, the first 1F1B 138 -> 121 ms and
+        # interleaved 240 -> 232 ms.
+        self._advance(self._seq.index(slot))
         if slot.works and self._waited < before:
-            # what was issued before this message is waited now (torch's pipelining waits a
-            # chunk's sends at the next one too): on gloo an unwaited send may not move, and a
-            # wait here is safe in the agreed order; measured on 2 gloo ranks, 8192-wide
-            # boundaries, 8 micro-batches: GPipe 351 -> 235 ms, 1F1B 300 -> 262 ms a step
             self._wait_index(before)
 
     def take(self, msg: Message, codec: Any) -> torch.Tensor:
