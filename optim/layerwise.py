@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+from gradcomp.collectives.worker import submit
+
 Slices = List[Tuple[int, int, int]]
 
 
@@ -81,7 +83,9 @@ class LayerNorms:
         table = torch.stack([sums.get(at, zero) for at in range(len(rows) * self.num_layers)])
         table = table.view(len(rows), self.num_layers)
         if self.layout is not None and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(table, group=self.group)
+            # after gradcomp's jobs in flight, never beside them (one thread per communicator)
+            submit(lambda eff: dist.all_reduce(table, group=eff(self.group)), (self.group,), False,
+                   device=table.device)
         return table.sqrt()
 
     def scale_(self, i: int, t: torch.Tensor, per_layer: torch.Tensor) -> torch.Tensor:
