@@ -9,7 +9,6 @@ model) on several gloo ranks with AdamW, once per method, side by side in one ru
 - ``ours-int8g``: int8 gradients (reduce-scatter with error feedback);
 - ``ours-int8w``: int8 weights (all-gather with error feedback on the weights);
 - ``ours-8bit``: 8-bit optimizer state;
-- ``ours-4bit``: 4-bit optimizer state;
 - ``ours-int8g-bf16w``: int8 gradients + bf16 weights (the issue's target configuration);
 - ``ours-int8g-bf16w-8bit``: the same with 8-bit state.
 
@@ -42,7 +41,6 @@ METHODS: Dict[str, Dict[str, Any]] = {
     "ours-int8g": {"kind": "ours", "compressor": "int8"},
     "ours-int8w": {"kind": "ours", "weight_compressor": "int8"},
     "ours-8bit": {"kind": "ours", "state_bits": 8},
-    "ours-4bit": {"kind": "ours", "state_bits": 4},
     "ours-int8g-bf16w": {"kind": "ours", "compressor": "int8", "weight_compressor": "bf16"},
     "ours-int8g-bf16w-8bit": {"kind": "ours", "compressor": "int8", "weight_compressor": "bf16", "state_bits": 8},
 }

@@ -1,4 +1,4 @@
-"""Low-bit optimizer state: moment tensors kept in 8 or 4 bits between steps.
+"""Low-bit optimizer state: moment tensors kept in 8 bits between steps.
 
 :class:`LowBitState` wraps any ``torch.optim`` optimizer whose state is per element (Adam,
 AdamW, SGD with momentum, RMSprop, Adagrad, ...). Between steps each eligible state tensor
@@ -8,8 +8,9 @@ is a :class:`PackedState`: blocks of :data:`BLOCK` (128) elements, one fp32 scal
 exponent, 4 mantissa bits: 8 binades below the block's max at 1/16 to 1/32 relative
 precision), second moments (``exp_avg_sq``, ``max_exp_avg_sq``, ``square_avg``, ``sum``,
 never negative) unsigned (4 exponent, 4 mantissa bits: 16 binades). 4 bits (two codes a
-byte): signed linear (0, +-i/7) and unsigned linear (i+1)/16. Bytes per element: 1 + 4/128
-(0.258x of fp32), or 0.5 + 4/128 (0.133x).
+byte, the formats ``s4``/``u4``): signed linear (0, +-i/7) and unsigned linear (i+1)/16 —
+packs only: 4-bit *state* is not offered, it lost 1.4-1.8 pp of accuracy on a model of many
+small tensors (docs/sharding.md). Bytes per element: 1 + 4/128 (0.258x of fp32).
 
 **No zero for second moments** (Li, Chen & Zhu, NeurIPS 2023, "the zero-point problem"): a
 second moment that rounds to zero beside a first moment that does not makes Adam's step
@@ -65,7 +66,7 @@ from gradcomp.training._wrapper import Wrapper
 __all__ = ["LowBitState", "PackedState", "state_nbytes", "BLOCK", "MIN_NUMEL", "BITS"]
 
 BLOCK = 128  # elements per fp32 scale: smaller => less error next to outliers, 32 more bits per block
-BITS = (8, 4)
+BITS = (8,)  # 4-bit packs exist (formats s4, u4) but did not hold up in training: docs/sharding.md
 MIN_NUMEL = 4096  # parameters smaller than this keep fp32 state: they cost little, and are often norms/biases
 SECOND_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"})
 _COMPENSATIONS = ("stochastic", "feedback", "none")
@@ -165,6 +166,9 @@ FORMATS: Dict[str, _Format] = {f.name: f for f in (
     _Format("u4", 4, False, values=_linear4(False), zero=False))}
 _TABLES = {name: f.table() for name, f in FORMATS.items()}
 _TOP = {name: float(t.abs().max()) for name, t in _TABLES.items()}
+# tables of evenly spaced values round by arithmetic (first value, step), the others by search
+_EVEN = {name: (float(t[0]), float(t[1] - t[0])) for name, t in _TABLES.items()
+         if FORMATS[name].values and torch.allclose(t.diff(), t.diff()[:1].expand(t.numel() - 1))}
 MOMENT_FORMATS = {8: ("s8", "u8"), 4: ("s4", "u4")}  # bits -> (signed moments, second moments)
 _LEGACY_TABLES = ("s8", "z8", "r8")  # format version 1: the table was a number
 LEGACY_BLOCK = 256  # format version 1's block
@@ -213,7 +217,11 @@ def _encode(flat: torch.Tensor, fmt_name: str, block: int, stochastic: bool, key
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))
         y = flat * scale.reciprocal().index_select(0, ids)
     u = rng.uniform(y.numel(), key128, y.device) if stochastic and n else None
-    if fmt.values:
+    if fmt_name in _EVEN:
+        first, step = _EVEN[fmt_name]
+        k = y.sub_(first).div_(step).add_(0.5 if u is None else u).floor_().clamp_(0, _TABLES[fmt_name].numel() - 1)
+        k = k.to(torch.int32)
+    elif fmt.values:
         table = _TABLES[fmt_name].to(y.device)
         k = _round_search(y.clamp_(float(table[0]), float(table[-1])), table, u)
     else:
@@ -463,7 +471,7 @@ def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
 
 # ---- the wrapper -----------------------------------------------------------------------------
 class LowBitState(Wrapper):
-    """``optimizer`` with its per-element state stored in 8 or 4 bits between steps (see the
+    """``optimizer`` with its per-element state stored in 8 bits between steps (see the
     module docstring). ``param_groups`` and ``state`` are the inner optimizer's, so LR
     schedulers and gradient clipping work as usual; ``state_dict()`` holds the packed state
     as it is (and loads bit-identically).
@@ -474,7 +482,7 @@ class LowBitState(Wrapper):
     parameters with fewer elements keep their state as it is; ``quantize``, a callable
     ``tensor -> bool``, overrides that rule; ``breaks``, a callable ``tensor -> element
     indices``, starts extra blocks there (where one tensor holds several parameters). ``seed``:
-    the stochastic rounding's stream. ``bits``: 8 or 4.
+    the stochastic rounding's stream. ``bits``: 8.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, *, bits: int = 8, compensation: str = "stochastic",
@@ -484,7 +492,8 @@ class LowBitState(Wrapper):
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, LowBitState):
             raise ValueError(f"LowBitState wraps a torch.optim.Optimizer (once), got {type(optimizer).__name__}")
         if isinstance(bits, bool) or bits not in BITS:
-            raise ValueError(f"bits={bits!r} is not supported; allowed: 8, 4 (32-bit state needs no wrapper)")
+            why = " (4-bit state is not offered: it lost 1.4-1.8 pp of test accuracy against fp32 state on the many-small-tensors model (torchao's AdamW4bit 1.3 pp; docs/sharding.md))" if bits == 4 else ""
+            raise ValueError(f"bits={bits!r} is not supported{why}; allowed: 8 (32-bit state needs no wrapper)")
         if compensation not in _COMPENSATIONS:
             raise ValueError(f"compensation={compensation!r} is not allowed; allowed: {', '.join(_COMPENSATIONS)}")
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:

@@ -207,7 +207,7 @@ def test_scheduler_and_nonfinite_step():
 
 def test_bad_options():
     p = [torch.nn.Parameter(torch.randn(3))]
-    with pytest.raises(ValueError, match="bits=5 is not supported; allowed: 8, 4"):
+    with pytest.raises(ValueError, match="bits=5 is not supported; allowed: 8 "):
         LowBitState(torch.optim.Adam(p), bits=5)
     with pytest.raises(ValueError, match="compensation='kahan'.*stochastic, feedback, none"):
         LowBitState(torch.optim.Adam(p), compensation="kahan")
@@ -260,19 +260,12 @@ def test_sixteen_bit_parameters_step_and_resume_bit_identically(dtype, cls, kw, 
     assert all(p.dtype == dtype for p in loaded)
 
 
-def test_four_bit_state_is_an_eighth_and_trains():
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(8192))]
-    ref = [torch.nn.Parameter(params[0].detach().clone())]
-    low, plain = LowBitState(torch.optim.Adam(params, lr=1e-3), bits=4), torch.optim.Adam(ref, lr=1e-3)
-    target = torch.randn(8192)
-    for _ in range(200):
-        for p, o in ((params[0], low), (ref[0], plain)):
-            p.grad = (p.detach() - target) * 2
-            o.step()
-    assert state_nbytes(low) / state_nbytes(plain) == pytest.approx(0.5 / 4 + 4 / 128 / 4 / 1, abs=0.01)
-    assert (params[0] - target).norm() < 1.05 * (ref[0] - target).norm() + 1e-3
-    assert {p.format for p in _packs(low)} == {"s4", "u4"}
+def test_four_bit_state_is_refused_saying_why():
+    """4-bit packs exist (and round-trip, above), but 4-bit state lost 1.4-1.8 pp of accuracy
+    on the many-small-tensors model: not offered."""
+    p = [torch.nn.Parameter(torch.randn(3))]
+    with pytest.raises(ValueError, match="4-bit state is not offered.*many-small-tensors"):
+        LowBitState(torch.optim.Adam(p), bits=4)
 
 
 def test_update_error_on_a_cnn_is_bounded():

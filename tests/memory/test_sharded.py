@@ -552,7 +552,7 @@ def test_consolidated_checkpoint_reshards(results, src, dst):
 
 # ---- issue 21: other models, disagreement on the layout, a silent peer ---------------------------
 MODEL_STEPS = 150  # per model and state width: enough to learn each task (bounded work, not time)
-MODEL_BITS = (32, 8, 4)
+MODEL_BITS = (32, 8)
 
 
 def _digits():
@@ -587,7 +587,7 @@ def _task(kind):
 
 
 def case_models(rank, world):
-    """Adam under ShardedOptimizer with fp32, 8-bit and 4-bit state on each model: the final
+    """Adam under ShardedOptimizer with fp32 and 8-bit state on each model: the final
     loss and the test accuracy (2 ranks, the same batches for every width)."""
     out = {}
     for kind in ("conv_bn", "transformer", "many_small", "cnn1d", "digits"):
@@ -707,7 +707,7 @@ def models_run(tmp_path_factory):
 
 def test_low_bit_state_trains_every_model_like_fp32(models_run):
     """Issue 21: state_bits=8 turned the 1-D CNN's loss into NaN by step 15 (second moments
-    quantised to zero). 8-bit state within 0.3 pp of fp32 state, 4-bit within 0.5 pp."""
+    quantised to zero). 8-bit state within 0.3 pp of fp32 state; 4-bit state is refused."""
     for r in models_run:
         for kind, by_bits in r["models"].items():
             for bits, res in by_bits.items():
@@ -717,7 +717,6 @@ def test_low_bit_state_trains_every_model_like_fp32(models_run):
     assert {"conv_bn", "transformer", "many_small", "cnn1d"} <= set(got)
     for kind, by_bits in got.items():
         assert by_bits[8]["acc"] >= by_bits[32]["acc"] - 0.3, (kind, by_bits)
-        assert by_bits[4]["acc"] >= by_bits[32]["acc"] - 0.5, (kind, by_bits)
 
 
 def test_layout_disagreement_and_inner_optimizers_are_refused_everywhere(models_run):

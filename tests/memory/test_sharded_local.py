@@ -56,7 +56,8 @@ def test_checkpoints_alone(compensation):
 
 
 @pytest.mark.parametrize("kw,message", [
-    ({"state_bits": 16}, "state_bits=16 is not allowed; allowed: 32, 8, 4"),
+    ({"state_bits": 16}, "state_bits=16 is not allowed; allowed: 32, 8"),
+    ({"state_bits": 4}, "state_bits=4 is not allowed \\(4-bit state is not offered"),
     ({"stage": 0}, "stage=0 is not allowed"),
     ({"bucket_mb": 0}, "bucket_mb=0 is not allowed"),
     ({"state_compensation": "kahan"}, "state_compensation='kahan' is not allowed; allowed: stochastic, feedback, none"),
