@@ -342,7 +342,9 @@ def _agree(config: Mapping[str, str], group, when: str) -> None:
     for field in config:
         values = [g[0].get(field) for g in gathered]
         if len(set(values)) > 1:
-            shown = ", ".join(f"rank {r}: {_short(g[1].get(field, 'missing'))}" for r, g in enumerate(gathered))
+            texts = [str(g[1].get(field, "missing")) for g in gathered]
+            at = _first_difference(texts)
+            shown = ", ".join(f"rank {r}: {_short(t, at)}" for r, t in enumerate(texts))
             raise ValueError(f"ranks disagree on the {field} {when} ({shown}); every rank must build gradcomp's "
                              f"compression with the same configuration, model and checkpoint step")
     if any(set(g[0]) != set(digest) for g in gathered):
@@ -350,9 +352,23 @@ def _agree(config: Mapping[str, str], group, when: str) -> None:
                          f"version and call the same hook or optimizer")
 
 
-def _short(text: str, limit: int = 160) -> str:
-    """``text``, or the part around where it first differs… short enough for a message."""
-    return text if len(text) <= limit else text[:limit] + "..."
+def _first_difference(texts: Sequence[str]) -> int:
+    """The first position at which the ``texts`` are not all equal."""
+    at = 0
+    for chars in zip(*texts):
+        if len(set(chars)) > 1:
+            break
+        at += 1
+    return at
+
+
+def _short(text: str, at: int = 0, limit: int = 160) -> str:
+    """``text``, or a window of at most ``limit`` characters around position ``at`` (where the
+    ranks' texts first differ), marked with ``...`` where cut."""
+    if len(text) <= limit:
+        return text
+    start = max(0, min(at - limit // 4, len(text) - limit))
+    return ("..." if start else "") + text[start:start + limit] + ("..." if start + limit < len(text) else "")
 
 
 def _describe_params(params: Sequence[Tuple[str, torch.Tensor]]) -> str:

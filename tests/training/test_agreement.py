@@ -164,3 +164,18 @@ def test_rank_checkpoint_loads_only_on_its_rank(results):
     assert results[0]["ef rank 0's state"] is None
     msg = results[1]["ef rank 0's state"]
     assert msg is not None and "saved with rank 0" in msg, msg
+
+
+def test_a_long_disagreement_shows_where_the_ranks_differ():
+    """A configuration text longer than a message's window is cut around its first
+    difference, so both ranks' differing values are in the error (betas late in a long text)."""
+    from gradcomp.training.engine import _first_difference, _short
+
+    head = "Adam(lr=0.001, " + "x" * 300
+    texts = [head + "betas=(0.9, 0.999))", head + "betas=(0.8, 0.999))"]
+    at = _first_difference(texts)
+    assert texts[0][at] != texts[1][at]
+    shown = [_short(t, at) for t in texts]
+    assert "betas=(0.9" in shown[0] and "betas=(0.8" in shown[1]
+    assert all(len(s) <= 160 + 6 for s in shown) and shown[0].startswith("...")
+    assert _short("short text", 0) == "short text"
