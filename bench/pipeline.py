@@ -380,7 +380,7 @@ def timeline_plot(records: List[Dict[str, Any]], path: str, title: str) -> None:
                      f"{r['ideal_bubble']:.2f}); drawn: one more step, {_span(r):.0f} ms", fontsize=9, loc="left")
         ax.set_xlabel("ms since the step began (wall clock, one step)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, ["forward", "backward", "send (until the peer has it)"], loc="upper right", ncol=3,
+    fig.legend(handles, ["forward", "backward", "send (its wait for earlier messages included)"], loc="upper right", ncol=3,
                fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
