@@ -33,6 +33,12 @@ def _counts():
     return threading.active_count(), len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
 
 
+def _within(counts, baseline):
+    """No more threads or descriptors than at the start (fewer is fine: a native thread of the
+    first group, still ending when the baseline was taken, may be gone since)."""
+    return all(c <= b for c, b in zip(counts, baseline))
+
+
 def _cycles_without_shutdown(rank, w, folder):
     import torch.distributed as dist
 
@@ -51,7 +57,7 @@ def _cycles_without_shutdown(rank, w, folder):
         del training  # what the program holds it keeps; the library must hold nothing
         dist.destroy_process_group()  # shutdown() forgotten
         deadline = time.monotonic() + 5
-        while _counts() != baseline and time.monotonic() < deadline:
+        while not _within(_counts(), baseline) and time.monotonic() < deadline:
             time.sleep(0.05)
         settled.append(_counts())
     store = dist.FileStore(os.path.join(folder, "last"), w)  # the helper destroys one group at the end
@@ -61,7 +67,7 @@ def _cycles_without_shutdown(rank, w, folder):
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts threads and descriptors in /proc")
 def test_destroying_the_group_without_shutdown_leaks_nothing(tmp_path):
-    """Threads (Python and native) and file descriptors return to what they were before the
-    first init within a few seconds of each destroy_process_group, cycle after cycle."""
+    """Threads (Python and native) and file descriptors return to at most what they were
+    before the first init within a few seconds of each destroy_process_group, cycle after cycle."""
     for baseline, settled in run_ranks(_cycles_without_shutdown, 2, tmp_path, str(tmp_path)):
-        assert settled == [baseline] * 3, f"(python threads, threads, fds): before {baseline}, after each cycle {settled}"
+        assert all(_within(c, baseline) for c in settled) and len(settled) == 3, f"(python threads, threads, fds): before {baseline}, after each cycle {settled}"
