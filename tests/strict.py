@@ -191,12 +191,13 @@ def _signature(real: Callable) -> inspect.Signature:
     return inspect.signature(real)
 
 
-def _tensors(value, out: List[torch.Tensor]) -> List[torch.Tensor]:
+def tensors_in(value, out: List[torch.Tensor]) -> List[torch.Tensor]:
+    """The tensors in ``value`` (nested lists and tuples), appended to ``out``."""
     if isinstance(value, torch.Tensor):
         out.append(value)
     elif isinstance(value, (list, tuple)):
         for v in value:
-            _tensors(v, out)
+            tensors_in(v, out)
     return out
 
 
@@ -540,7 +541,7 @@ def _collective(name: str, real: Callable, *, objects: bool) -> Callable:
                     f"NCCL's object collectives stage through torch.cuda.current_device(), GPU 0 in a new thread; run "
                     f"it under gradcomp.collectives._comm.on_device(device)")
         if not objects:
-            _check_tensors(name, pg, _tensors(list(b.arguments.values()), []))
+            _check_tensors(name, pg, tensors_in(list(b.arguments.values()), []))
         with _cond:
             inside = _inside.get(pg)
             if inside is not None and inside[0] is not me and "threads" not in _OFF:

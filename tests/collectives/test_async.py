@@ -18,18 +18,10 @@ import threading
 import torch
 
 from ranks import run_ranks
+from strict import tensors_in
 
 _RECORDED = ("all_reduce", "reduce", "broadcast", "all_gather", "all_to_all_single", "send", "recv",
              "all_gather_object", "broadcast_object_list", "barrier")
-
-
-def _tensors(value, out):
-    if isinstance(value, torch.Tensor):
-        out.append(value)
-    elif isinstance(value, (list, tuple)):
-        for v in value:
-            _tensors(v, out)
-    return out
 
 
 def _spy(log):
@@ -59,7 +51,7 @@ def _spy(log):
         def wrapped(*args, _real=getattr(dist, name), _name=name, **kwargs):
             if sys._getframe(1).f_globals.get("__name__", "").startswith("gradcomp"):
                 stack = getattr(local, "stack", [])
-                devices = sorted({str(t.device) for t in _tensors([args, list(kwargs.values())], [])})
+                devices = sorted({str(t.device) for t in tensors_in([args, list(kwargs.values())], [])})
                 log.append((_name, threading.current_thread().name, stack[-1] if stack else None, devices))
             return _real(*args, **kwargs)
         setattr(dist, name, wrapped)

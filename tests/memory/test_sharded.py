@@ -19,6 +19,7 @@ Invariants protected:
 """
 from __future__ import annotations
 
+import functools
 import io
 import os
 import sys
@@ -323,16 +324,19 @@ def case_nonfinite(rank, world):
             "goes_on": _run(model, opt, rank, world, 1, start=10)}
 
 
+def _catch(out, key, fn):
+    """``out[key]``: the ValueError's message ``fn()`` raised, or None."""
+    try:
+        fn()
+        out[key] = None
+    except ValueError as exc:
+        out[key] = str(exc)
+
+
 def case_errors(rank, world, ckpt_other_world):
     """Every rank raises the same clear error."""
-    out = {}
-
-    def catch(key, fn):
-        try:
-            fn()
-            out[key] = None
-        except ValueError as exc:
-            out[key] = str(exc)
+    out: dict = {}
+    catch = functools.partial(_catch, out)
 
     catch("params", lambda: _sharded(Net(width=33 if rank == 0 else 34)))
     catch("optimizer", lambda: _sharded(Net(), lr=0.01 if rank == 0 else 0.02))
@@ -628,14 +632,8 @@ def case_layout(rank, world):
     on every rank; a checkpoint saved with another bucket_mb loads (its residuals re-keyed)."""
     from gradcomp.memory import _shardckpt
 
-    out = {}
-
-    def catch(key, fn):
-        try:
-            fn()
-            out[key] = None
-        except ValueError as exc:
-            out[key] = str(exc)
+    out: dict = {}
+    catch = functools.partial(_catch, out)
 
     catch("bucket_mb", lambda: _sharded(Net(width=160), bucket_mb=0.0005 if rank == 0 else 0.002))
     catch("bucket_mb_dense_equal_count", lambda: _sharded(Net(width=160), bucket_mb=0.004 if rank == 0 else 0.003))
