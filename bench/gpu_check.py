@@ -535,9 +535,9 @@ def print_environment() -> int:
         facts["cupy"] = f"{cupy.__version__} (CUDA runtime {cupy.cuda.runtime.runtimeGetVersion()})"
     except Exception as exc:  # noqa: BLE001 - reported, the kernel parts then fail
         facts["cupy"] = f"not importable: {type(exc).__name__}: {exc}"
-    from gradcomp.kernels import _cupy
+    from gradcomp.kernels import runtime
 
-    facts["kernels_available"] = _cupy.available()
+    facts["kernels_available"] = runtime.available()
     facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version())) if facts["gpu_count"] else None
     for k, v in facts.items():
         print(f"{k}: {v}")
@@ -550,20 +550,20 @@ def compile_families() -> int:
     """Compile (or read from the cache) every kernel family for GPU 0; a PASS or FAIL line each."""
     import traceback
 
-    from gradcomp.kernels import _cupy
+    from gradcomp.kernels import runtime
 
-    if not _cupy.available():
+    if not runtime.available():
         print("FAIL CuPy cannot see a CUDA device or NVRTC: nothing to compile")
         return 1
-    cc = _cupy.compute_capability(0)
-    print("NVRTC", _cupy._nvrtc().getVersion(), "| options", " ".join(_cupy.COMPILE_OPTIONS), "| cache",
-          _cupy.cache_dir())
+    cc = runtime.compute_capability(0)
+    print("NVRTC", runtime.nvrtc().getVersion(), "| options", " ".join(runtime.COMPILE_OPTIONS), "| cache",
+          runtime.cache_dir())
     bad = 0
-    for fam in _cupy.families():
+    for fam in runtime.families():
         t = time.perf_counter()
         try:
-            path = _cupy.binary(fam, cc)
-            _cupy.module(fam, cc, 0)  # loaded on GPU 0, as the tests will use it
+            path = runtime.binary(fam, cc)
+            runtime.module(fam, cc, 0)  # loaded on GPU 0, as the tests will use it
             print(f"PASS {fam}.cu: {path.name} ({path.stat().st_size} bytes) in {time.perf_counter() - t:.1f}s")
         except Exception:  # noqa: BLE001 - every family is tried
             bad += 1

@@ -6,7 +6,7 @@ device's measured copy bandwidth, and top-k against ``torch.topk``.
 prints a markdown table. GB/s counts the bytes a kernel reads plus the bytes it writes
 (every pass of a multi-pass kernel counted); "% copy" divides by the same figure for a
 device-to-device ``copy_`` of N fp32 elements. The torch column times the torch path of the
-same primitive on the same tensors (``_launch.torch_only()``). Targets: elementwise
+same primitive on the same tensors (``runtime.torch_only()``). Targets: elementwise
 compression kernels at >= 60% of copy; top-k of 1% at least 3x faster than ``torch.topk``.
 """
 from __future__ import annotations
@@ -21,13 +21,13 @@ from typing import Callable, List, Optional
 import numpy as np
 import torch
 
-from gradcomp.kernels import _cupy, _launch, bits, quant, rng, select, sign, sparse
-from gradcomp.kernels import _launch_bits as bits_k
-from gradcomp.kernels import _launch_quant as quant_k
-from gradcomp.kernels import _launch_rng as rng_k
-from gradcomp.kernels import _launch_select as select_k
-from gradcomp.kernels import _launch_sign as sign_k
-from gradcomp.kernels import _launch_sparse as sparse_k
+from gradcomp.kernels import bits, quant, rng, runtime, select, sign, sparse
+from gradcomp.kernels.runtime import launch_bits as bits_k
+from gradcomp.kernels.runtime import launch_quant as quant_k
+from gradcomp.kernels.runtime import launch_rng as rng_k
+from gradcomp.kernels.runtime import launch_select as select_k
+from gradcomp.kernels.runtime import launch_sign as sign_k
+from gradcomp.kernels.runtime import launch_sparse as sparse_k
 
 COPY_TARGET = 0.60  # elementwise kernels: fraction of the measured copy bandwidth
 TOPK_TARGET = 3.0  # speed-up of top-k (1%) over torch.topk
@@ -59,7 +59,7 @@ class Row:
 def header(numel: int) -> List[str]:
     dev = torch.cuda.current_device()
     props = torch.cuda.get_device_properties(dev)
-    cupy = _cupy._cupy()
+    cupy = runtime.cupy()
     return [
         f"- GPU: {torch.cuda.get_device_name(dev)} ({props.multi_processor_count} SMs, "
         f"{props.total_memory / 2**30:.0f} GiB)",
@@ -94,7 +94,7 @@ def run(numel: int, reps: int, device: Optional[torch.device] = None) -> List[st
         t_ms = None
         if ref is not None:
             try:
-                with _launch.torch_only():
+                with runtime.torch_only():
                     t_ms = time_ms(ref, max(3, reps // 4), warmup=1)
             except Exception as exc:
                 note = (note + f"; torch path failed: {type(exc).__name__}").strip("; ")
@@ -215,7 +215,7 @@ def topk_section(xa: torch.Tensor, reps: int) -> List[str]:
 
 
 def _torch_path_topk(xa: torch.Tensor, k: int) -> torch.Tensor:
-    with _launch.torch_only():
+    with runtime.torch_only():
         return select.topk_indices(xa, k)
 
 
@@ -225,9 +225,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--reps", type=int, default=20, help="timed runs per kernel (median reported)")
     ap.add_argument("--out", help="also write the markdown report to this file")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available() or not _cupy.available():
+    if not torch.cuda.is_available() or not runtime.available():
         print("kernel_bench needs a CUDA GPU and CuPy; found "
-              f"torch.cuda.is_available()={torch.cuda.is_available()}, CuPy usable={_cupy.available()}")
+              f"torch.cuda.is_available()={torch.cuda.is_available()}, CuPy usable={runtime.available()}")
         return 2
     lines = run(args.numel, args.reps)
     text = "\n".join(lines) + "\n"

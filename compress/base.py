@@ -224,6 +224,11 @@ class Compressor(_ReadsCapabilities, ABC):
         return f"get_compressor({self.name!r}{', ' if args else ''}{args})"
 
     @property
+    def base(self) -> "Compressor":
+        """The compressor that encodes and decodes: itself (a wrapper's ``base`` is the one inside)."""
+        return self
+
+    @property
     def compresses_in_place(self) -> bool:
         """Whether :meth:`compress_residual` is one in-place pass: the class overrides
         ``_compress_residual`` (detected, never declared)."""
@@ -336,6 +341,11 @@ class Compressor(_ReadsCapabilities, ABC):
         if state.get("config") != config:
             raise ValueError(f"{self.name}: state_dict config {state.get('config')} differs from {config}")
         self._steps = dict(state["steps"])
+
+    @classmethod
+    def check_contract(cls) -> None:
+        """What ``@register`` checks of this class before admitting it (:func:`check_contract`)."""
+        check_contract(cls)
 
     @classmethod
     def check_payload(cls, payload: Payload) -> None:

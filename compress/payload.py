@@ -33,6 +33,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from .registry import compressor_class
+
 MAGIC = b"GCMP"
 VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
@@ -144,71 +146,96 @@ class Payload:
         (for a writable buffer the caller owns and will not change, such as a freshly received
         one): the payload's tensors are views of ``data`` where their bytes are aligned for
         their dtype, copies elsewhere."""
-        from .registry import compressor_class
-
-        try:
-            view = memoryview(data)
-        except TypeError:
-            raise ValueError(f"Payload.from_bytes expects bytes, a bytearray or another buffer of bytes, "
-                             f"got {type(data).__name__}") from None
-        copy = copy or view.readonly  # a view of read-only bytes could not be a writable tensor
-        buf = memoryview(bytes(view)) if copy else view.cast("B")
-        if len(buf) < _PREFIX.size:
-            raise ValueError(f"payload too short: {len(buf)} bytes, the prefix alone is {_PREFIX.size}")
-        magic, version, hlen = _PREFIX.unpack_from(buf, 0)
-        if magic != MAGIC:
-            raise ValueError("not a gradcomp payload (bad magic bytes)")
-        if version != VERSION:
-            raise ValueError(f"payload version {version} is not supported (this build reads version {VERSION})")
-        pos = _PREFIX.size
-        if hlen > MAX_HEADER:
-            raise ValueError(f"payload header length {hlen} exceeds the limit of {MAX_HEADER} bytes")
-        if pos + hlen > len(buf):
-            raise ValueError(f"payload truncated: the header needs {hlen} bytes, {len(buf) - pos} follow")
-        header = _parse_header(bytes(buf[pos:pos + hlen]))
-        pos += hlen
-        if not isinstance(header, dict) or set(header) != {"c", "shape", "dtype", "meta", "t"}:
-            raise ValueError("payload header must hold exactly the fields c, shape, dtype, meta, t")
-        name = header["c"]
+        buf, copy = _buffer(data, copy)
+        header, pos = _read_prefix(buf)
+        name, shape, dtype, meta, sized = _read_header(header, max_numel)
         klass = compressor_class(name)
-        shape = _shape(header["shape"], "shape")
-        dtype = _dtype(header["dtype"])
-        numel = math.prod(shape)
-        _check_numel(numel, dtype, max_numel)
-        meta = header["meta"]
-        if not isinstance(meta, dict) or not all(_plain(v) for v in meta.values()):
-            raise ValueError(f"payload meta must be a dict of numbers, strings, booleans and lists of them "
-                             f"(nested at most {MAX_META_DEPTH} deep)")
-        specs = header["t"]
-        if not isinstance(specs, list) or len(specs) > MAX_TENSORS:
-            raise ValueError(f"payload must list at most {MAX_TENSORS} tensors")
-        sized = []
-        for spec in specs:
-            if not isinstance(spec, list) or len(spec) != 2:
-                raise ValueError("each payload tensor is described by [dtype, shape]")
-            tdtype, tshape = _dtype(spec[0]), _shape(spec[1], "tensor shape")
-            sized.append((tdtype, tshape, math.prod(tshape) * torch.empty((), dtype=tdtype).element_size()))
-        data_bytes, allowed = sum(s for _, _, s in sized), MAX_BYTES_PER_ELEMENT * numel + TENSOR_SLACK * len(sized)
-        if data_bytes > allowed:
-            raise ValueError(f"payload tensors hold {data_bytes} bytes, more than the {allowed} allowed for "
-                             f"{numel} elements in {len(sized)} tensors")
-        tensors = []
-        for tdtype, tshape, size in sized:
-            if size > len(buf) - pos:
-                raise ValueError(f"payload truncated: a tensor needs {size} bytes, {len(buf) - pos} remain")
-            if not size:
-                raw = torch.empty(0, dtype=torch.uint8)
-            elif copy or pos % tdtype.itemsize:
-                raw = torch.frombuffer(bytearray(buf[pos:pos + size]), dtype=torch.uint8)
-            else:  # a view of the caller's buffer, aligned for its dtype
-                raw = torch.frombuffer(buf[pos:pos + size], dtype=torch.uint8)
-            tensors.append(raw.view(tdtype).reshape(tshape))
-            pos += size
-        if pos != len(buf):
-            raise ValueError(f"payload has {len(buf) - pos} trailing bytes after its last tensor")
+        tensors = _read_tensors(buf, pos, sized, copy)
         payload = cls(name, shape, dtype, tensors, meta)
         klass.check_payload(payload)
         return payload
+
+
+_Sized = List[Tuple[torch.dtype, Tuple[int, ...], int]]  # each tensor's dtype, shape and bytes
+
+
+def _buffer(data: Any, copy: bool) -> Tuple[memoryview, bool]:
+    """``data`` as a byte view, copied unless the caller's buffer may be viewed."""
+    try:
+        view = memoryview(data)
+    except TypeError:
+        raise ValueError(f"Payload.from_bytes expects bytes, a bytearray or another buffer of bytes, "
+                         f"got {type(data).__name__}") from None
+    copy = copy or view.readonly  # a view of read-only bytes could not be a writable tensor
+    return (memoryview(bytes(view)) if copy else view.cast("B")), copy
+
+
+def _read_prefix(buf: memoryview) -> Tuple[Any, int]:
+    """The parsed JSON header after the magic bytes and version, and where the tensors start."""
+    if len(buf) < _PREFIX.size:
+        raise ValueError(f"payload too short: {len(buf)} bytes, the prefix alone is {_PREFIX.size}")
+    magic, version, hlen = _PREFIX.unpack_from(buf, 0)
+    if magic != MAGIC:
+        raise ValueError("not a gradcomp payload (bad magic bytes)")
+    if version != VERSION:
+        raise ValueError(f"payload version {version} is not supported (this build reads version {VERSION})")
+    pos = _PREFIX.size
+    if hlen > MAX_HEADER:
+        raise ValueError(f"payload header length {hlen} exceeds the limit of {MAX_HEADER} bytes")
+    if pos + hlen > len(buf):
+        raise ValueError(f"payload truncated: the header needs {hlen} bytes, {len(buf) - pos} follow")
+    return _parse_header(bytes(buf[pos:pos + hlen])), pos + hlen
+
+
+def _read_header(header: Any, max_numel: Optional[int]
+                 ) -> Tuple[str, Tuple[int, ...], torch.dtype, Dict[str, Any], _Sized]:
+    """The header's fields, each bounded: compressor name, shape, dtype, meta, tensor specs."""
+    if not isinstance(header, dict) or set(header) != {"c", "shape", "dtype", "meta", "t"}:
+        raise ValueError("payload header must hold exactly the fields c, shape, dtype, meta, t")
+    name = header["c"]
+    compressor_class(name)  # an unknown compressor is refused before any size is trusted
+    shape = _shape(header["shape"], "shape")
+    dtype = _dtype(header["dtype"])
+    numel = math.prod(shape)
+    _check_numel(numel, dtype, max_numel)
+    meta = header["meta"]
+    if not isinstance(meta, dict) or not all(_plain(v) for v in meta.values()):
+        raise ValueError(f"payload meta must be a dict of numbers, strings, booleans and lists of them "
+                         f"(nested at most {MAX_META_DEPTH} deep)")
+    specs = header["t"]
+    if not isinstance(specs, list) or len(specs) > MAX_TENSORS:
+        raise ValueError(f"payload must list at most {MAX_TENSORS} tensors")
+    sized: _Sized = []
+    for spec in specs:
+        if not isinstance(spec, list) or len(spec) != 2:
+            raise ValueError("each payload tensor is described by [dtype, shape]")
+        tdtype, tshape = _dtype(spec[0]), _shape(spec[1], "tensor shape")
+        sized.append((tdtype, tshape, math.prod(tshape) * torch.empty((), dtype=tdtype).element_size()))
+    data_bytes, allowed = sum(s for _, _, s in sized), MAX_BYTES_PER_ELEMENT * numel + TENSOR_SLACK * len(sized)
+    if data_bytes > allowed:
+        raise ValueError(f"payload tensors hold {data_bytes} bytes, more than the {allowed} allowed for "
+                         f"{numel} elements in {len(sized)} tensors")
+    return name, shape, dtype, meta, sized
+
+
+def _read_tensors(buf: memoryview, pos: int, sized: _Sized, copy: bool) -> List[torch.Tensor]:
+    """The tensors after the header: views of ``buf`` where aligned and allowed, else copies;
+    the buffer must end exactly after the last one."""
+    tensors = []
+    for tdtype, tshape, size in sized:
+        if size > len(buf) - pos:
+            raise ValueError(f"payload truncated: a tensor needs {size} bytes, {len(buf) - pos} remain")
+        if not size:
+            raw = torch.empty(0, dtype=torch.uint8)
+        elif copy or pos % tdtype.itemsize:
+            raw = torch.frombuffer(bytearray(buf[pos:pos + size]), dtype=torch.uint8)
+        else:  # a view of the caller's buffer, aligned for its dtype
+            raw = torch.frombuffer(buf[pos:pos + size], dtype=torch.uint8)
+        tensors.append(raw.view(tdtype).reshape(tshape))
+        pos += size
+    if pos != len(buf):
+        raise ValueError(f"payload has {len(buf) - pos} trailing bytes after its last tensor")
+    return tensors
 
 
 def _parse_header(raw: bytes) -> Any:

@@ -2,9 +2,10 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any, Callable, Dict, List, Type, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Type, TypeVar
 
-from .base import Compressor, check_contract
+if TYPE_CHECKING:  # only for types: the payload parser asks this registry, and base imports the payload
+    from .base import Compressor
 
 _REGISTRY: Dict[str, Type[Compressor]] = {}
 _C = TypeVar("_C", bound="Type[Compressor]")
@@ -12,13 +13,13 @@ _C = TypeVar("_C", bound="Type[Compressor]")
 
 def register(name: str) -> Callable[[_C], _C]:
     """Class decorator: make a compressor available as ``get_compressor(name)``, once its class
-    keeps the contract (``gradcomp.compress.base.check_contract``: ``TypeError`` otherwise)."""
+    keeps the contract (``Compressor.check_contract``: ``TypeError`` otherwise)."""
 
     def deco(cls: _C) -> _C:
         if name in _REGISTRY:
             raise ValueError(f"compressor name {name!r} is already registered by {_REGISTRY[name].__name__}")
         cls.name = name
-        check_contract(cls)
+        cls.check_contract()
         _REGISTRY[name] = cls
         return cls
 
