@@ -8,6 +8,8 @@ scatter-reduce's exchanges on three or more), ``send``/``recv``
 (compressed point-to-point), and per-rank telemetry (``telemetry()``,
 ``reset_telemetry()``). ``exchange_bucket`` / ``exchange_bucket_by_owners`` are the bucket
 exchanges the training runtime (DDP hook, ``CompressedOptimizer``) is built on.
+:mod:`~gradcomp.collectives.identity`: checkpoint identity and agreement between ranks
+(``Identity``, ``agree``, ``refuse_on_every_rank``) for every layer.
 """
 from .worker import shutdown, wait_all
 from ._comm import CommunicationError, backend_for, check_device_set, group_timeout, on_device, rank_of, world_of
@@ -15,6 +17,7 @@ from .allreduce import ALGORITHMS, allreduce, choose_algorithm
 from .bucket import allreduce_buckets, exchange_bucket, plan_buckets
 from .fused import allreduce_fused
 from .hierarchical import Hierarchy, NodeGroups, exchange_bucket_by_owners, make_node_groups
+from .identity import Identity, agree, describe_params, fingerprint, names_of, refuse_on_every_rank
 from .p2p import recv, send
 from .scatter_reduce import server_feedback
 from ._telemetry import reset_telemetry, set_measure_error, telemetry
@@ -25,4 +28,5 @@ __all__ = [
     "make_node_groups", "NodeGroups", "world_of", "rank_of", "send", "recv", "server_feedback",
     "telemetry", "reset_telemetry", "set_measure_error", "CommunicationError", "group_timeout", "shutdown",
     "wait_all", "backend_for", "check_device_set", "on_device",
+    "Identity", "agree", "describe_params", "fingerprint", "names_of", "refuse_on_every_rank",
 ]

@@ -13,10 +13,11 @@ rank in one call while another is in the other is told so by name.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Dict, List, Optional, Sequence
 
 import torch
+
+from gradcomp.compress.identity import fingerprint
 
 MAGIC = 0x67636F6C6C01  # "gcoll" + version 1
 _DIMS = 8
@@ -47,9 +48,10 @@ _DTYPE_CODE = {d: i + 1 for i, d in enumerate(_DTYPES)}
 
 
 def h64(text: str | bytes) -> int:
-    """A signed 64-bit hash of ``text`` (the same on every rank and run)."""
-    data = text.encode() if isinstance(text, str) else text
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+    """Wire format only: :func:`~gradcomp.compress.identity.fingerprint`'s digest of ``text``
+    as the signed int64 a header slot holds (the same on every rank and run). Checkpoint
+    identity and agreement use the fingerprint itself."""
+    return int.from_bytes(bytes.fromhex(fingerprint(text)), "little", signed=True)
 
 
 def build(world_size: int, *, op: str, algorithm: str, tensor, compressor: str, key: str,
