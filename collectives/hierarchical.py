@@ -23,7 +23,7 @@ machine, 4 ranks as 2 "nodes" of 2 exercise both paths.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -143,40 +143,12 @@ def exchange_bucket_by_owners(items: Sequence[Item], hier: Any, owners: Sequence
     by_dtype: Dict[torch.dtype, List[int]] = {}
     for i, (_, g, _) in enumerate(items):
         by_dtype.setdefault(g.dtype, []).append(i)
-    L = hier.local_size
     for idx in by_dtype.values():
-        rec = Record("allreduce", "intra-node", label, "bucket", L)
+        rec = Record("allreduce", "intra-node", label, "bucket", hier.local_size)
         node = Comm(hier.intra, rec, "allreduce", items[idx[0]][1].device)
-        parts = []  # (owner, item indices, flat): the same list on every rank of the node
-        for o in range(L):
-            mine = [i for i in idx if owners[i] == o]
-            if not mine:
-                continue
-            flat = torch.cat([items[i][1].detach().reshape(-1) for i in mine])
-            rec.dense_bytes += flat.numel() * flat.element_size()
-            node.reduce_(scale_(flat, L), o)
-            parts.append((o, mine, flat))
-        error = None
-        for o, mine, flat in parts:
-            views = [v.view(items[i][1].shape) for v, i in zip(flat.split([items[i][1].numel() for i in mine]), mine)]
-            if o == hier.local_rank:
-                try:  # a failure must reach the node before its broadcasts, not leave it waiting
-                    # observed below, on the results every rank of every node holds
-                    results = exchange_bucket([(items[i][0], v, items[i][2]) for i, v in zip(mine, views)], hier.inter,
-                                              hier.nodes, label=label, observe=False)
-                    for v, value in zip(views, results):
-                        if value.data_ptr() != v.data_ptr():
-                            v.copy_(value)
-                except Exception as exc:
-                    error = exc
-            for i, v in zip(mine, views):
-                out[i] = v
-        failed = node.exchange([int(error is not None)])[:, 0]  # a status exchange, counted
-        if error is not None:
-            raise error
-        if bool(failed.any()):
-            raise ValueError(f"the hierarchical exchange failed on local rank(s) {failed.nonzero().flatten().tolist()} "
-                             f"of this node (the error is raised there)")
+        parts = _reduce_onto_owners(items, idx, owners, node, rec, hier.local_size)
+        error = _exchange_owned(items, parts, hier, label, out)
+        _raise_if_any_failed(node, error)
         for o, _, flat in parts:
             node.broadcast_(flat, o)
         commit(rec)
@@ -184,3 +156,55 @@ def exchange_bucket_by_owners(items: Sequence[Item], hier: Any, owners: Sequence
     if txn is not None:  # the same results on every rank: every rank keeps or undoes alike
         txn.observe(out)
     return out  # type: ignore[return-value]
+
+
+_Part = Tuple[int, List[int], torch.Tensor]  # (owner, item indices, flat node sum)
+
+
+def _reduce_onto_owners(items: Sequence[Item], idx: Sequence[int], owners: Sequence[int], node: Comm,
+                        rec: Record, local_size: int) -> List[_Part]:
+    """Step 1: each owner's gradients, concatenated and scaled by ``1/L``, summed onto it over
+    the node; the same list on every rank of the node (non-owners hold their own input sum)."""
+    parts = []
+    for o in range(local_size):
+        mine = [i for i in idx if owners[i] == o]
+        if not mine:
+            continue
+        flat = torch.cat([items[i][1].detach().reshape(-1) for i in mine])
+        rec.dense_bytes += flat.numel() * flat.element_size()
+        node.reduce_(scale_(flat, local_size), o)
+        parts.append((o, mine, flat))
+    return parts
+
+
+def _exchange_owned(items: Sequence[Item], parts: Sequence[_Part], hier: Any, label: str,
+                    out: List[Optional[torch.Tensor]]) -> Optional[Exception]:
+    """Step 2: this rank's own part averaged across nodes (compressed), written into its flat;
+    every item's result view goes into ``out``. The exchange's error is returned, not raised:
+    it must reach the node before the broadcasts, or the other ranks would wait for them."""
+    error = None
+    for o, mine, flat in parts:
+        views = [v.view(items[i][1].shape) for v, i in zip(flat.split([items[i][1].numel() for i in mine]), mine)]
+        if o == hier.local_rank:
+            try:  # observed by the caller, on the results every rank of every node holds
+                results = exchange_bucket([(items[i][0], v, items[i][2]) for i, v in zip(mine, views)], hier.inter,
+                                          hier.nodes, label=label, observe=False)
+                for v, value in zip(views, results):
+                    if value.data_ptr() != v.data_ptr():
+                        v.copy_(value)
+            except Exception as exc:
+                error = exc
+        for i, v in zip(mine, views):
+            out[i] = v
+    return error
+
+
+def _raise_if_any_failed(node: Comm, error: Optional[Exception]) -> None:
+    """Every rank of the node learns whether an owner's exchange failed (a status exchange,
+    counted) and raises: the owner its own error, the others a ValueError naming the owners."""
+    failed = node.exchange([int(error is not None)])[:, 0]
+    if error is not None:
+        raise error
+    if bool(failed.any()):
+        raise ValueError(f"the hierarchical exchange failed on local rank(s) {failed.nonzero().flatten().tolist()} "
+                         f"of this node (the error is raised there)")
