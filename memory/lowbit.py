@@ -66,7 +66,6 @@ from gradcomp.training._wrapper import Wrapper
 __all__ = ["LowBitState", "PackedState", "state_nbytes", "BLOCK", "MIN_NUMEL", "BITS"]
 
 BLOCK = 128  # elements per fp32 scale: smaller => less error next to outliers, 32 more bits per block
-BITS = (8,)  # 4-bit packs exist (formats s4, u4) but did not hold up in training: docs/sharding.md
 MIN_NUMEL = 4096  # parameters smaller than this keep fp32 state: they cost little, and are often norms/biases
 SECOND_MOMENTS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum"})
 _COMPENSATIONS = ("stochastic", "feedback", "none")
@@ -88,6 +87,32 @@ class _Format(NamedTuple):
     levels: int = 0
     values: Tuple[float, ...] = ()
     zero: bool = True
+
+    @property
+    def per_byte(self) -> int:
+        """Codes stored in one byte (the low bits first)."""
+        return 8 // self.bits
+
+    def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """uint8 codes (one a byte, each below ``2 ** bits``) as this format stores them."""
+        per = self.per_byte
+        if per == 1:
+            return codes
+        if codes.numel() % per:
+            codes = torch.nn.functional.pad(codes, (0, per - codes.numel() % per))
+        groups = codes.view(-1, per)
+        out = groups[:, 0].clone()
+        for j in range(1, per):
+            out |= groups[:, j] << (j * self.bits)
+        return out
+
+    def unpack_codes(self, stored: torch.Tensor, n: int) -> torch.Tensor:
+        """The ``n`` codes (one a byte) of what :meth:`pack_codes` stored."""
+        per = self.per_byte
+        if per == 1:
+            return stored
+        mask = 2 ** self.bits - 1
+        return torch.stack([(stored >> (j * self.bits)) & mask for j in range(per)], 1).view(-1)[:n]
 
     @property
     def bias(self) -> int:
@@ -170,8 +195,25 @@ _TOP = {name: float(t.abs().max()) for name, t in _TABLES.items()}
 _EVEN = {name: (float(t[0]), float(t[1] - t[0])) for name, t in _TABLES.items()
          if FORMATS[name].values and torch.allclose(t.diff(), t.diff()[:1].expand(t.numel() - 1))}
 MOMENT_FORMATS = {8: ("s8", "u8"), 4: ("s4", "u4")}  # bits -> (signed moments, second moments)
+# widths whose packs exist but whose state is not offered, and why
+NOT_OFFERED = {4: "4-bit state is not offered: it lost 1.4-1.8 pp of test accuracy against fp32 state on the "
+                  "many-small-tensors model (torchao's AdamW4bit 1.3 pp; docs/sharding.md)"}
+BITS = tuple(b for b in MOMENT_FORMATS if b not in NOT_OFFERED)  # the widths of state offered
 _LEGACY_TABLES = ("s8", "z8", "r8")  # format version 1: the table was a number
 LEGACY_BLOCK = 256  # format version 1's block
+
+
+def bits_problem(option: str, bits: Any, allowed: Sequence[int]) -> Optional[str]:
+    """Why ``option=bits`` is refused (None if it is one of ``allowed``)."""
+    if not isinstance(bits, bool) and bits in allowed:
+        return None
+    why = f" ({NOT_OFFERED[bits]})" if not isinstance(bits, bool) and bits in NOT_OFFERED else ""
+    return f"{option}={bits!r} is not allowed{why}; allowed: {', '.join(map(str, allowed))}"
+
+
+def _is_version_1(d: Mapping[str, Any]) -> bool:
+    """Whether ``d`` is a pack saved by format version 1 (``{"lowbit": 8, "codes": ...}``)."""
+    return d.get("lowbit") == 8 and "codes" in d
 
 
 def _block_view(flat: torch.Tensor, block: int) -> torch.Tensor:
@@ -228,29 +270,12 @@ def _encode(flat: torch.Tensor, fmt_name: str, block: int, stochastic: bool, key
         k = fmt.round_index(y.abs().clamp_(max=fmt.unit), u)
         if fmt.signed:  # the magnitude's index, mirrored below the middle of the table for negatives
             k.mul_((y < 0).to(torch.int32).mul_(-2).add_(1)).add_(fmt.magnitudes().numel() - 1)
-    codes = k[:n].to(torch.uint8)
-    if fmt.bits == 4:
-        codes = _nibbles(codes)
-    return codes, scale
-
-
-def _nibbles(codes: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (one per byte) two per byte, the first in the low nibble."""
-    if codes.numel() % 2:
-        codes = torch.nn.functional.pad(codes, (0, 1))
-    pairs = codes.view(-1, 2)
-    return pairs[:, 0] | (pairs[:, 1] << 4)
-
-
-def _codes_of(codes: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    if bits == 8:
-        return codes
-    return torch.stack([codes & 15, codes >> 4], 1).view(-1)[:n]
+    return fmt.pack_codes(k[:n].to(torch.uint8)), scale
 
 
 def _decode(codes: torch.Tensor, scales: torch.Tensor, fmt_name: str, block: int, n: int,
             starts: Optional[torch.Tensor] = None) -> torch.Tensor:
-    values = _TABLES[fmt_name].to(codes.device).index_select(0, _codes_of(codes, FORMATS[fmt_name].bits, n).int())
+    values = _TABLES[fmt_name].to(codes.device).index_select(0, FORMATS[fmt_name].unpack_codes(codes, n).int())
     if starts is not None:
         return values * scales.float().index_select(0, _block_ids(starts, n))
     full = _block_view(values, block)
@@ -281,8 +306,13 @@ class PackedState:
         self.starts = starts
 
     @property
+    def fmt(self) -> _Format:
+        """The format's entry in :data:`FORMATS`."""
+        return FORMATS[self.format]
+
+    @property
     def bits(self) -> int:
-        return FORMATS[self.format].bits
+        return self.fmt.bits
 
     @property
     def nbytes(self) -> int:
@@ -344,7 +374,7 @@ class PackedState:
 
     def cut(self, lo: int, hi: int) -> "PackedState":
         """Elements ``[lo, hi)`` of the flat tensor, ``lo`` on a block boundary."""
-        per = 2 if self.bits == 4 else 1
+        per = self.fmt.per_byte
         if not self.is_boundary(lo) or lo % per:
             raise ValueError(f"a low-bit pack cannot be cut at element {lo}, inside one of its blocks "
                              f"({self.block} elements): cut on block boundaries")
@@ -367,8 +397,8 @@ class PackedState:
         """Packs of consecutive pieces of one flat tensor (each but the last a whole number
         of bytes) as the pack of the whole."""
         first = parts[0]
-        for p in parts[:-1]:
-            if p.format != first.format or p.block != first.block or (p.bits == 4 and p.numel % 2):
+        for i, p in enumerate(parts):  # the last one too: it may be of another format
+            if p.format != first.format or p.block != first.block or (i < len(parts) - 1 and p.numel % p.fmt.per_byte):
                 raise ValueError("low-bit packs join only when they have one format and block, and whole bytes")
         n = sum(p.numel for p in parts)
         regular = all(p.starts is None for p in parts) and all(p.numel % p.block == 0 for p in parts[:-1])
@@ -399,11 +429,15 @@ class PackedState:
         """A pack from :meth:`to_saved`'s dict, or from format version 1's (``{"lowbit": 8,
         "table": ...}``: 256-element blocks, decoded as they were made)."""
         if d.get("packed_state") == cls.VERSION:
+            missing = [k for k in ("format", "block", "codes", "scales", "numel", "shape") if k not in d]
+            if missing:
+                raise ValueError(f"not a saved low-bit state: version {cls.VERSION} without {', '.join(missing)}; "
+                                 f"save it again with this gradcomp")
             dtype = getattr(torch, str(d.get("dtype", "float32")))
             res = d.get("residual")
             return cls(str(d["format"]), int(d["block"]), d["codes"], d["scales"], int(d["numel"]), d["shape"],
                        dtype, None if res is None else cls.from_saved(res), d.get("starts"))
-        if d.get("lowbit") == 8 and "table" in d:
+        if _is_version_1(d) and "table" in d:
             fmt = _LEGACY_TABLES[int(d["table"])]
             res = None
             if "rcodes" in d:
@@ -419,7 +453,7 @@ def is_packed(value: Any) -> bool:
 
 
 def is_saved_pack(value: Any) -> bool:
-    return isinstance(value, Mapping) and ("packed_state" in value or (value.get("lowbit") == 8 and "codes" in value))
+    return isinstance(value, Mapping) and ("packed_state" in value or _is_version_1(value))
 
 
 def as_packed(value: Any) -> PackedState:
@@ -491,9 +525,9 @@ class LowBitState(Wrapper):
                  breaks: Optional[Callable[[torch.Tensor], Sequence[int]]] = None) -> None:
         if not isinstance(optimizer, torch.optim.Optimizer) or isinstance(optimizer, LowBitState):
             raise ValueError(f"LowBitState wraps a torch.optim.Optimizer (once), got {type(optimizer).__name__}")
-        if isinstance(bits, bool) or bits not in BITS:
-            why = " (4-bit state is not offered: it lost 1.4-1.8 pp of test accuracy against fp32 state on the many-small-tensors model (torchao's AdamW4bit 1.3 pp; docs/sharding.md))" if bits == 4 else ""
-            raise ValueError(f"bits={bits!r} is not supported{why}; allowed: 8 (32-bit state needs no wrapper)")
+        problem = bits_problem("bits", bits, BITS)
+        if problem is not None:
+            raise ValueError(f"{problem} (32-bit state needs no wrapper)")
         if compensation not in _COMPENSATIONS:
             raise ValueError(f"compensation={compensation!r} is not allowed; allowed: {', '.join(_COMPENSATIONS)}")
         if isinstance(min_numel, bool) or not isinstance(min_numel, int) or min_numel < 0:

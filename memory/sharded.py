@@ -46,16 +46,16 @@ from gradcomp.compress import ErrorFeedback, get_compressor
 from gradcomp.compress.base import Compressor
 from gradcomp.compress.transaction import Transaction, all_finite
 from gradcomp.training._wrapper import Wrapper, broadcast_params, weak_grad_hook
-from gradcomp.training.engine import agree, h64, names_of
+from gradcomp.collectives.identity import agree, fingerprint, names_of
 
 from . import _shardckpt
 from ._shards import Bucket, GroupLayout, flat_of, group_layout, layer_slices, plan_buckets
-from .lowbit import _COMPENSATIONS, MIN_NUMEL, LowBitState
+from .lowbit import _COMPENSATIONS, BITS, MIN_NUMEL, LowBitState, bits_problem
 
 __all__ = ["ShardedOptimizer"]
 
 _STAGES = (1, 2)
-_STATE_BITS = (32, 8)
+_STATE_BITS = (32, *BITS)  # 32: the inner optimizer's own state
 
 
 def _feedback(compressor: Any, options: Mapping[str, Any], what: str) -> Optional[ErrorFeedback]:
@@ -114,10 +114,9 @@ class ShardedOptimizer(Wrapper):
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError(f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
                              f"got {optimizer_class!r}")
-        if state_bits not in _STATE_BITS:
-            why = " (4-bit state is not offered: it lost 1.4-1.8 pp of test accuracy against fp32 state on the many-small-tensors model (torchao's AdamW4bit 1.3 pp; docs/sharding.md))" if state_bits == 4 else ""
-            raise ValueError(f"state_bits={state_bits!r} is not allowed{why}; allowed: "
-                             f"{', '.join(map(str, _STATE_BITS))}")
+        problem = bits_problem("state_bits", state_bits, _STATE_BITS)
+        if problem is not None:
+            raise ValueError(problem)
         if state_compensation not in _COMPENSATIONS:
             raise ValueError(f"state_compensation={state_compensation!r} is not allowed; allowed: "
                              f"{', '.join(_COMPENSATIONS)}")
@@ -407,7 +406,7 @@ class ShardedOptimizer(Wrapper):
         return {"rank": self.rank, "world": self.world, "names": list(self.names),
                 "shapes": [list(p.shape) for p in self._all],
                 "trainable": [bool(p.requires_grad) for p in self._all],
-                "config": h64(repr(sorted(cfg.items())))}
+                "config": fingerprint(repr(sorted(cfg.items())))}
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard: inner optimizer state, master shards, error feedback."""

@@ -81,6 +81,37 @@ def test_packs_cut_and_join_and_save(fmt):
         PackedState.from_saved({"packed_state": 99})
 
 
+@pytest.mark.parametrize("fmt", sorted(FORMATS))
+def test_every_format_stores_its_codes_and_round_trips(fmt):
+    """The format table alone decides how codes are stored (a new width touches only it)."""
+    f = FORMATS[fmt]
+    codes = torch.randint(0, 2 ** f.bits, (2 * BLOCK + 3,), dtype=torch.uint8)
+    stored = f.pack_codes(codes)
+    assert stored.dtype == torch.uint8 and stored.numel() == -(-codes.numel() // f.per_byte)
+    assert torch.equal(f.unpack_codes(stored, codes.numel()), codes)
+    x = torch.rand(3 * BLOCK + 1) if not f.signed else torch.randn(3 * BLOCK + 1)
+    p = pack(x, format=fmt)
+    assert p.bits == f.bits and p.codes.numel() == -(-x.numel() // f.per_byte)
+    assert torch.equal(PackedState.from_saved(p.to_saved()).decode(), p.decode())
+    assert torch.equal(PackedState.join([p.cut(0, BLOCK), p.cut(BLOCK, x.numel())]).decode(), p.decode())
+
+
+def test_a_pack_of_an_unknown_or_mixed_format_is_refused_clearly():
+    x = torch.rand(3 * BLOCK)
+    saved = pack(x, format="s8").to_saved()
+    with pytest.raises(ValueError, match="unknown low-bit state format 'f8'; known: s8, u8"):
+        PackedState.from_saved({**saved, "format": "f8"})
+    with pytest.raises(ValueError, match="not a saved low-bit state: version 2 without format"):
+        PackedState.from_saved({k: v for k, v in saved.items() if k != "format"})
+    with pytest.raises(ValueError, match="one format and block"):  # the last part was not checked
+        PackedState.join([pack(x, format="s8"), pack(x, format="u8")])
+    odd = pack(torch.rand(2 * BLOCK + 1), format="u4", starts=torch.tensor([0, 5, BLOCK]))
+    with pytest.raises(ValueError, match="cut on block boundaries"):
+        odd.cut(5, BLOCK)  # a block starts there, but 4-bit codes share its byte with element 4
+    with pytest.raises(ValueError, match="whole bytes"):
+        PackedState.join([pack(torch.rand(5), format="u4"), odd])
+
+
 def test_blocks_start_at_each_parameter_when_asked():
     """One tensor holding several parameters (a shard): a block starts at each, so a tiny
     parameter's moments never share a scale with a large one's; cut and join keep that."""
@@ -207,7 +238,7 @@ def test_scheduler_and_nonfinite_step():
 
 def test_bad_options():
     p = [torch.nn.Parameter(torch.randn(3))]
-    with pytest.raises(ValueError, match="bits=5 is not supported; allowed: 8 "):
+    with pytest.raises(ValueError, match="bits=5 is not allowed; allowed: 8 "):
         LowBitState(torch.optim.Adam(p), bits=5)
     with pytest.raises(ValueError, match="compensation='kahan'.*stochastic, feedback, none"):
         LowBitState(torch.optim.Adam(p), compensation="kahan")
