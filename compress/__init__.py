@@ -4,7 +4,8 @@ Every module in this package that defines a compressor registers it with
 ``@register(name)``; importing the package imports them all. The others, listed in
 ``_INFRA``, are what compressors are built from: the contract (``base``), the shared bases of
 the 16-bit casts (``cast``) and of the sign compressors (``sign``), the sparse payload
-(``sparse``), the wire format (``payload``), error feedback, the registry and transactions.
+(``sparse``), the wire format (``payload``), error feedback, the registry, ``as_codec``
+(``spec``: what a compressor argument becomes) and transactions.
 """
 import importlib as _importlib
 import pkgutil as _pkgutil
@@ -14,14 +15,15 @@ from .error_feedback import EF21, ErrorFeedback, Feedback
 from .payload import Payload
 from .registry import available_compressors, compressor_class, get_compressor, register
 
-_INFRA = {"base", "cast", "error_feedback", "payload", "registry", "sign", "sparse", "transaction"}
+_INFRA = {"base", "cast", "error_feedback", "options", "payload", "registry", "sign", "sparse", "spec", "transaction"}
 for _mod in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
     if _mod not in _INFRA and not _mod.startswith("_"):
         _importlib.import_module(f"{__name__}.{_mod}")
 from .dgc import DGCMomentum
+from .spec import as_codec, wants_feedback
 
 __all__ = [
     "Capabilities", "Compressor", "CompressorConfig", "Encoded", "Option", "option",
     "Payload", "Feedback", "ErrorFeedback", "EF21", "DGCMomentum",
-    "available_compressors", "compressor_class", "get_compressor", "register",
+    "available_compressors", "compressor_class", "get_compressor", "register", "as_codec", "wants_feedback",
 ]

@@ -139,6 +139,11 @@ class _Feedback(_ReadsCapabilities):
         return self._capabilities
 
     @property
+    def base(self) -> Compressor:
+        """The compressor inside, which encodes and decodes."""
+        return self.compressor
+
+    @property
     def name(self) -> str:
         return self.compressor.name
 

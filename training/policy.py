@@ -7,11 +7,7 @@ than ``min_numel`` elements, or when its compressed form would not be at least
 parameter names to overrides of any of these, of the compressor or of its options (the first
 matching pattern wins); the value ``"dense"`` sends those parameters uncompressed.
 
-Error feedback (``error_feedback``): ``"ef"`` residual memory, ``"ef21"``, ``"dgc"`` (DGC's
-momentum correction; its keywords in ``ef_options``), ``"none"``, or ``"auto"``: residual
-error feedback for every biased compressor except the 16-bit casts (their error is far below
-gradient noise) and the scale-free signs ``signsgd``/``signum`` (they decode to +-1, which
-error feedback would turn into a noisy SGD with the sign's learning rate).
+Error feedback (``error_feedback``, ``ef_options``) follows ``gradcomp.compress.as_codec``.
 """
 from __future__ import annotations
 
@@ -22,73 +18,11 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import torch
 
-from gradcomp.compress import EF21, Compressor, DGCMomentum, ErrorFeedback, compressor_class, get_compressor
+from gradcomp.compress import Compressor, DGCMomentum, as_codec, compressor_class, get_compressor
 
-FEEDBACK = {"ef": ErrorFeedback, "ef21": EF21, "dgc": DGCMomentum}
-_SCALE_FREE = frozenset({"signsgd", "signum"})  # decode to +-1 whatever the gradient's size
 _POLICY_KEYS = ("start_iter", "min_compression_rate", "min_numel", "compress_1d")
 _RULE_KEYS = frozenset(_POLICY_KEYS) | {"compressor", "error_feedback", "ef_options"}
 DENSE = "dense"
-
-
-def make_codec(compressor: Any, options: Mapping[str, Any], error_feedback: Any = "auto",
-               ef_options: Optional[Mapping[str, Any]] = None) -> Any:
-    """A compressor, wrapped in the chosen error feedback (``ErrorFeedback``, ``EF21``, ``DGCMomentum``).
-
-    ``compressor``: a registered name (configured by ``options``), a ``Compressor`` instance, or
-    an error-feedback wrapper used as it is.
-    """
-    if isinstance(compressor, (ErrorFeedback, EF21, DGCMomentum)):
-        if options or _feedback_kind(error_feedback) not in ("auto", None) or ef_options:
-            raise ValueError("compressor is already wrapped in error feedback; pass no compressor options, "
-                             "error_feedback or ef_options with it")
-        return compressor
-    if isinstance(compressor, str):
-        base = get_compressor(compressor, **dict(options))
-    elif isinstance(compressor, Compressor):
-        if options:
-            raise ValueError(f"compressor options {sorted(options)} were given with a compressor instance; "
-                             f"configure the instance, or pass the compressor by name")
-        base = compressor
-    else:
-        raise ValueError(f"compressor must be a registered name, a Compressor or an error-feedback wrapper, "
-                         f"got {type(compressor).__name__}")
-    kind = _feedback_kind(error_feedback)
-    if kind == "auto":
-        kind = "ef" if wants_feedback(base) else None
-    if kind is None:
-        if ef_options:
-            raise ValueError("ef_options were given but error feedback is off; set error_feedback='dgc'")
-        return base
-    if base.multi_round and kind != "ef":
-        raise ValueError(f"error_feedback={kind!r} needs a single-round compressor; {base.name} is multi-round, "
-                         f"use error_feedback='ef' or 'none'")
-    if ef_options and kind != "dgc":
-        raise ValueError(f"ef_options are keywords of DGC's momentum correction; they need error_feedback='dgc', "
-                         f"not {kind!r}")
-    return FEEDBACK[kind](base, **dict(ef_options or {}))
-
-
-def _feedback_kind(value: Any) -> Optional[str]:
-    if value is True:
-        return "ef"
-    if value is False or value is None or value == "none":
-        return None
-    if value == "auto" or value in FEEDBACK:
-        return value
-    raise ValueError(f"error_feedback={value!r} is not allowed; use 'auto', 'ef', 'ef21', 'dgc', 'none', True or False")
-
-
-def wants_feedback(base: Compressor) -> bool:
-    """Whether ``error_feedback='auto'`` wraps ``base`` (see the module docstring)."""
-    if base.unbiased or base.name in _SCALE_FREE:
-        return False
-    return not (base.fixed_size and base.bits_per_element() >= 16)
-
-
-def base_of(codec: Any) -> Compressor:
-    """The compressor inside ``codec`` (itself when it has no error feedback)."""
-    return codec if isinstance(codec, Compressor) else codec.compressor
 
 
 def compression_rate(base: Compressor, shape: Tuple[int, ...], dtype: torch.dtype) -> float:
@@ -132,7 +66,7 @@ class Rule:
         key = (tuple(shape), dtype)
         rate = self._rates.get(key)
         if rate is None:
-            rate = self._rates[key] = compression_rate(base_of(self.codec), tuple(shape), dtype)
+            rate = self._rates[key] = compression_rate(self.codec.base, tuple(shape), dtype)
         return rate >= self.min_compression_rate
 
 
@@ -175,7 +109,8 @@ class Policy:
             # PowerSGD has its own min_compression_rate: let the policy's value reach it too
             if "min_compression_rate" in compressor_class(compressor).options:
                 options.setdefault("min_compression_rate", max(settings["min_compression_rate"], 1.0))
-        codec = make_codec(compressor, options, error_feedback, ef_options)
+        codec = as_codec(compressor, options, error_feedback=error_feedback, ef_options=ef_options,
+                         what="compressor" if pattern == "*" else f"layers[{pattern!r}]")
         return Rule(pattern, codec, **settings)
 
     def _override(self, pattern: Any, override: Any, error_feedback: Any, ef_options: Any) -> Rule:
@@ -201,7 +136,7 @@ class Policy:
             raise ValueError(f"layers[{pattern!r}] gives compressor options {sorted(override)} but the compressor "
                              f"is an instance; name the compressor in the override ('compressor': name)")
         elif own_feedback:  # a copy of the instance with this rule's error feedback
-            compressor, options = _fresh_copy(base_of(self.default.codec)), {}
+            compressor, options = _fresh_copy(self.default.codec.base), {}
         else:  # a copy of the instance with its error feedback; it must not share state
             return Rule(pattern, _fresh_copy(self.default.codec), **settings)
         return self._rule(pattern, compressor, options, error_feedback, ef_options, settings)
@@ -263,7 +198,7 @@ def _check_settings(where: str, s: Dict[str, Any]) -> Dict[str, Any]:
 
 def _fresh_copy(codec: Any) -> Any:
     """A new codec configured like ``codec`` (per-layer rules must not share state with the default)."""
-    base = base_of(codec)
+    base = codec.base
     fresh = get_compressor(base.name, **base.config.as_dict())
     if codec is base:
         return fresh

@@ -1,47 +1,12 @@
-"""The warm-up / layer policy, codec construction and the one-process paths (no process group)."""
+"""The warm-up / layer policy and the one-process paths (no process group); codec construction:
+tests/compress/test_as_codec.py."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from gradcomp.compress import EF21, Compressor, DGCMomentum, ErrorFeedback, get_compressor
-from gradcomp.training import CompressedOptimizer, Compression, Policy, cast_wrapper, make_codec
-
-
-@pytest.mark.parametrize("name, wrapped", [
-    ("topk", True), ("threshold", True), ("powersgd", True), ("efsignsgd", True), ("int8", True),
-    ("randomk", False), ("qsgd", False), ("fp16", False), ("bf16", False), ("none", False),
-    ("signsgd", False), ("signum", False),
-])
-def test_auto_error_feedback(name, wrapped):
-    codec = make_codec(name, {})
-    assert isinstance(codec, ErrorFeedback) == wrapped
-    assert isinstance(codec, Compressor) != wrapped
-
-
-def test_explicit_error_feedback_kinds():
-    assert isinstance(make_codec("randomk", {"ratio": 0.1}, "ef"), ErrorFeedback)
-    assert isinstance(make_codec("int8", {}, "ef21"), EF21)
-    dgc = make_codec("dgc", {}, "dgc", {"momentum": 0.5})
-    assert isinstance(dgc, DGCMomentum) and dgc.momentum == 0.5
-    assert isinstance(make_codec("topk", {}, False), Compressor)
-    given = ErrorFeedback(get_compressor("topk"))
-    assert make_codec(given, {}) is given
-
-
-@pytest.mark.parametrize("args, match", [
-    (("powersgd", {}, "ef21"), "multi-round"),
-    (("topk", {}, "sometimes"), "error_feedback='sometimes'"),
-    (("topk", {}, "ef", {"momentum": 0.5}), "error_feedback='dgc'"),
-    (("topk", {}, "none", {"momentum": 0.5}), "error feedback is off"),
-    ((get_compressor("topk"), {"ratio": 0.1}), "compressor instance"),
-    (("topk", {"bogus": 1}), "unknown option"),
-    (("nosuch", {}), "unknown compressor"),
-    ((3, {}), "registered name"),
-])
-def test_codec_errors(args, match):
-    with pytest.raises(ValueError, match=match):
-        make_codec(*args)
+from gradcomp.compress import ErrorFeedback, get_compressor
+from gradcomp.training import CompressedOptimizer, Compression, Policy, cast_wrapper
 
 
 def test_routing_rules():
