@@ -9,8 +9,7 @@ streams and your own collectives").
 """
 from gradcomp.collectives import shutdown
 from gradcomp.collectives.worker import wait_all
-from gradcomp.collectives.identity import agree
-from .engine import Compression
+from .engine import Compression, agree
 from .hooks import HookState, cast_wrapper, compressed_hook, ddp_comm_hook
 from .optimizer import CompressedOptimizer
 from .policy import Policy, Rule

@@ -19,7 +19,7 @@ from gradcomp.collectives import (Hierarchy, choose_algorithm, exchange_bucket, 
                                   world_of, worker)
 from gradcomp.collectives._header import h64
 from gradcomp.compress.transaction import Transaction
-from .policy import Policy, base_of
+from .policy import Policy
 
 _VERSION = 1
 
@@ -54,7 +54,7 @@ class Compression:
         # the parameters to check at registration when start() runs later than the hook's creation
         self.deferred: Optional[Sequence[Tuple[str, torch.Tensor]]] = None
         codec = policy.default.codec
-        self.label = base_of(codec).name if codec is base_of(codec) else f"{codec.kind}+{base_of(codec).name}"
+        self.label = codec.base.name if codec is codec.base else f"{codec.kind}+{codec.base.name}"
 
     def _resolve(self) -> None:
         world = world_of(self.group)
@@ -148,7 +148,7 @@ class Compression:
         if self.world == 1:
             return
         # hierarchical: a gradient's codec state lives on its owner only, so counters differ
-        steps = [] if self.local_size else [(n, base_of(c)._steps.get(n)) for n, _, c in items if c is not None]
+        steps = [] if self.local_size else [(n, c.base._steps.get(n)) for n, _, c in items if c is not None]
         agree({"bucket": _describe_params([(n, g) for n, g, _ in items]),
                "routes (compressed or dense) at this iteration": repr([c is not None for _, _, c in items]),
                "iteration": repr(self.iteration), "step counters": repr(steps)},
@@ -273,7 +273,7 @@ class Compression:
         the collectives keep it with the codec, and a resumed run needs it too."""
         out = {}
         for pattern, codec in self.policy.codecs().items():
-            if codec is not base_of(codec) and choose_algorithm(codec, self.exchange_world) == "scatter-reduce":
+            if codec is not codec.base and choose_algorithm(codec, self.exchange_world) == "scatter-reduce":
                 out[pattern] = server_feedback(codec)
         return out
 
