@@ -1,0 +1,104 @@
+"""Count gradcomp's host syncs: the calls that, on a CUDA tensor, make the host wait for the GPU.
+
+``with HostSyncs() as s: ...`` patches the ``torch.Tensor`` methods that read a tensor's value
+on the host or size an output from its data (``item``, ``tolist``, ``cpu``, ``numpy``,
+``__bool__``, ``__int__``, ``__float__``, ``__index__``, ``nonzero``, ``unique``,
+``masked_select``, ``.to("cpu")`` and boolean-mask indexing) plus ``torch.nonzero`` /
+``torch.unique`` / ``torch.masked_select``, in every thread of the process (gradcomp's worker
+thread included, which a ``TorchFunctionMode`` would not see), and counts each call made
+directly from gradcomp's own source (not torch's internals, not the test). On CPU tensors these
+calls cost little, but the same code on CUDA waits for the stream, so counting them on CPU
+tells what the GPU path will pay (issue 24's budget: at most one per training iteration).
+
+``s.count`` is the total, ``s.sites`` a Counter of ``"op file:line"``; ``s.mark()`` returns
+the count so far, to take the difference over one iteration.
+"""
+from __future__ import annotations
+
+import collections
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Callable, Counter, Dict, List, Tuple
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+_PACKAGES = ("compress", "kernels", "collectives", "training", "memory", "optim", "pipeline")
+_OURS = tuple(str(ROOT / p) + "/" for p in _PACKAGES) + tuple(str(ROOT / "gradcomp" / p) + "/" for p in _PACKAGES)
+
+_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
+            "unique", "masked_select")
+_FUNCTIONS = ("nonzero", "unique", "masked_select")
+
+
+def _is_bool_mask(index: Any) -> bool:
+    if isinstance(index, torch.Tensor):
+        return index.dtype == torch.bool
+    if isinstance(index, tuple):
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index)
+    return False
+
+
+def _to_host(args: tuple, kwargs: Dict[str, Any]) -> bool:
+    target = kwargs.get("device", args[0] if args else None)
+    if isinstance(target, (str, torch.device)):
+        return torch.device(target).type == "cpu"
+    return False
+
+
+class HostSyncs:
+    """Counts host syncs made by gradcomp's code while active (see the module docstring)."""
+
+    def __init__(self) -> None:
+        self.sites: Counter[str] = collections.Counter()
+        self._lock = threading.Lock()
+        self._saved: List[Tuple[Any, str, Any]] = []
+
+    @property
+    def count(self) -> int:
+        return sum(self.sites.values())
+
+    def mark(self) -> int:
+        return self.count
+
+    def _record(self, op: str) -> None:
+        frame = sys._getframe(2)
+        path = frame.f_code.co_filename
+        if path.startswith(_OURS):
+            rel = Path(path).resolve().relative_to(ROOT)
+            with self._lock:
+                self.sites[f"{op} {rel}:{frame.f_lineno}"] += 1
+
+    def _wrap(self, op: str, fn: Callable, when: Callable[..., bool] = lambda *a, **k: True) -> Callable:
+        record = self._record
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if when(*args, **kwargs):
+                record(op)
+            return fn(*args, **kwargs)
+
+        counted.__wrapped__ = fn  # type: ignore[attr-defined]
+        return counted
+
+    def __enter__(self) -> "HostSyncs":
+        for name in _METHODS:
+            self._patch(torch.Tensor, name, self._wrap(name, getattr(torch.Tensor, name)))
+        self._patch(torch.Tensor, "to", self._wrap(".to(cpu)", torch.Tensor.to, lambda self_, *a, **k: _to_host(a, k)))
+        self._patch(torch.Tensor, "__getitem__", self._wrap("bool-mask index", torch.Tensor.__getitem__,
+                                                            lambda self_, index: _is_bool_mask(index)))
+        for name in _FUNCTIONS:
+            self._patch(torch, name, self._wrap(f"torch.{name}", getattr(torch, name)))
+        return self
+
+    def _patch(self, owner: Any, name: str, new: Callable) -> None:
+        self._saved.append((owner, name, owner.__dict__[name] if name in owner.__dict__ else getattr(owner, name)))
+        setattr(owner, name, new)
+
+    def __exit__(self, *exc: Any) -> None:
+        for owner, name, old in reversed(self._saved):
+            setattr(owner, name, old)
+        self._saved.clear()
+
+    def report(self, top: int = 12) -> str:
+        return "\n".join(f"{n:5d}  {site}" for site, n in self.sites.most_common(top))
