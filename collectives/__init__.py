@@ -19,13 +19,13 @@ from .fused import allreduce_fused
 from .hierarchical import Hierarchy, NodeGroups, exchange_bucket_by_owners, make_node_groups
 from .identity import Identity, agree, describe_params, fingerprint, names_of, refuse_on_every_rank
 from .p2p import recv, send
-from .scatter_reduce import server_feedback
+from .scatter_reduce import server_feedback, server_key
 from ._telemetry import reset_telemetry, set_measure_error, telemetry
 
 __all__ = [
     "allreduce", "choose_algorithm", "ALGORITHMS", "allreduce_buckets", "plan_buckets",
     "allreduce_fused", "exchange_bucket", "exchange_bucket_by_owners", "Hierarchy",
-    "make_node_groups", "NodeGroups", "world_of", "rank_of", "send", "recv", "server_feedback",
+    "make_node_groups", "NodeGroups", "world_of", "rank_of", "send", "recv", "server_feedback", "server_key",
     "telemetry", "reset_telemetry", "set_measure_error", "CommunicationError", "group_timeout", "shutdown",
     "wait_all", "backend_for", "check_device_set", "on_device",
     "Identity", "agree", "describe_params", "fingerprint", "names_of", "refuse_on_every_rank",

@@ -65,7 +65,7 @@ class _PerName:
     """Presents per-name error feedback as feedback over one flat bucket."""
 
     def __init__(self, feedback: Any, names: List[str], shapes: List[torch.Size]) -> None:
-        self.compressor = feedback.compressor
+        self.compressor = self.base = feedback.compressor
         self.kind = getattr(feedback, "kind", "ef")
         self.fb, self.names, self.shapes = feedback, names, shapes
         self.numels = [s.numel() for s in shapes]
@@ -191,10 +191,10 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
     for i, (key, grad, codec) in enumerate(items):
         if codec is None:
             gens[i] = _dense(grad)
-        elif _base(codec).multi_round:
+        elif codec.base.multi_round:
             # the result goes straight into the gradient, which the caller overwrites with it anyway
             gens[i] = codec.rounds(grad, key, out=grad if grad.is_contiguous() else None)
-        elif _base(codec).native:
+        elif codec.base.native:
             gens[i] = _native(codec, grad, key)
     if gens:
         rec = Record("allreduce", "bucket", label, "bucket", world,
@@ -312,7 +312,7 @@ def _dense(grad: torch.Tensor) -> Rounds:
 
 def _native(codec: Any, grad: torch.Tensor, key: str) -> Rounds:
     """A native codec as one round: its first payload tensor is averaged as it is."""
-    base = _base(codec)
+    base = codec.base
     feedback = None if isinstance(codec, Compressor) else codec
     sent: Optional[torch.Tensor] = None
     if feedback is None:
@@ -332,7 +332,3 @@ def _native(codec: Any, grad: torch.Tensor, key: str) -> Rounds:
 def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
-
-def _base(codec: Any) -> Compressor:
-    """The compressor inside ``codec`` (itself when it has no error feedback)."""
-    return codec if isinstance(codec, Compressor) else codec.compressor

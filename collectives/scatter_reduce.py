@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gradcomp.compress import ErrorFeedback
+from gradcomp.compress import ErrorFeedback, Feedback
 from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, wdtype
@@ -36,17 +36,22 @@ _servers: "weakref.WeakKeyDictionary[Any, ErrorFeedback]" = weakref.WeakKeyDicti
 _servers_lock = threading.Lock()
 
 
+def server_key(key: str, j: int) -> str:
+    """The key of the server-side residual of chunk ``j`` (on rank ``j``) of an exchange under
+    ``key``: where :func:`server_feedback` keeps it."""
+    return chunk_key(key, j) + "/server"
+
+
 def server_feedback(compressor: Any) -> ErrorFeedback:
     """The server-side error feedback that scatter-reduce keeps for ``compressor`` (the object
-    passed to ``allreduce``, an error-feedback wrapper): residuals per ``"{key}/chunk{j}/server"``.
+    passed to ``allreduce``, an error-feedback wrapper): residuals per :func:`server_key`.
     Use its ``state_dict``/``load_state_dict`` to checkpoint and resume it."""
-    inner = getattr(compressor, "compressor", None)
-    if inner is None:
+    if not isinstance(compressor, Feedback):
         raise ValueError("server-side error feedback exists only for error-feedback wrappers such as ErrorFeedback(c)")
     with _servers_lock:
         server = _servers.get(compressor)
-        if server is None:
-            server = _servers[compressor] = ErrorFeedback(inner)
+        if server is None:  # the feedback protocol's compressor: a wrapper's .base
+            server = _servers[compressor] = ErrorFeedback(compressor.compressor)
         return server
 
 
@@ -159,7 +164,7 @@ class ScatterReduce(Algorithm):
     def _recompress(self, mine: torch.Tensor):
         """Phase 2: compress the average of my chunk as the input's dtype, with server-side
         error feedback (kept in fp32) when there is one."""
-        key = chunk_key(self.key, self.comm.rank) + "/server"
+        key = server_key(self.key, self.comm.rank)
         if self.server is None:
             return self.comp.compress(as_dtype(mine, self.wire_dtype), key)
         if mine.dtype == self.wire_dtype and self.server.keeps_residual_in_place(mine):

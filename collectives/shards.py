@@ -43,11 +43,6 @@ def _begin(op: str, compressor: Any, key: str, group, splits: Sequence[int],
     return rec, comm, sizes
 
 
-def _decoder(compressor: Any) -> Any:
-    """The compressor that decodes: the one inside an error-feedback wrapper."""
-    return getattr(compressor, "compressor", compressor)
-
-
 def _label(compressor: Any) -> str:
     return "none" if compressor is None else str(getattr(compressor, "name", type(compressor).__name__))
 
@@ -104,7 +99,7 @@ def _compressed_reduce(comm: Comm, pieces: List[torch.Tensor], sizes: List[int],
             if r == me:
                 out += pieces[me]
             else:
-                _decoder(compressor).decompress_into(decode(b, device, sizes[me], r), out, accumulate=True)
+                compressor.base.decompress_into(decode(b, device, sizes[me], r), out, accumulate=True)
         scale_(out, comm.size)
     return out
 
@@ -153,7 +148,7 @@ def _compressed_gather(comm: Comm, shard: torch.Tensor, sizes: List[int], compre
         for r, (b, piece) in enumerate(zip(parts, out.split(sizes))):
             if sizes[r]:
                 payload = mine if r == comm.rank else decode(b, device, sizes[r], r)
-                _decoder(compressor).decompress_into(payload, piece, accumulate=False)
+                compressor.base.decompress_into(payload, piece, accumulate=False)
     return out
 
 

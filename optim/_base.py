@@ -30,10 +30,11 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from gradcomp.collectives import rank_of, world_of
+from gradcomp.compress import as_codec
 from gradcomp.training._wrapper import broadcast_params
 
 from . import _common as common
-from .momentum import MomentumExchange, make_compressor
+from .momentum import MomentumExchange
 
 
 _SCHEDULED = ("params", "lr", "initial_lr")
@@ -53,7 +54,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._params = common.trained([p for g in self.param_groups for p in g["params"]], self.who)
         self._group_by_id = {id(p): g for g in self.param_groups for p in g["params"]}
         self._built = True
-        codec = make_compressor(compressor, compressor_options, self.who)
+        codec = as_codec(compressor, compressor_options, error_feedback="none", wrappers="refuse", what=self.who)
         self.compressor_name = codec.name
         self._codec_config = repr(codec.config)  # the options too: ranks must code alike
         # one exchange (its own residuals on both sides) per quantity that travels compressed

@@ -18,26 +18,10 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
-from gradcomp.collectives import ALGORITHMS, allreduce, choose_algorithm, server_feedback
-from gradcomp.collectives._algorithm import chunk_key
-from gradcomp.compress import Compressor, ErrorFeedback, get_compressor
+from gradcomp.collectives import ALGORITHMS, allreduce, choose_algorithm, server_feedback, server_key
+from gradcomp.compress import Compressor, ErrorFeedback
 
 SCATTER_REDUCE = "scatter-reduce"
-
-
-def make_compressor(compressor: Any, options: Optional[Mapping[str, Any]], who: str) -> Compressor:
-    """A gradcomp compressor from a registered name (with ``options``) or an instance."""
-    if isinstance(compressor, ErrorFeedback) or hasattr(compressor, "accumulate"):
-        raise ValueError(f"{who}: pass the compressor itself (a name or a Compressor); {who} adds its own "
-                         f"error feedback on both sides")
-    if isinstance(compressor, str):
-        return get_compressor(compressor, **dict(options or {}))
-    if not isinstance(compressor, Compressor):
-        raise ValueError(f"{who}: compressor must be a registered name or a Compressor, "
-                         f"got {type(compressor).__name__}")
-    if options:
-        raise ValueError(f"{who}: compressor_options go with a compressor name, not with a Compressor instance")
-    return compressor
 
 
 class MomentumExchange:
@@ -76,7 +60,7 @@ class MomentumExchange:
             return torch.zeros(0)
         q, extra = divmod(numel, world)  # torch.tensor_split's sizes: the first chunks one larger
         n = q + (rank < extra)
-        res = server_feedback(self.feedback).residual(chunk_key(self.key, rank) + "/server")
+        res = server_feedback(self.feedback).residual(server_key(self.key, rank))
         return res.reshape(-1) if res.numel() == n else torch.zeros(n)
 
     def state_dict(self) -> Dict[str, Any]:
