@@ -25,6 +25,7 @@ import torch
 from gradcomp.kernels.memory import empty
 
 from .base import Capabilities, Compressor, Rounds, _ReadsCapabilities, work_dtype
+from .identity import Identity, fingerprint
 from .payload import Payload
 from .registry import compressor_class
 from . import transaction
@@ -67,12 +68,16 @@ def check_default_key(owner: Any, tensor: Any, where: str) -> None:
                   f"so they share one residual or warm start; pass key= naming each tensor", stacklevel=3)
 
 
-def _identity(config: str) -> Dict[str, Any]:
+def _identity(kind: str, config: str) -> Identity:
+    """This process's rank and world size (of the default group) and ``config``'s fingerprint.
+    A wrapper is one process's object and cannot ask the other ranks: its ``load_state_dict``
+    raises here only; the layers above it (the training runtime, the optimizers, the pipeline)
+    check their checkpoints on every rank first (:func:`gradcomp.collectives.refuse_on_every_rank`)."""
     import torch.distributed as dist
 
     live = dist.is_available() and dist.is_initialized()
-    return {"rank": dist.get_rank() if live else 0, "world": dist.get_world_size() if live else 1,
-            "config": config}
+    return Identity(owner=kind, rank=dist.get_rank() if live else 0, world=dist.get_world_size() if live else 1,
+                    config=fingerprint(config))
 
 
 def to_finite(acc: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -188,17 +193,18 @@ class _Feedback(_ReadsCapabilities):
         configuration (residuals belong to one rank of one job)."""
         return {"kind": self.kind, "compressor": self.compressor.state_dict(),
                 "state": {k: v.detach().cpu().clone() for k, v in self._state.items()},
-                "identity": _identity(repr(self))}
+                "identity": _identity(self.kind, repr(self)).to_dict()}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("kind") != self.kind:
             raise ValueError(f"state_dict is for {state.get('kind')!r}, not {self.kind!r}")
-        saved, mine = state.get("identity"), _identity(repr(self))
-        if saved is not None and saved != mine:
-            what = next(k for k in ("world", "rank", "config") if saved.get(k) != mine[k])
-            raise ValueError(f"{self.kind}: the state_dict was saved with {what} {saved.get(what)!r}, this one has "
-                             f"{mine[what]!r}; residuals belong to one rank of one world size and configuration: "
-                             f"load each rank's own state_dict into the same configuration")
+        saved = state.get("identity")
+        problem = None if saved is None else _identity(self.kind, repr(self)).mismatch(saved, fixes={
+            "world": "residuals belong to one rank of one world size: load each rank's own state_dict",
+            "config": f"residuals belong to one configuration: load it into the one it was saved with "
+                      f"(this one: {self!r})"})
+        if problem:  # this rank only: see _identity
+            raise ValueError(f"{self.kind}: {problem}")
         self.compressor.load_state_dict(state["compressor"])
         self._state = {k: v.clone() for k, v in state["state"].items()}
         self._spares = {}

@@ -31,6 +31,7 @@ import torch
 
 from gradcomp.collectives import rank_of, world_of
 from gradcomp.compress import as_codec
+from gradcomp.collectives.identity import Identity, describe_params
 from gradcomp.training._wrapper import broadcast_params
 
 from . import _common as common
@@ -69,7 +70,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._masks: Optional[List[Optional[torch.Tensor]]] = None
         if common.live(process_group):
             common.agree_config({"configuration": self._config(), "learning rates": self._learning_rates(),
-                                 "parameters": common.describe_params(self._params)}, process_group, self.who)
+                                 "parameters": describe_params(common.named(self._params))}, process_group,
+                                self.who)
             broadcast_params(self._params, process_group)
 
     # ---- what a subclass says ----------------------------------------------------------------
@@ -197,23 +199,26 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self, dense_or_local_hook
 
     # ---- state -------------------------------------------------------------------------------
-    def _identity(self) -> Dict[str, Any]:
-        return common.identity(self.process_group, self._config(), self._params)
+    def _identity(self) -> Identity:
+        return common.identity(self.who, self.process_group, self._config(), self._params)
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's optimizer state plus the residuals and counters, with whose they are."""
         sd = super().state_dict()
-        sd["gradcomp"] = {"identity": self._identity(), "steps": self.steps, "skipped": self.skipped_steps,
+        sd["gradcomp"] = {"identity": self._identity().to_dict(), "steps": self.steps, "skipped": self.skipped_steps,
                           "exchanges": {k: e.state_dict() for k, e in self.exchanges.items()},
                           "extra": self._extra_state()}
         return sd
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Refuses a state_dict of another rank, world size, model or configuration."""
+        """Load :meth:`state_dict` on every rank at the same point: a state_dict of another
+        rank, world size, model or configuration on any rank is refused with the same
+        ``ValueError`` on every rank, and nothing is loaded."""
         ours = state_dict.get("gradcomp") if isinstance(state_dict, Mapping) else None
-        if not isinstance(ours, Mapping):
-            raise ValueError(f"{self.who}: the state_dict holds no gradcomp state (saved by another optimizer?)")
-        common.check_identity(ours.get("identity"), self._identity(), self.who)
+        problem = None if isinstance(ours, Mapping) else "it holds no gradcomp state (saved by another optimizer?)"
+        saved = ours.get("identity") if isinstance(ours, Mapping) else None
+        common.check_identity(problem, self._identity(), saved, self.process_group, self.who, self._config())
+        assert isinstance(ours, Mapping)
         rest = {k: v for k, v in state_dict.items() if k != "gradcomp"}
         super().load_state_dict(rest)
         for k, e in self.exchanges.items():

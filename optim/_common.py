@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import allreduce, rank_of, world_of
+from gradcomp.collectives.identity import Identity, agree, describe_params, fingerprint, refuse_on_every_rank
 
 
 # ---- option checks ---------------------------------------------------------------------------
@@ -92,40 +93,32 @@ def agree_config(config: Mapping[str, str], group, who: str) -> None:
     ``config`` (the training runtime's agreement check)."""
     if not live(group):
         return
-    from gradcomp.training import agree
-
     agree(config, group, f"when {who} started")
 
 
-def describe_params(params: Sequence[torch.Tensor]) -> str:
-    return "; ".join(f"{tuple(p.shape)} {str(p.dtype).replace('torch.', '')}" for p in params)
+def named(params: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
+    """``params`` named by position (``param0``, ...): these optimizers are given no model."""
+    return [(f"param{i}", p) for i, p in enumerate(params)]
 
 
 # ---- whose a checkpoint is -------------------------------------------------------------------
-def identity(group, config: str, params: Sequence[torch.Tensor]) -> Dict[str, Any]:
-    """Rank, world size, configuration and parameter shapes: a checkpoint belongs to one rank
-    of one job."""
+def identity(who: str, group, config: str, params: Sequence[torch.Tensor]) -> Identity:
+    """Rank, world size, configuration and parameters: a checkpoint belongs to one rank of one
+    job (``who``: the optimizer's class name)."""
     on = dist.is_available() and dist.is_initialized()
-    return {"rank": rank_of(group) if on else 0, "world": world_of(group) if on else 1, "config": config,
-            "params": describe_params(params)}
+    return Identity(owner=who, rank=rank_of(group) if on else 0, world=world_of(group) if on else 1,
+                    config=fingerprint(config), params=fingerprint(describe_params(named(params))))
 
 
-def check_identity(saved: Any, mine: Mapping[str, Any], who: str) -> None:
-    """``ValueError`` unless ``saved`` (a state_dict's identity) is ``mine``, naming what differs."""
-    if not isinstance(saved, Mapping):
-        raise ValueError(f"{who}: the state_dict carries no identity; it is not a {who} state_dict")
-    if saved.get("world") != mine["world"]:
-        raise ValueError(f"{who}: the state_dict was saved on {saved.get('world')} ranks, this run has "
-                         f"{mine['world']}; error-feedback residuals belong to one world size")
-    if saved.get("rank") != mine["rank"]:
-        raise ValueError(f"{who}: the state_dict is rank {saved.get('rank')}'s, loaded on rank {mine['rank']}; "
-                         f"every rank saves and loads its own (e.g. ckpt-rank{mine['rank']}.pt)")
-    if saved.get("params") != mine["params"]:
-        raise ValueError(f"{who}: the state_dict was saved for other parameters ({saved.get('params')!s:.120}); "
-                         f"load it into the model it was saved with")
-    if saved.get("config") != mine["config"]:
-        raise ValueError(f"{who}: the state_dict was saved with another configuration ({saved.get('config')}), "
-                         f"this one is ({mine['config']}); resume with the same options")
+def check_identity(problem: Optional[str], mine: Identity, saved: Any, group, who: str, config: str) -> None:
+    """The same ``ValueError`` on every rank of ``group`` (this process alone without one)
+    unless every rank's ``saved`` identity is its ``mine`` and it has no other ``problem``;
+    ``config``: this run's configuration, named in the fix."""
+    if not problem:
+        problem = mine.mismatch(saved, fixes={
+            "world": "error-feedback residuals belong to one world size: resume on as many ranks as it was saved on",
+            "config": f"resume with the same options (this run's: {config})"})
+    refuse_on_every_rank(problem, group if live(group) else None, f"{who}.load_state_dict")
 
 
 def run_closure(closure: Optional[Callable[[], Any]]) -> Any:

@@ -9,7 +9,8 @@ streams and your own collectives").
 """
 from gradcomp.collectives import shutdown
 from gradcomp.collectives.worker import wait_all
-from .engine import Compression, agree
+from gradcomp.collectives.identity import agree
+from .engine import Compression
 from .hooks import HookState, cast_wrapper, compressed_hook, ddp_comm_hook
 from .optimizer import CompressedOptimizer
 from .policy import Policy, Rule

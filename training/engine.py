@@ -12,16 +12,18 @@ import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
-import torch.distributed as dist
 
-from gradcomp.collectives import (Hierarchy, choose_algorithm, exchange_bucket, exchange_bucket_by_owners,
-                                  backend_for, check_device_set, make_node_groups, rank_of, server_feedback,
-                                  world_of, worker)
-from gradcomp.collectives._header import h64
+from gradcomp.collectives import (Hierarchy, Identity, agree, choose_algorithm, describe_params, exchange_bucket,
+                                  exchange_bucket_by_owners, fingerprint, make_node_groups, rank_of,
+                                  refuse_on_every_rank, server_feedback, world_of, worker)
 from gradcomp.compress.transaction import Transaction
 from .policy import Policy
 
-_VERSION = 1
+_VERSION = 2  # 2: the identity is an Identity's dict, the parameter names beside it
+#: the owner named in this state's identity (the DDP hook's and CompressedOptimizer's runtime)
+OWNER = "gradcomp.training"
+#: who refuses a checkpoint in the error message
+WHAT = "load_state_dict of the compression state"
 
 
 class Compression:
@@ -133,7 +135,7 @@ class Compression:
                   "ranks per node (local_size)": repr(self.local_size),
                   "iteration": repr(self.iteration)}
         if params is not None:
-            config["parameters"] = _describe_params(params)
+            config["parameters"] = describe_params(params)
         return config
 
     def _check_bucket(self, items: Sequence[Any], group) -> None:
@@ -149,7 +151,7 @@ class Compression:
             return
         # hierarchical: a gradient's codec state lives on its owner only, so counters differ
         steps = [] if self.local_size else [(n, c.base._steps.get(n)) for n, _, c in items if c is not None]
-        agree({"bucket": _describe_params([(n, g) for n, g, _ in items]),
+        agree({"bucket": describe_params([(n, g) for n, g, _ in items]),
                "routes (compressed or dense) at this iteration": repr([c is not None for _, _, c in items]),
                "iteration": repr(self.iteration), "step counters": repr(steps)},
               group, "when a bucket layout was first seen", device=worker.device_of([g for _, g, _ in items]))
@@ -200,39 +202,49 @@ class Compression:
         inputs = [buffer, *grads] if buffer is not None else list(grads)  # made on the caller's stream
         return self._worker.submit(job, device=device, then=then, inline=inline, inputs=inputs)
 
-    def _identity(self) -> Dict[str, Any]:
-        """Whose state this is: rank, world size, parameter names and a configuration
-        fingerprint (a checkpoint must be loaded by the same rank of the same job)."""
+    def _identity(self) -> Identity:
+        """Whose state this is: rank, world size and a configuration fingerprint (a checkpoint
+        must be loaded by the same rank of the same job); the parameter names travel beside it."""
         config = self._config()
         fields = ("compressor and policy", "policy settings", "ranks per node (local_size)")  # not the iteration
-        return {"rank": rank_of(self.group), "world": self.world, "names": sorted(self.names),
-                "config": h64("\n".join(config[f] for f in fields))}
+        return Identity(owner=OWNER, rank=rank_of(self.group), world=self.world,
+                        config=fingerprint("\n".join(config[f] for f in fields)))
 
-    def _check_identity(self, saved: Any) -> None:
-        if not isinstance(saved, Mapping):
-            raise ValueError("the state_dict carries no identity (saved by an older gradcomp); it cannot be checked "
-                             "against this rank, world size and model, so it is refused")
-        mine = self._identity()
-        if saved.get("world") != mine["world"]:
-            raise ValueError(f"the state_dict was saved on {saved.get('world')} ranks, this run has {mine['world']}; "
-                             f"error-feedback residuals belong to one rank of one world size: resume on "
-                             f"{saved.get('world')} ranks (or start the compression state afresh)")
-        if saved.get("rank") != mine["rank"]:
-            raise ValueError(f"the state_dict is rank {saved.get('rank')}'s, loaded on rank {mine['rank']}; "
-                             f"every rank saves and loads its own file (e.g. ckpt-rank{mine['rank']}.pt)")
-        if saved.get("config") != mine["config"]:
-            raise ValueError("the state_dict was saved with another compressor, options or policy than this "
-                             f"run's ({self.policy.describe()}); resume with the same configuration")
-        if not mine["names"] and saved.get("names") and not all(n.startswith("param") for n in saved["names"]):
-            raise ValueError("the state_dict was saved with model= (its state is kept under parameter names such as "
-                             f"{saved['names'][0]!r}); pass the same model= to resume it")
-        if mine["names"] and saved.get("names") and saved.get("names") != mine["names"]:
-            a, b = set(saved.get("names")), set(mine["names"])
+    def _problem(self, state: Any) -> Optional[str]:
+        """What is wrong with ``state`` for this rank (None: it loads); nothing changes."""
+        if not isinstance(state, Mapping) or state.get("version") != _VERSION:
+            return f"it is not a gradcomp training state_dict of version {_VERSION}"
+        problem = self._identity().mismatch(state.get("identity"), fixes={
+            "world": "error-feedback residuals belong to one rank of one world size: resume on the world size it "
+                     "was saved on (or start the compression state afresh)",
+            "config": f"resume with the same compressor, options and policy (this run's: {self.policy.describe()})"})
+        if problem:
+            return problem
+        saved, mine = list(state.get("names") or []), sorted(self.names)
+        if not mine and saved and not all(n.startswith("param") for n in saved):
+            return ("it was saved with model= (its state is kept under parameter names such as "
+                    f"{saved[0]!r}); pass the same model= to resume it")
+        if mine and saved and saved != mine:
+            a, b = set(saved), set(mine)
             diff = sorted(a - b)[:3] + sorted(b - a)[:3]
             hint = (" (it was saved without model=, which names parameters param0, param1, ...; pass the same "
                     "model= as when it was saved)" if any(n.startswith("param") for n in a ^ b) else "")
-            raise ValueError(f"the state_dict holds the compression state of other parameters (e.g. {diff}){hint}; "
-                             f"load it into the model it was saved with")
+            return (f"it holds the compression state of other parameters (e.g. {diff}){hint}; load it into the "
+                    f"model it was saved with")
+        extra = set(state.get("servers") or {}) - set(self._servers())
+        if extra:
+            return f"it holds scatter-reduce state for codecs {sorted(extra)} that this run does not have; resume " \
+                   f"with the same policy"
+        owners, loads = state.get("owners"), state.get("owner_loads")
+        if self.local_size is None and owners is not None:
+            return "it was saved with local_size (hierarchical exchange); pass the same local_size"
+        if self.local_size is not None and (
+                not isinstance(owners, Mapping) or not isinstance(loads, (list, tuple))
+                or len(loads) != self.local_size
+                or any(not isinstance(o, int) or not 0 <= o < self.local_size for o in owners.values())):
+            return (f"it holds no gradient owners for {self.local_size} ranks per node; resume with the "
+                    f"local_size it was saved with")
+        return None
 
     def end_iteration(self, keep: bool = True) -> bool:
         """End the iteration whose buckets were submitted: keep its state changes and count it
@@ -281,107 +293,26 @@ class Compression:
         """Iteration and every codec's state (CPU tensors); call it when no exchange is running."""
         state = {"version": _VERSION, "iteration": self.iteration, "codecs": self.policy.state_dict(),
                  "servers": {p: s.state_dict() for p, s in self._servers().items()},
-                 "identity": self._identity()}
+                 "identity": self._identity().to_dict(), "names": sorted(self.names)}
         if self.local_size is not None:  # which rank of a node holds which gradient's state
             state["owners"] = dict(self._owners)
             state["owner_loads"] = list(self._loads)
         return state
 
-    def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        if not isinstance(state, Mapping) or state.get("version") != _VERSION:
-            raise ValueError(f"not a gradcomp training state_dict of version {_VERSION}")
+    def load_state_dict(self, state: Mapping[str, Any], what: str = WHAT) -> None:
+        """Load :meth:`state_dict` on every rank at the same point: when any rank's ``state``
+        does not fit (another rank, world size, model or configuration), every rank raises the
+        same ``ValueError`` (naming ``what``) and nothing changes."""
+        refuse_on_every_rank(self._problem(state), self.group, what)
         self.end_iteration(keep=False)  # an iteration left unfinished is not part of the state
-        self._check_identity(state.get("identity"))
         self._checked.clear()  # the next bucket checks the loaded step counters on every rank
         self.policy.load_state_dict(state["codecs"])
         servers, saved = self._servers(), state.get("servers", {})
-        if set(saved) - set(servers):  # the identity check caught another world size already
-            raise ValueError(f"state_dict holds scatter-reduce state for codecs {sorted(set(saved) - set(servers))} "
-                             f"that this run does not have; resume with the same policy")
         for pattern, server in servers.items():
             if pattern in saved:  # absent after reshard_states: the new layout starts its own
                 server.load_state_dict(saved[pattern])
-        owners, loads = state.get("owners"), state.get("owner_loads")
-        if self.local_size is None and owners is not None:
-            raise ValueError("state_dict was saved with local_size (hierarchical exchange); pass the same local_size")
         if self.local_size is not None:
-            if (not isinstance(owners, Mapping) or not isinstance(loads, (list, tuple))
-                    or len(loads) != self.local_size
-                    or any(not isinstance(o, int) or not 0 <= o < self.local_size for o in owners.values())):
-                raise ValueError(f"state_dict holds no gradient owners for {self.local_size} ranks per node; "
-                                 f"resume with the local_size it was saved with")
+            owners, loads = state["owners"], state["owner_loads"]
             self._owners = {str(n): int(o) for n, o in owners.items()}
             self._loads = [int(v) for v in loads]
         self.iteration = int(state["iteration"])
-
-
-def agree(config: Mapping[str, str], group, when: str, *, device: Optional[torch.device] = None) -> None:
-    """Raise the same ``ValueError`` on every rank of ``group`` unless every rank passed the
-    same ``config`` (field -> printable value), naming the first field that differs and each
-    rank's value. One small all-gather of objects, run after the gradcomp jobs in flight (see
-    :mod:`gradcomp.collectives.worker`) under ``device`` (default: the device this thread's
-    object collectives use on ``group``)."""
-    check_device_set(group, device, f"gradcomp: agreeing {when}")  # NCCL's object collectives need set_device
-    if device is None:
-        device = _object_device(group)
-    worker.submit(lambda eff: _agree(config, eff(group), when), (group,), False, device=device)
-
-
-def _object_device(group) -> torch.device:
-    """Where object collectives on ``group`` put their tensors, read on the caller's thread
-    (NCCL: the current CUDA device, which ``torch.cuda.set_device`` sets)."""
-    if backend_for(group, "cuda") == "nccl" and torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _agree(config: Mapping[str, str], group, when: str) -> None:
-    digest = {k: h64(v) for k, v in config.items()}
-    gathered: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (digest, dict(config)), group=group)
-    for field in config:
-        values = [g[0].get(field) for g in gathered]
-        if len(set(values)) > 1:
-            texts = [str(g[1].get(field, "missing")) for g in gathered]
-            at = _first_difference(texts)
-            shown = ", ".join(f"rank {r}: {_short(t, at)}" for r, t in enumerate(texts))
-            raise ValueError(f"ranks disagree on the {field} {when} ({shown}); every rank must build gradcomp's "
-                             f"compression with the same configuration, model and checkpoint step")
-    if any(set(g[0]) != set(digest) for g in gathered):
-        raise ValueError(f"ranks disagree on what they compare {when}: every rank must run the same gradcomp "
-                         f"version and call the same hook or optimizer")
-
-
-def _first_difference(texts: Sequence[str]) -> int:
-    """The first position at which the ``texts`` are not all equal."""
-    at = 0
-    for chars in zip(*texts):
-        if len(set(chars)) > 1:
-            break
-        at += 1
-    return at
-
-
-def _short(text: str, at: int = 0, limit: int = 160) -> str:
-    """``text``, or a window of at most ``limit`` characters around position ``at`` (where the
-    ranks' texts first differ), marked with ``...`` where cut."""
-    if len(text) <= limit:
-        return text
-    start = max(0, min(at - limit // 4, len(text) - limit))
-    return ("..." if start else "") + text[start:start + limit] + ("..." if start + limit < len(text) else "")
-
-
-def _describe_params(params: Sequence[Tuple[str, torch.Tensor]]) -> str:
-    return "; ".join(f"{n} {tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for n, t in params)
-
-
-def names_of(params: Sequence[torch.Tensor], model: Optional[torch.nn.Module]) -> List[str]:
-    """Stable names for ``params``: their names in ``model``, else ``param{i}`` by position."""
-    if model is None:
-        return [f"param{i}" for i in range(len(params))]
-    by_id = {id(p): n for n, p in model.named_parameters()}
-    missing = [i for i, p in enumerate(params) if id(p) not in by_id]
-    if missing:
-        raise ValueError(f"{len(missing)} parameter(s) (positions {missing[:5]}) are not parameters of the model "
-                         f"given; pass the model whose parameters are trained")
-    return [by_id[id(p)] for p in params]

@@ -16,15 +16,16 @@ before ``scaler.step(opt)`` so that the overflow check sees the averaged gradien
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, Iterator, List, Mapping, Optional
+from typing import Any, Callable, ContextManager, Dict, List, Mapping, Optional
 
 import torch
 
 from gradcomp.collectives import plan_buckets
+from gradcomp.collectives.identity import names_of
 
-from ._wrapper import Wrapper, broadcast_params, weak_grad_hook
-from .engine import Compression, names_of
+from ._wrapper import Wrapper, broadcast_params
+from .buckets import BucketLauncher
+from .engine import Compression
 from .policy import Policy
 
 
@@ -58,8 +59,7 @@ class CompressedOptimizer(Wrapper):
         self._params: List[torch.Tensor] = []
         self._names: List[str] = []
         self._index: Dict[int, int] = {}
-        self._handles: List[Any] = []
-        self._no_sync = False
+        self._launcher = BucketLauncher()
         self._synced = False
         self._register([p for g in optimizer.param_groups for p in g["params"]], broadcast)
 
@@ -92,29 +92,22 @@ class CompressedOptimizer(Wrapper):
         self.optimizer.load_state_dict(sd)
 
     # ---- communication --------------------------------------------------------------------
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> ContextManager[None]:
         """Backward passes inside only accumulate gradients; the next one outside exchanges them."""
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
+        return self._launcher.no_sync()
 
     def synchronize(self) -> None:
         """Finish the exchange of this iteration: every ``.grad`` becomes the average over ranks.
 
         ``step()`` calls it unless it was already called since the last backward pass.
         """
-        while self._next < len(self._buckets):  # buckets whose gradients are not all there
-            self._launch(self._next)
-            self._next += 1
-        results, error = self._wait()
-        self._reset()
+        self._launcher.launch_rest(self._launch)  # buckets whose gradients are not all there
+        results, error = self._launcher.wait()
+        self._launcher.reset()
         if error is not None:  # nothing of this iteration is kept: a retry starts from the same state
             self.compression.end_iteration(keep=False)
             raise error
-        for bucket, values in zip(self._buckets, results):
+        for bucket, values in zip(self._launcher.buckets, results):
             for i, avg in zip(bucket, values):
                 p = self._params[i]
                 if p.grad is None:
@@ -124,18 +117,6 @@ class CompressedOptimizer(Wrapper):
         # a non-finite mean (the step a loss scaler skips) undoes the iteration's state changes
         self.compression.end_iteration()
         self._synced = True
-
-    def _wait(self):
-        """Every bucket's result (None where it failed) and the first error, once all are done:
-        state is undone only when no exchange is still running."""
-        results, error = [], None
-        for fut in self._futures:
-            try:
-                results.append(None if fut is None else fut.wait())
-            except Exception as exc:
-                results.append(None)
-                error = error or exc
-        return results, error
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
@@ -166,55 +147,29 @@ class CompressedOptimizer(Wrapper):
         for p in new:
             self._index[id(p)] = len(self._params)
             self._params.append(p)
-            self._handles.append(p.register_post_accumulate_grad_hook(weak_grad_hook(self)))
+        self._launcher.watch(new, self._grad_ready)
         self._names = names
         self.compression.names = list(self._names)
         order = list(range(len(self._params)))[::-1]  # backward produces the last parameters first
         planned = plan_buckets([(self._names[i], self._params[i]) for i in order], self.bucket_mb)
-        self._buckets = [[order[j] for j in b] for b in planned]
-        self._bucket_of = {i: b for b, members in enumerate(self._buckets) for i in members}
-        self._reset()
-
-    def _reset(self) -> None:
-        self._missing = [len(b) for b in self._buckets]
-        self._ready: set = set()
-        self._futures: List[Optional[torch.futures.Future]] = [None] * len(self._buckets)
-        self._next = 0
+        self._launcher.plan([[order[j] for j in b] for b in planned], dict(enumerate(self._names)))
 
     def _grad_ready(self, param: torch.Tensor) -> None:
-        if self._no_sync:
+        if self._launcher.paused:
             return
         self._synced = False
-        i = self._index[id(param)]
-        b = self._bucket_of[i]
-        if self._futures[b] is not None:
-            raise ValueError(f"the gradient of {self._names[i]!r} was accumulated again after its bucket was sent; "
-                             f"call step() between backward passes, or run the extra passes under "
-                             f"`with optimizer.no_sync():`")
-        if i in self._ready:  # accumulated twice before its bucket left: it is still sent once
-            return
-        self._ready.add(i)
-        self._missing[b] -= 1
-        while self._next < len(self._buckets) and self._missing[self._next] <= 0:
-            self._launch(self._next)
-            self._next += 1
+        self._launcher.ready(self._index[id(param)], self._launch)
 
-    def _launch(self, b: int) -> None:
-        members = self._buckets[b]
+    def _launch(self, b: int) -> Any:
+        buckets = self._launcher.buckets
+        members = buckets[b]
         grads = [self._params[i].grad if self._params[i].grad is not None else torch.zeros_like(self._params[i])
                  for i in members]
         # the last bucket has nothing left to overlap with: it runs on this thread
-        self._futures[b] = self.compression.submit([self._names[i] for i in members], grads,
-                                                   inline=b == len(self._buckets) - 1)
-
-    def __del__(self) -> None:
-        for handle in getattr(self, "_handles", ()):
-            handle.remove()
+        return self.compression.submit([self._names[i] for i in members], grads, inline=b == len(buckets) - 1)
 
     def _drain(self) -> None:
         """Wait for exchanges in flight; their results are dropped, so their state changes are
         undone (the gradients they averaged never reach the parameters)."""
-        if any(f is not None for f in self._futures):
-            self._wait()
-            self._reset()
+        if self._launcher.drain():
             self.compression.end_iteration(keep=False)

@@ -51,8 +51,9 @@ def reshard_states(states: Sequence[Mapping[str, Any]], world_size: int) -> List
     states = sorted(states, key=lambda s: s["identity"]["rank"])
     first = states[0]
     for s in states[1:]:
-        for field in ("config", "names"):
-            if s["identity"].get(field) != first["identity"].get(field):
+        for field, value, ref in (("config", s["identity"].get("config"), first["identity"].get("config")),
+                                  ("names", s.get("names"), first.get("names"))):
+            if value != ref:
                 raise ValueError(f"the states differ in their {field}: they are not from one job")
         if s.get("iteration") != first.get("iteration") or set(s["codecs"]) != set(first["codecs"]):
             raise ValueError("the states were saved at different iterations or with other policies: not one job")
