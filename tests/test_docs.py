@@ -1,17 +1,23 @@
-"""Every Python snippet of README.md and docs/*.md runs as written, on 2 real gloo ranks.
+"""Every Python block of README.md and docs/*.md runs as it stands, on 2 real gloo ranks; the
+options table of docs/compressors.md is the one the code generates; the README's commands are
+the ones CI runs.
 
-The snippets of a page run in order in one namespace, as one script under
-``torchrun --nproc_per_node=2`` would: a page that needs a process group calls
-``init_process_group`` itself, with the environment torchrun sets. After each page its group
-is destroyed, so the next page starts as a fresh script. A block right after a line
-``<!-- not run: why -->`` is skipped (and must say why); ranks share one working folder, as
-jobs on one file system do. One spawn serves every page.
+Each block runs alone, as a reader copies it into a script under
+``torchrun --nproc_per_node=2``: in a fresh namespace, with a fresh seed, in a folder of its
+own (the ranks share it, as jobs on one file system do), with the environment torchrun sets
+and a store on a port of its own; a block that needs a process group makes it itself. After
+each block gradcomp's threads are shut down and its group destroyed, so the next block starts
+as a fresh script would. A docs page's block whose first line is ``# continues the block
+above`` (the reader sees it) runs after the run blocks before it on its page, in their
+namespace; README.md has none. A block right after a line ``<!-- not run: why -->`` is skipped
+(and must say why). One spawn serves every block.
 """
 import os
 import re
 import traceback
+from datetime import timedelta
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, NamedTuple, Tuple
 
 import pytest
 
@@ -20,31 +26,86 @@ from ranks import free_ports, run_ranks
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 _BLOCK = re.compile(r"(<!-- not run: [^>]+-->\s*\n)?```python\n(.*?)```", re.S)
+CONTINUES = "# continues the block above"
+GROUP_TIMEOUT = timedelta(seconds=180)  # a block that fails on one rank frees the other within this
 
 
-def snippets(page: Path) -> List[str]:
-    """The page's runnable Python blocks, in order."""
-    return [code for skip, code in _BLOCK.findall(page.read_text(encoding="utf-8")) if not skip]
+class Block(NamedTuple):
+    page: str  # file name, as in the test ids
+    line: int  # the line of the opening fence
+    code: str
+    skip: str  # the "not run" line, or ""
+
+    @property
+    def id(self) -> str:
+        return f"{self.page}:{self.line}"
+
+    @property
+    def continues(self) -> bool:
+        return self.code.startswith(CONTINUES)
 
 
-def _run_pages(rank: int, world: int, pages: List[str], ports: List[int], workdir: str) -> Dict[str, Tuple[str, str]]:
+def blocks(page: Path) -> List[Block]:
+    """The page's Python blocks, in order."""
+    text = page.read_text(encoding="utf-8")
+    out = []
+    for m in _BLOCK.finditer(text):
+        fence = m.start(2) - len("```python\n")
+        out.append(Block(page.name, text.count("\n", 0, fence) + 1, m.group(2), (m.group(1) or "").strip()))
+    return out
+
+
+def chains(found: List[Block]) -> List[List[Block]]:
+    """The run blocks as scripts: one block that stands alone, then the blocks that continue it."""
+    out: List[List[Block]] = []
+    for b in found:
+        if b.skip:
+            continue
+        if b.continues and out and out[-1][0].page == b.page:
+            out[-1].append(b)
+        else:
+            out.append([b])
+    return out
+
+
+ALL = [b for p in PAGES for b in blocks(p)]
+RUN = [b for b in ALL if not b.skip]
+CHAINS = chains(ALL)
+
+
+def _run_blocks(rank: int, world: int, todo: List[List[Block]], ports: List[int], workdir: str) -> Dict[str, Tuple[str, str]]:
     import torch
     import torch.distributed as dist
 
     from gradcomp.training import shutdown
 
-    os.chdir(workdir)
+    init = dist.init_process_group
+
+    def init_bounded(*args, **kwargs):  # a rank whose peer failed raises instead of waiting 30 min
+        kwargs.setdefault("timeout", GROUP_TIMEOUT)
+        return init(*args, **kwargs)
+
+    dist.init_process_group = init_bounded
     out: Dict[str, Tuple[str, str]] = {}
-    for page, port in zip(pages, ports):
-        os.environ["MASTER_PORT"] = str(port)  # a fresh store per page: no key of the page before
+    for chain, port in zip(todo, ports):
+        os.environ["MASTER_PORT"] = str(port)  # a fresh store per script: no key of the one before
+        here = Path(workdir) / chain[0].id.replace(":", "-")
+        here.mkdir(exist_ok=True)
+        os.chdir(here)
         torch.manual_seed(0)
         namespace: dict = {"__name__": "__main__"}
+        failed = ""
         try:
-            for i, code in enumerate(snippets(Path(page))):
-                exec(compile(code, f"{Path(page).name}, snippet {i + 1}", "exec"), namespace)
-            out[page] = ("ok", "")
-        except BaseException as exc:  # report per page, keep going
-            out[page] = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+            for block in chain:
+                if failed:
+                    out[block.id] = ("error", f"not run: the block it continues, {failed}, failed")
+                    continue
+                try:
+                    exec(compile(block.code, f"{block.page}, block at line {block.line}", "exec"), namespace)
+                    out[block.id] = ("ok", "")
+                except BaseException as exc:  # report per block, keep going
+                    out[block.id] = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+                    failed = block.id
         finally:
             shutdown()
             if dist.is_initialized():
@@ -53,25 +114,79 @@ def _run_pages(rank: int, world: int, pages: List[str], ports: List[int], workdi
 
 
 @pytest.fixture(scope="module")
-def page_results(tmp_path_factory):
+def block_results(tmp_path_factory):
     workdir = tmp_path_factory.mktemp("docs")
-    results = run_ranks(_run_pages, 2, workdir, [str(p) for p in PAGES], free_ports(len(PAGES)), str(workdir),
-                        timeout_s=240.0, torchrun_env=True)
-    return results, workdir
+    return run_ranks(_run_blocks, 2, workdir, CHAINS, free_ports(len(CHAINS)), str(workdir),
+                     timeout_s=600.0, torchrun_env=True)
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
-def test_page_snippets_run(page, page_results):
-    results, _ = page_results
-    if not snippets(page):
-        pytest.skip(f"{page.name} has no Python snippet")
-    for rank, out in enumerate(results):
-        status, error = out[str(page)]
-        assert status == "ok", f"{page.name} on rank {rank}: {error}"
+@pytest.mark.parametrize("block", RUN, ids=lambda b: b.id)
+def test_block_runs_as_it_stands(block, block_results):
+    for rank, out in enumerate(block_results):
+        status, error = out[block.id]
+        assert status == "ok", f"{block.id} on rank {rank}: {error}"
 
 
 def test_every_skipped_block_says_why():
-    for page in PAGES:
-        for skip, _ in _BLOCK.findall(page.read_text(encoding="utf-8")):
-            assert not skip or len(skip.strip()) > len("<!-- not run:  -->") + 10, f"{page.name}: {skip!r}"
+    for b in ALL:
+        assert not b.skip or len(b.skip) > len("<!-- not run:  -->") + 10, f"{b.id}: {b.skip!r}"
 
+
+def test_readme_blocks_stand_alone_and_continuations_follow_a_block():
+    for chain in CHAINS:
+        assert not chain[0].continues, f"{chain[0].id} continues a block, but no run block of its page is above it"
+    assert all(not b.continues for b in ALL if b.page == "README.md"), "every README block must stand alone"
+
+
+def test_blocks_are_found_one_by_one(tmp_path):
+    """The splitter itself: two blocks, the second skipped, each with its own line."""
+    page = tmp_path / "page.md"
+    page.write_text("# t\n```python\nx = 1\n```\n\n<!-- not run: needs two GPUs, none here -->\n"
+                    "```python\ny = x\n```\n```python\n# continues the block above\nz = x\n```\n"
+                    "```python\nw = 0\n```\n", encoding="utf-8")
+    found = blocks(page)
+    assert [(b.line, b.code, bool(b.skip)) for b in found] == [
+        (2, "x = 1\n", False), (7, "y = x\n", True), (10, "# continues the block above\nz = x\n", False),
+        (14, "w = 0\n", False)]
+    assert [[b.line for b in c] for c in chains(found)] == [[2, 10], [14]]
+
+
+def test_options_table_is_generated_from_the_configs():
+    from gradcomp.compress import available_compressors, compressor_class
+    from gradcomp.compress.options import BEGIN, END, option_rows, options_table
+
+    page = (ROOT / "docs" / "compressors.md").read_text(encoding="utf-8")
+    assert page.count(BEGIN) == 1 and page.count(END) == 1, "docs/compressors.md lost its options table markers"
+    current = page[page.index(BEGIN):page.index(END) + len(END)]
+    assert current == options_table(), \
+        "docs/compressors.md's options table differs from the compressors' Configs: run " \
+        "python -m gradcomp.compress.options --write docs/compressors.md"
+    rows = list(option_rows())  # every option of every compressor is a row, nothing else
+    assert {(r[0], r[1]) for r in rows} == \
+        {(n, o) for n in available_compressors() for o in compressor_class(n).options}
+    for name in ("tau", "stochastic", "orthogonalize", "clip", "sample_ratio"):
+        assert f"| `{name}` |" in current
+
+
+def test_readme_commands_are_what_ci_runs():
+    """The README's test command is the suite .ci/run runs, and the CPU build's command comes
+    before the two commands."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    test_cmd = 'pip install -e ".[test,bench]" && python -m pytest -q'
+    first = readme.index("```bash\n")
+    bash = readme[first:readme.index("```\n", first + 8)]
+    assert "--torch-backend=cpu" in bash, "the README's first block should be the CPU build's command"
+    two = readme.index("```bash\n", first + 8)
+    assert readme[two:].startswith(f'```bash\npip install -e ".[bench]" && python -m gradcomp.bench\n{test_cmd}\n```'), \
+        "the README's two commands changed"
+    assert f"python -m pip install -q -e \".[test,bench]\" && python -m pytest -q\n" in ci
+    assert "-m \"not slow\"" not in ci and "not slow" not in test_cmd  # CI runs the whole suite
+
+
+def test_user_pages_speak_to_users():
+    """Project history (targets missed, rounds, commits) belongs in bench/RESULTS.md."""
+    bad = re.compile(r"target [\d.]+x: missed|\bthis commit\b|\bthis round\b|\buntil this round\b", re.I)
+    for page in PAGES:
+        for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
+            assert not bad.search(line), f"{page.name}:{n}: {line.strip()}"

@@ -1,8 +1,13 @@
 """The layout setup.py describes: each package folder at the root is gradcomp.<folder>
-through a relative link, in a plain checkout, in editable installs and in wheels."""
+through a relative link, in a plain checkout, in editable installs and in wheels (which
+``pip install .`` builds and installs)."""
 import ast
 import importlib
 import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -38,3 +43,68 @@ def test_every_root_package_is_listed_and_linked():
 def test_package_imports_from_its_root_folder(name):
     mod = importlib.import_module(f"gradcomp.{name}")
     assert Path(mod.__file__).resolve() == ROOT / name / "__init__.py"
+
+
+def _not_shipped():
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_NOT_SHIPPED":
+            return ast.literal_eval(node.value)
+    raise AssertionError("setup.py has no _NOT_SHIPPED set")
+
+
+_CHECK_INSTALLED = """
+import sys
+from pathlib import Path
+site = Path(sys.argv[1]).resolve()
+sys.path.insert(0, str(site))
+import torch
+import gradcomp
+from gradcomp.compress import ErrorFeedback, get_compressor
+from gradcomp.collectives import allreduce
+from gradcomp.kernels import _cupy
+import gradcomp.bench, gradcomp.memory, gradcomp.optim, gradcomp.pipeline, gradcomp.training
+for mod in (gradcomp, gradcomp.compress, gradcomp.bench, gradcomp.pipeline):
+    assert Path(mod.__file__).resolve().is_relative_to(site), mod.__file__
+t = torch.randn(1000)
+c = ErrorFeedback(get_compressor("topk", ratio=0.1))
+assert c.decompress(c.compress(t, key="w")).shape == t.shape
+assert len(_cupy.families()) >= 6  # the kernels' sources are package data
+print("installed ok")
+"""
+
+
+@pytest.mark.slow
+def test_wheel_and_pip_install_outside_the_checkout(tmp_path):
+    """``pip wheel .`` builds from a copy of the tree (the build writes build/ and *.egg-info
+    where it runs); the wheel holds every module of every package folder, the kernels' CUDA
+    sources and py.typed, nothing else at the top; installed with pip into a folder of its own,
+    gradcomp imports and compresses from there, not from the checkout."""
+    tree = tmp_path / "tree"
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "results", "build", "*.egg-info")
+    for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
+        tree.mkdir(exist_ok=True)
+        shutil.copy2(ROOT / name, tree / name)
+    for name in ["gradcomp", "src", *PACKAGES]:
+        shutil.copytree(ROOT / name, tree / name, symlinks=True, ignore=skip)
+    dist = tmp_path / "dist"
+    pip = [sys.executable, "-m", "pip", "-q", "--disable-pip-version-check"]
+    subprocess.run(pip + ["wheel", "--no-deps", "--no-build-isolation", "-w", str(dist), str(tree)],
+                   check=True, cwd=tmp_path, timeout=900)  # a guard against a hang only
+    (wheel,) = dist.glob("gradcomp-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    expected = {"gradcomp/__init__.py", "gradcomp/py.typed"}
+    for name in PACKAGES:
+        for f in (ROOT / name).iterdir():
+            if f.suffix == ".py" and (f"gradcomp.{name}", f.stem) not in _not_shipped():
+                expected.add(f"gradcomp/{name}/{f.name}")
+    expected |= {f"gradcomp/kernels/cuda/{f.name}" for f in (ROOT / "kernels" / "cuda").iterdir()
+                 if f.suffix in (".cu", ".cuh")}
+    code = {n for n in names if ".dist-info/" not in n}
+    assert code == expected, f"missing: {sorted(expected - code)}; extra: {sorted(code - expected)}"
+    site = tmp_path / "site"
+    subprocess.run(pip + ["install", "--no-deps", "--no-index", "--target", str(site), str(wheel)],
+                   check=True, cwd=tmp_path, timeout=900)
+    out = subprocess.run([sys.executable, "-c", _CHECK_INSTALLED, str(site)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0 and out.stdout.strip().endswith("installed ok"), out.stdout + out.stderr
