@@ -1,6 +1,6 @@
-"""The training benchmark: ``python -m gradcomp.bench train``.
+"""The training benchmark: ``python -m gradcomp.bench train [--model mlp|transformer]``.
 
-A small MLP learns scikit-learn's handwritten digits (1,797 8x8 images shipped with the
+``--model mlp`` (the default): a small MLP learns scikit-learn's handwritten digits (1,797 8x8 images shipped with the
 package, nothing downloaded) on several gloo ranks under ``DistributedDataParallel``, once
 per method: gradcomp's DDP hook with each chosen compressor, with and without error feedback,
 and PyTorch's own ``allreduce_hook``, ``fp16_compress_hook`` and ``powerSGD_hook``. Every run
@@ -8,6 +8,14 @@ starts from the same weights and sees the same batches. Reported: final test acc
 its difference to PyTorch's allreduce), time per step (slowest rank, median), bytes sent per
 rank per step (gradcomp's telemetry; for PyTorch's hooks, what they hand to ``all_reduce``,
 counted the same way), and loss curves.
+
+``--model transformer``: a small character-level transformer language model learns Python
+source, the standard library's own files (:mod:`gradcomp.bench.text`; split by file), with
+AdamW, a fixed number of steps and the same windows of text for every method. Reported:
+final validation loss (nats per character, on held-out files; the unigram baseline beside
+it), its difference to PyTorch's allreduce, time per step, bytes, and loss curves. Error
+feedback by default where ``error_feedback="auto"`` puts it (the biased compressors but the
+16-bit casts).
 """
 from __future__ import annotations
 
@@ -25,6 +33,11 @@ from .collective import parse_entry
 from . import env as envmod
 
 DEFAULT_COMPRESSORS = "topk,efsignsgd,onebit,qsgd,powersgd"
+LM_COMPRESSORS = "fp16,powersgd,onebit,topk"  # --model transformer: EF as "auto" decides
+# --model mlp / transformer: the defaults of the options that differ
+MODEL_DEFAULTS = {"mlp": {"compressors": DEFAULT_COMPRESSORS, "error_feedback": "both", "lr": 0.05, "batch_size": 32},
+                  "transformer": {"compressors": LM_COMPRESSORS, "error_feedback": "auto", "lr": 2e-3,
+                                  "batch_size": 16}}
 TORCH_METHODS = ("torch-allreduce", "torch-fp16", "torch-powersgd")
 REFERENCE = "torch-allreduce"
 POWERSGD_RANK = 4
@@ -37,17 +50,37 @@ BUCKET_MB = 25
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m gradcomp.bench train",
-        description="Train an MLP on scikit-learn's digits on several ranks with each compressor (with and "
-                    "without error feedback) and with PyTorch's own DDP hooks; compare accuracy, step time, bytes.")
-    p.add_argument("--compressors", default=DEFAULT_COMPRESSORS, metavar="A,B,C",
-                   help=f"gradcomp compressors, each NAME or NAME:opt=value (default {DEFAULT_COMPRESSORS})")
-    p.add_argument("--error-feedback", default="both", choices=("both", "on", "off"),
-                   help="run each compressor with error feedback, without, or both (default)")
+        description="Train a small real model on several ranks with each compressor and with PyTorch's own DDP "
+                    "hooks; compare accuracy (or validation loss), step time and bytes. --model mlp: an MLP on "
+                    "scikit-learn's digits; --model transformer: a character-level transformer language model on "
+                    "the Python standard library's source files.")
+    p.add_argument("--model", default="mlp", choices=tuple(MODEL_DEFAULTS),
+                   help="mlp (digits, the default) or transformer (stdlib source, character level)")
+    p.add_argument("--compressors", default=None, metavar="A,B,C",
+                   help=f"gradcomp compressors, each NAME or NAME:opt=value (default {DEFAULT_COMPRESSORS}; "
+                        f"transformer: {LM_COMPRESSORS})")
+    p.add_argument("--error-feedback", default=None, choices=("both", "on", "off", "auto"),
+                   help="run each compressor with error feedback, without, both (the mlp default) or as "
+                        "error_feedback='auto' decides (the transformer default: on where biased, off for fp16)")
     p.add_argument("--no-torch", action="store_true", help=f"skip PyTorch's hooks ({', '.join(TORCH_METHODS)})")
-    p.add_argument("--epochs", type=int, default=20, metavar="N", help="epochs per run (default 20)")
-    p.add_argument("--batch-size", type=int, default=32, metavar="N", help="batch size per rank (default 32)")
-    p.add_argument("--lr", type=float, default=0.05, help="SGD learning rate (default 0.05, momentum 0.9)")
-    p.add_argument("--hidden", type=int, default=512, metavar="N", help="hidden width of the 3-layer MLP (default 512)")
+    p.add_argument("--epochs", type=int, default=20, metavar="N", help="mlp: epochs per run (default 20)")
+    p.add_argument("--steps", type=int, default=150, metavar="N", help="transformer: steps per run (default 150)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="N",
+                   help="batch size per rank (default 32; transformer: 16 sequences)")
+    p.add_argument("--lr", type=float, default=None,
+                   help="learning rate (mlp: SGD, default 0.05, momentum 0.9; transformer: AdamW, default 0.002, "
+                        "warm-up then cosine decay to a tenth)")
+    p.add_argument("--hidden", type=int, default=512, metavar="N", help="mlp: hidden width of the 3-layer MLP (default 512)")
+    p.add_argument("--layers", type=int, default=2, metavar="N", help="transformer: blocks (default 2)")
+    p.add_argument("--d-model", type=int, default=128, metavar="N", help="transformer: width (default 128)")
+    p.add_argument("--heads", type=int, default=4, metavar="N", help="transformer: attention heads (default 4)")
+    p.add_argument("--context", type=int, default=64, metavar="N", help="transformer: characters per sequence (default 64)")
+    p.add_argument("--text-mb", type=float, default=2.0, metavar="MB",
+                   help="transformer: MB of training text (default 2; validation: about a ninth of it, other files)")
+    p.add_argument("--eval-every", type=int, default=25, metavar="N",
+                   help="transformer: steps between validation losses (default 25)")
+    p.add_argument("--val-windows", type=int, default=256, metavar="N",
+                   help="transformer: validation sequences, shared among the ranks (default 256)")
     cli.common_options(p)
     return p
 
@@ -61,13 +94,15 @@ def methods(args) -> List[Dict[str, Any]]:
         out += [{"label": k if k != "torch-powersgd" else f"{k}:rank={POWERSGD_RANK}", "kind": k, "source": "torch",
                  "options": {"rank": POWERSGD_RANK} if k == "torch-powersgd" else {},
                  "ef": k == "torch-powersgd"} for k in TORCH_METHODS]
-    efs = {"both": [False, True], "on": [True], "off": [False]}[args.error_feedback]
+    from gradcomp.compress import wants_feedback
+
     for entry in [e for e in args.compressors.split(",") if e.strip()]:
         name, opts = parse_entry(entry)
         if name == "powersgd":
             opts.setdefault("rank", POWERSGD_RANK)
-        get_compressor(name, **opts)  # validate now, in the parent, with one clear error
+        base = get_compressor(name, **opts)  # validate now, in the parent, with one clear error
         policy = {"start_iter": POWERSGD_START} if name == "powersgd" else {}
+        efs = {"both": [False, True], "on": [True], "off": [False], "auto": [wants_feedback(base)]}[args.error_feedback]
         for ef in efs:
             label = name + "".join(f":{k}={v}" for k, v in opts.items()) + ("+ef" if ef else "")
             out.append({"label": label, "kind": "gradcomp", "source": "gradcomp", "name": name,
@@ -144,19 +179,10 @@ def fit(forward: Callable, model: torch.nn.Module, opt, data, cfg: Dict[str, Any
 
 
 def _train_one(spec, rank, world, cfg, data, tick) -> Dict[str, Any]:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     from gradcomp.collectives import reset_telemetry, telemetry
 
     model = _model(cfg["hidden"], cfg["seed"])
-    # one bucket (bucket_cap_mb also sets the first bucket): PyTorch's PowerSGD hook issues collectives
-    # from future callbacks, which with several buckets in flight reach gloo in different orders
-    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
-    if spec["source"] == "torch":
-        state, hook, _ = hooks.torch_hook(spec["kind"], {**spec["options"], "seed": cfg["seed"]})
-    else:
-        state, hook = hooks.gradcomp_hook(spec, model)
-    ddp.register_comm_hook(state, hook)
+    ddp = _register(spec, model, cfg)
     opt = torch.optim.SGD(ddp.parameters(), lr=cfg["lr"], momentum=0.9)
     counter = hooks.CountingAllReduce(world)
     reset_telemetry()
@@ -171,22 +197,125 @@ def _train_one(spec, rank, world, cfg, data, tick) -> Dict[str, Any]:
             "checksum": checksum}
 
 
+def _register(spec, model: torch.nn.Module, cfg: Dict[str, Any]):
+    """``model`` in DDP with the spec's hook, and the counter of what PyTorch's hooks send."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    # one bucket (bucket_cap_mb also sets the first bucket): PyTorch's PowerSGD hook issues collectives
+    # from future callbacks, which with several buckets in flight reach gloo in different orders
+    ddp = DDP(model, bucket_cap_mb=BUCKET_MB)
+    if spec["source"] == "torch":
+        state, hook, _ = hooks.torch_hook(spec["kind"], {**spec["options"], "seed": cfg["seed"]})
+    else:
+        state, hook = hooks.gradcomp_hook(spec, model)
+    ddp.register_comm_hook(state, hook)
+    return ddp
+
+
+def _lm_one(spec, rank, world, cfg, data, tick) -> Dict[str, Any]:
+    """One method's run of the transformer: AdamW for ``cfg["steps"]`` steps on the windows of
+    :func:`text.train_starts`; the validation loss before the first step and every
+    ``cfg["eval_every"]`` steps."""
+    from gradcomp.collectives import reset_telemetry, telemetry
+
+    from . import text
+
+    train, xv, yv = data
+    model = text.model(cfg)
+    ddp = _register(spec, model, cfg)
+    opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lr"], weight_decay=0.01)
+    steps, warmup = cfg["steps"], max(1, min(10, cfg["steps"] // 10))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: text.lr_at(s, steps, warmup))
+    counter = hooks.CountingAllReduce(world)
+    reset_telemetry()
+    def validate(step: int) -> None:
+        with torch.no_grad():  # this rank's equal share of the windows: the ranks' mean is the mean
+            val_curve.append((step, float(torch.nn.functional.cross_entropy(model(xv), yv))))
+
+    losses: List[float] = []
+    times: List[float] = []
+    val_curve: List[Tuple[int, float]] = []
+    validate(0)
+    with counter if spec["source"] == "torch" else contextlib.nullcontext():
+        for step in range(steps):
+            x, y = text.batch(train, text.train_starts(len(train), cfg["context"], rank, world, cfg["batch_size"],
+                                                       cfg["seed"], step), cfg["context"])
+            loss, ms = timed_step(ddp, opt, x, y)
+            sched.step()
+            losses.append(loss)
+            times.append(ms)
+            if (step + 1) % cfg["eval_every"] == 0 or step + 1 == steps:
+                validate(step + 1)
+                tick()
+    sent = telemetry()["total"]["bytes_sent"] if spec["source"] == "gradcomp" else counter.nbytes
+    checksum = float(sum(p.double().sum() for p in model.parameters()))
+    return {"losses": losses, "times_ms": times, "val_curve": val_curve, "bytes_per_step": sent / max(steps, 1),
+            "checksum": checksum}
+
+
+def lm_data(cfg: Dict[str, Any], rank: int, world: int):
+    """The transformer's text: the training characters and this rank's validation windows."""
+    from . import text
+
+    info = text.corpus(int(cfg["text_mb"] * 1e6), cfg["seed"])
+    xv, yv = text.batch(info["val"], text.val_starts(len(info["val"]), cfg["context"], cfg["val_windows"], rank,
+                                                      world), cfg["context"])
+    return info["train"], xv, yv
+
+
+def _evals(cfg: Dict[str, Any]) -> int:
+    return cfg["steps"] // cfg["eval_every"] + (cfg["steps"] % cfg["eval_every"] != 0)
+
+
 def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[..., None]) -> Any:
-    data = _data(cfg["seed"])
+    lm = cfg.get("model") == "transformer"
+    data = lm_data(cfg, rank, world) if lm else _data(cfg["seed"])
     specs = cfg["methods"]
-    total, done = len(specs) * cfg["epochs"], [0]
+    total, done = len(specs) * (_evals(cfg) if lm else cfg["epochs"]), [0]
     results = []
     for spec in specs:
         def tick(label=spec["label"]):
             done[0] += 1
             progress(done=done[0], total=total, label=label)
-        results.append(_train_one(spec, rank, world, cfg, data, tick))
+        results.append((_lm_one if lm else _train_one)(spec, rank, world, cfg, data, tick))
         dist.barrier()
     everyone: List[Any] = [None] * world
     dist.all_gather_object(everyone, results)
     if rank != 0:
         return None
-    return _records(specs, everyone, cfg, world)
+    return (_lm_records if lm else _records)(specs, everyone, cfg, world)
+
+
+def _lm_records(specs, everyone, cfg, world) -> List[Dict[str, Any]]:
+    from . import text
+
+    info = text.corpus(int(cfg["text_mb"] * 1e6), cfg["seed"])
+    unigram = text.unigram_loss(info["train"], info["val"])
+    dense_bytes = 4 * sum(p.numel() for p in text.model(cfg).parameters()) * 2 * (world - 1) // world
+    records = []
+    for m, spec in enumerate(specs):
+        runs = [r[m] for r in everyone]
+        steps = len(runs[0]["times_ms"])
+        skip = min(5, steps - 1)  # the first steps build DDP's buckets and the hooks' state
+        step_ms = statistics.median(max(r["times_ms"][i] for r in runs) for i in range(skip, steps))
+        loss_curve = [sum(r["losses"][i] for r in runs) / world for i in range(steps)]
+        val_curve = [(s, sum(r["val_curve"][i][1] for r in runs) / world)
+                     for i, (s, _) in enumerate(runs[0]["val_curve"])]
+        tail = loss_curve[-max(1, steps // 10):]
+        sums = [r["checksum"] for r in runs]
+        records.append({
+            "method": spec["label"], "source": spec["source"], "error_feedback": spec["ef"], "model": "transformer",
+            "world_size": world, "steps": steps, "step_ms": step_ms,
+            "bytes_per_step": max(r["bytes_per_step"] for r in runs), "dense_bytes_per_step": dense_bytes,
+            "val_loss": val_curve[-1][1], "val_curve": val_curve, "unigram_loss": unigram,
+            "final_loss": sum(tail) / len(tail), "loss_curve": loss_curve,
+            "ranks_agree": max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0])),
+        })
+    ref = next((r for r in records if r["method"] == REFERENCE), None)
+    for r in records:
+        r["val_vs_dense"] = None if ref is None else r["val_loss"] - ref["val_loss"]
+        r["ratio"] = r["dense_bytes_per_step"] / r["bytes_per_step"] if r["bytes_per_step"] else None
+    return records
 
 
 def _records(specs, everyone, cfg, world) -> List[Dict[str, Any]]:
@@ -231,16 +360,40 @@ def table(records: List[Dict[str, Any]]) -> str:
     return "\n".join(line(r) for r in [head, *rows])
 
 
+def lm_table(records: List[Dict[str, Any]]) -> str:
+    """The transformer's records, one line per method; the unigram baseline below."""
+    head = ("method", "val loss", "vs dense", "step ms", "bytes/step", "ratio", "train loss", "")
+    rows = [(r["method"], f"{r['val_loss']:.4f}", cli.fmt(r["val_vs_dense"], "+.4f"), f"{r['step_ms']:.2f}",
+             cli.fmt_bytes(r["bytes_per_step"]), cli.fmt(r["ratio"], ".1f") + "x", f"{r['final_loss']:.4f}",
+             "" if r["ranks_agree"] else "RANKS DIFFER") for r in records]
+    widths = [max(len(x[0]) for x in [head, *rows]), 9, 9, 8, 11, 7, 11, 0]
+
+    def line(cells) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    note = (f"val loss: nats per character on held-out files, after the last step (lower is better; the "
+            f"unigram baseline, character frequencies alone, is {records[0]['unigram_loss']:.4f}); vs dense: "
+            f"minus {REFERENCE}'s; train loss: mean of the last tenth of the steps")
+    return "\n".join([*(line(r) for r in [head, *rows]), "", note])
+
+
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
+    for key, value in MODEL_DEFAULTS[args.model].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
     cli.check_sizes(args)
-    for name in ("epochs", "batch_size", "hidden"):
+    sizes = ("epochs", "batch_size", "hidden") if args.model == "mlp" else \
+        ("steps", "batch_size", "layers", "d_model", "heads", "context", "eval_every", "val_windows")
+    for name in sizes:
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, not {args.lr}")
     specs = methods(args)
     link = cli.resolve_link(args)
+    if args.model == "transformer":
+        return _lm_main(args, specs, link)
     _data(args.seed)  # fail early, in the parent, if scikit-learn is missing
     cfg = {"methods": specs, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
            "hidden": args.hidden, "seed": args.seed}
@@ -257,5 +410,34 @@ def main(argv: Sequence[str]) -> int:
         from . import plot
 
         plot.training_plot(records, args.plot, title=f"digits MLP, {env['world_size']} ranks, {env['link']}")
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _lm_main(args, specs, link) -> int:
+    from . import text
+
+    if args.val_windows < args.world_size:
+        raise ValueError(f"--val-windows ({args.val_windows}) must be at least --world-size ({args.world_size})")
+    cfg = {"model": "transformer", "methods": specs, "steps": args.steps, "batch_size": args.batch_size,
+           "lr": args.lr, "layers": args.layers, "d_model": args.d_model, "heads": args.heads,
+           "context": args.context, "text_mb": args.text_mb, "eval_every": args.eval_every,
+           "val_windows": args.val_windows, "seed": args.seed}
+    info = text.corpus(int(args.text_mb * 1e6), args.seed)  # fail early, in the parent, with a clear error
+    nparams = sum(p.numel() for p in text.model(cfg).parameters())  # also checks --d-model against --heads
+    env = envmod.environment(args.world_size, cli.link_text(link), args.threads)
+    print(envmod.header(env, [
+        text.data_line(info),
+        f"model    character transformer, {args.layers} blocks, width {args.d_model}, {args.heads} heads, context "
+        f"{args.context} ({nparams:,} parameters); AdamW lr {args.lr:g} (warm-up, cosine decay), batch "
+        f"{args.batch_size} x {args.context} characters per rank, {args.steps} steps, seed {args.seed}",
+        f"methods  {len(specs)} runs; PowerSGD (ours and PyTorch's) rank {POWERSGD_RANK}, compressing from step "
+        f"{POWERSGD_START}; validation on {args.val_windows - args.val_windows % args.world_size} windows every "
+        f"{args.eval_every} steps",
+    ]), flush=True)
+    records = cli.run_and_report("train", cfg, args, link, env, lm_table)
+    if args.plot:
+        text.plot(records, args.plot, title=f"character transformer on stdlib source, {env['world_size']} ranks, "
+                                            f"{env['link']}")
         print(f"wrote {args.plot}")
     return 0
