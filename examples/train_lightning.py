@@ -1,40 +1,27 @@
-"""PyTorch Lightning with a gradcomp communication hook.
+"""PyTorch Lightning with gradcomp: ``strategy=GradcompDDPStrategy(compressor, **options)``.
 
     python examples/train_lightning.py --devices 2 --compressor powersgd      # CPU: 2 processes on gloo
     python examples/train_lightning.py --accelerator gpu --devices 8 --compressor topk
 
-Lightning takes a DDP communication hook as ``DDPStrategy(ddp_comm_hook=hook,
-ddp_comm_state=state)``. It registers it only when the model is on CUDA (its check dates from
-PyTorch 1.8, when hooks needed NCCL); gradcomp's hooks run on gloo too, so on CPU the small
-``GradcompDDPStrategy`` below registers it on every device. The hook is made before Lightning
-starts its processes: gradcomp then defers its agreement check to the first bucket, where
-every rank runs it alike. The data is synthetic (a random linear teacher); rank 0 prints the
-test accuracy and the bytes each rank sent per step.
+``GradcompDDPStrategy`` (``gradcomp.training.lightning``) is Lightning's ``DDPStrategy`` with
+gradcomp's communication hook registered on the DDP model, on CPU (gloo) as on CUDA; its
+keywords are ``ddp_comm_hook``'s (compressor options, ``error_feedback``, ``start_iter`` ...)
+beside DDP's own (``find_unused_parameters`` ...). Lightning checkpoints carry every rank's
+hook state, so ``trainer.fit(..., ckpt_path=...)`` resumes it. The data is synthetic (a random
+linear teacher); rank 0 prints the test accuracy and the bytes each rank sent per step.
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
-import torch.distributed as dist
 from torch.utils.data import DataLoader, TensorDataset
 
 import lightning.pytorch as pl
-from lightning.pytorch.strategies import DDPStrategy
 
 from gradcomp.collectives import telemetry
 from gradcomp.compress import available_compressors
-from gradcomp.training import ddp_comm_hook, shutdown
-
-
-class GradcompDDPStrategy(DDPStrategy):
-    """``DDPStrategy`` that registers the communication hook on CPU (gloo) as well as CUDA."""
-
-    def _register_ddp_hooks(self) -> None:
-        if self.root_device.type == "cuda":
-            super()._register_ddp_hooks()
-        elif self._ddp_comm_hook is not None:
-            self.model.register_comm_hook(self._ddp_comm_state, self._ddp_comm_hook)
+from gradcomp.training.lightning import GradcompDDPStrategy
 
 
 class Classifier(pl.LightningModule):
@@ -68,10 +55,8 @@ def main() -> None:
 
     pl.seed_everything(0, verbose=False)
     model = Classifier(args.lr)
-    # model= names the parameters; Lightning wraps this module in DDP later
-    state, hook = ddp_comm_hook(args.compressor, model=model.net)
     trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, max_steps=args.steps,
-                         strategy=GradcompDDPStrategy(ddp_comm_hook=hook, ddp_comm_state=state),
+                         strategy=GradcompDDPStrategy(args.compressor),
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False)
     loader = DataLoader(TensorDataset(*synthetic(4096, seed=1)), batch_size=32, shuffle=True)
@@ -84,8 +69,6 @@ def main() -> None:
     if trainer.global_rank == 0:
         print(f"lightning {args.compressor}: test accuracy {acc:.3f}, {sent / args.steps:.0f} bytes sent per step "
               f"per rank, world size {trainer.world_size}")
-    if dist.is_initialized():
-        shutdown()  # gradcomp's worker threads and twin groups, before the process group goes
 
 
 if __name__ == "__main__":
