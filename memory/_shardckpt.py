@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import check_device_set
+from gradcomp.collectives import Identity, check_device_set, fingerprint, refuse_on_every_rank, worker
 
 from .lowbit import PackedState, as_packed, is_packed, saved
 
@@ -172,17 +172,19 @@ def _problem(opt: "ShardedOptimizer", sd: Any) -> str:
     if not isinstance(sd, Mapping) or sd.get("format") != FORMAT or sd.get("kind") not in ("sharded", "consolidated"):
         return ("the state_dict is not a ShardedOptimizer checkpoint of this gradcomp version (format "
                 f"{sd.get('format') if isinstance(sd, Mapping) else type(sd).__name__!r}, expected {FORMAT!r})")
-    saved, mine = sd.get("identity") or {}, opt.identity()
+    saved, mine = sd.get("identity"), opt.identity()
+    if not isinstance(saved, Mapping) or any(k not in saved for k in ("names", "shapes", "trainable", "config")):
+        return "it carries no ShardedOptimizer identity (not a ShardedOptimizer checkpoint); it cannot be checked"
     if saved.get("names") != mine["names"] or saved.get("shapes") != mine["shapes"]:
         diff = [f"{a} {s}" for a, s in zip(saved.get("names") or [], saved.get("shapes") or [])
                 if [a, s] not in [list(x) for x in zip(mine["names"], mine["shapes"])]][:3]
         return (f"the checkpoint holds the optimizer of other parameters (e.g. {diff or 'a different count'}); "
                 f"load it into the model it was saved with")
-    if saved.get("trainable") != mine["trainable"]:
-        return "the checkpoint was saved with other parameters frozen; freeze the same parameters to load it"
-    if saved.get("config") != mine["config"]:
-        return ("the checkpoint was saved with another optimizer class, options, compressor, weight compressor, "
-                "state_bits or stage than this run's; resume with the same configuration")
+    # a consolidated checkpoint loads at any rank and world size
+    problem = identity(mine).mismatch(identity(saved), skip=("rank", "world") if sd["kind"] == "consolidated" else (),
+                                      fixes=_FIXES)
+    if problem:
+        return problem
     if sd["kind"] == "consolidated":
         for g, (state, lay) in enumerate(zip(sd.get("state") or [], opt.layouts)):
             lo = lay.shard(opt.rank)[0]
@@ -190,27 +192,30 @@ def _problem(opt: "ShardedOptimizer", sd: Any) -> str:
                 if is_packed(v) and lo < as_packed(v).numel and not as_packed(v).is_boundary(lo):
                     return (f"its low-bit {key!r} of group {g} has a block across element {lo}, where this rank's "
                             f"shard starts; load it at the world size it was saved with and save it again")
-    if sd["kind"] == "sharded":
-        if saved.get("world") != mine["world"]:
-            return (f"the checkpoint is one shard of {saved.get('world')} ranks, this run has {mine['world']}; "
-                    f"a shard loads only at its own world size: save consolidated_state_dict() to reshard")
-        if saved.get("rank") != mine["rank"]:
-            return (f"the checkpoint is rank {saved.get('rank')}'s shard; every rank loads its own "
-                    f"(e.g. ckpt-rank{mine['rank']}.pt)")
     return ""
+
+
+_FIXES = {"world": "a shard loads only at its own world size: save consolidated_state_dict() to reshard",
+          "rank": "every rank loads its own shard (e.g. ckpt-rank{rank}.pt)",
+          "config": "resume with the same optimizer class, options, compressor, weight compressor, state_bits and "
+                    "stage",
+          "frozen parameters": "freeze the same parameters to load it"}
+
+
+def identity(d: Mapping[str, Any]) -> Identity:
+    """The :class:`~gradcomp.collectives.Identity` of a ShardedOptimizer identity dict (what
+    ``ShardedOptimizer.identity()`` returns and a checkpoint holds; a consolidated one has no
+    rank): the parameters' names and shapes fingerprinted, the frozen ones as a field."""
+    frozen = [n for n, t in zip(d["names"], d["trainable"]) if not t]
+    return Identity(owner="ShardedOptimizer", rank=d.get("rank", -1), world=d.get("world", -1),
+                    config=str(d["config"]), params=fingerprint(repr(list(zip(d["names"], map(list, d["shapes"]))))),
+                    fields={"frozen parameters": repr(frozen)})
 
 
 def _agree(opt: "ShardedOptimizer", problem: str) -> None:
     """Raise the same ``ValueError`` on every rank when any rank has a ``problem``."""
-    problems = [problem]
-    if opt.world > 1:
-        problems = [""] * opt.world
-        check_device_set(opt.group, opt.masters, "ShardedOptimizer")  # NCCL's object collectives need set_device
-        dist.all_gather_object(problems, problem, group=opt.group)
-    bad = [(r, p) for r, p in enumerate(problems) if p]
-    if bad:
-        r, p = bad[0]
-        raise ValueError(f"ShardedOptimizer.load_state_dict refused the checkpoint (rank {r}: {p}); nothing was loaded")
+    refuse_on_every_rank(problem, opt.group, "ShardedOptimizer.load_state_dict",
+                         device=worker.device_of(opt.masters))
 
 
 def load(opt: "ShardedOptimizer", sd: Mapping[str, Any]) -> None:

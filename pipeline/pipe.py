@@ -48,7 +48,7 @@ from gradcomp.collectives import CommunicationError, group_timeout
 from gradcomp.compress import Compressor, available_compressors, get_compressor
 from gradcomp.compress.transaction import Transaction, all_finite
 from gradcomp.training import CompressedOptimizer
-from gradcomp.training import agree
+from gradcomp.collectives.identity import Identity, agree, describe_params, fingerprint, refuse_on_every_rank
 
 from .delta import DeltaFeedback
 from .grid import Grid
@@ -289,23 +289,23 @@ class Pipeline:
     def state_dict(self) -> Dict[str, Any]:
         """This rank's stage: modules, optimizer (with its compression state), delta caches,
         codec counters, and an identity that :meth:`load_state_dict` checks."""
-        return {"identity": self._identity(),
+        return {"identity": self._identity().to_dict(),
                 "modules": [m.state_dict() for m in self.modules],
                 "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
                 "codecs": [c.state_dict() for c in self._act + self._grad + self._recv_codec],
                 "delta": None if not self.delta else [d.state_dict() for d in self._delta_out + self._delta_in]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a checkpoint of another rank, grid, model or configuration
-        is refused with a ``ValueError`` before anything changes."""
-        if not isinstance(state, dict) or "identity" not in state:
-            raise ValueError("not a Pipeline state_dict (it carries no identity)")
-        mine, saved = self._identity(), state["identity"]
-        for field, what in (("world", "ranks"), ("rank", "rank"), ("stage", "stage"), ("config", "configuration"),
-                            ("params", "stage model (parameter names and shapes)")):
-            if saved.get(field) != mine[field]:
-                raise ValueError(f"the Pipeline state_dict was saved with another {what} ({saved.get(field)!r}, this "
-                                 f"rank has {mine[field]!r}); every rank loads its own checkpoint of the same run")
+        """Restore :meth:`state_dict` (every rank of the grid, at the same point); a checkpoint
+        of another rank, grid, model or configuration on any rank is refused with the same
+        ``ValueError`` on every rank, before anything changes."""
+        problem = ("it is not a Pipeline state_dict (it carries no identity)"
+                   if not isinstance(state, dict) or "identity" not in state else
+                   self._identity().mismatch(state["identity"], fixes={
+                       "params": "load it into the stage model it was saved with (parameter names, shapes, dtypes)",
+                       "config": "every rank loads its own checkpoint of the same run, built with the same options",
+                       "stage": "every rank loads its own checkpoint of the same run"}))
+        refuse_on_every_rank(problem, self.grid.group, "Pipeline.load_state_dict", device=self.device)
         for m, sd in zip(self.modules, state["modules"]):
             m.load_state_dict(sd)
         if self.optimizer is not None and state["optimizer"] is not None:
@@ -550,13 +550,12 @@ class Pipeline:
                                f"{self._failed}); its messages were lost halfway and its ranks are out of step: "
                                f"build a new one (and a new process group if a rank died)")
 
-    def _identity(self) -> Dict[str, Any]:
-        params = [(n, tuple(p.shape)) for n, p in self.local.named_parameters()]
+    def _identity(self) -> Identity:
         config = repr((self.schedule, self.chunks, self.grid.stages, self.grid.replicas, self.v, repr(self._act[0]),
                        repr(self._grad[0]), self.delta, self.checkpoint))
-        return {"world": self.grid.world, "rank": self.grid.rank, "stage": self.grid.stage,
-                "config": hashlib.blake2b(config.encode(), digest_size=8).hexdigest(),
-                "params": hashlib.blake2b(repr(params).encode(), digest_size=8).hexdigest()}
+        return Identity(owner="Pipeline", rank=self.grid.rank, world=self.grid.world, config=fingerprint(config),
+                        params=fingerprint(describe_params(list(self.local.named_parameters()))),
+                        fields={"stage": str(self.grid.stage)})
 
 
 def _codec(spec: Codec, what: str) -> Compressor:

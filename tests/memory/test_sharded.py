@@ -537,8 +537,8 @@ def test_errors_are_the_same_on_every_rank(results):
             assert len(set(messages)) == 1, (key, messages)
     assert "disagree on the parameters" in per_rank[0]["params"]
     assert "optimizer options" in per_rank[0]["optimizer"]
-    assert "rank 1's shard" in per_rank[0]["other_rank"]
-    assert "shard of 4 ranks" in per_rank[0]["other_world"] and "consolidated_state_dict" in per_rank[0]["other_world"]
+    assert "it is rank 1's, loaded on rank 0" in per_rank[0]["other_rank"]
+    assert "saved on 4 ranks" in per_rank[0]["other_world"] and "consolidated_state_dict" in per_rank[0]["other_world"]
     assert "other parameters" in per_rank[0]["other_model"]
     assert "state_bits=16" in per_rank[0]["bits"] and "stage=3" in per_rank[0]["stage"]
     assert "int9" in per_rank[0]["compressor"]
