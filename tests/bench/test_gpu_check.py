@@ -101,11 +101,28 @@ def test_checks_counted_per_line_and_a_part_killed_at_its_limit(tmp_path):
     assert not o.ok and (o.passed, o.failed) == (1, 1)
     o = gc.run_part(lines(0, "pass", [str(tmp_path / "never.json")]), 600, logs, tmp_path)
     assert (o.ok, o.status) == (False, "FAILED: wrote no never.json")
-    # a command (and what it started) past its limit is killed and reported, whatever the load
-    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(120)']);" \
-            " print('PASS started', flush=True); time.sleep(120)"
-    o = gc.run_part(lines(1, child), 1, logs, tmp_path)
-    assert (o.ok, o.status) == (False, "TIMEOUT after 1s") and o.seconds < 100
+    # a command past its limit is killed with what it started and reported, whatever the load:
+    # afterwards no process carrying this run's token is alive (none, if the kill came first)
+    token = f"gpu-check-kill-{os.getpid()}-{tmp_path.name}"
+    child = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)', " \
+            "sys.argv[1]]); print('PASS started', flush=True); time.sleep(600)"
+    part = gc.Part("p", 60, 1, "lines", [PY, "-c", child, token])
+    o = gc.run_part(part, 1, logs, tmp_path)
+    assert (o.ok, o.status) == (False, "TIMEOUT after 1s")
+    assert _alive_with(token) == [], "a process of the killed part outlived it"
+
+
+def _alive_with(token):
+    """Pids of live (not zombie) processes whose command line holds ``token``."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if token.encode() in (proc / "cmdline").read_bytes() and \
+                    (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                found.append(int(proc.name))
+        except (OSError, ValueError, IndexError):  # not a process, or gone meanwhile
+            continue
+    return found
 
 
 def _fake_plan(gpus):
