@@ -50,7 +50,7 @@ def _opt_run(me, compressor, steps, *, start=0, checkpoint=None, save_at=None, s
             with opt.no_sync() if micro < accumulate - 1 else contextlib.nullcontext():
                 loss = torch.nn.functional.cross_entropy(model(xb), yb)
                 loss.backward()
-        launched.append(all(f is not None for f in opt._futures))
+        launched.append(all(f is not None for f in opt._launcher.futures))
         opt.step()
         losses.append(float(loss.detach()))
         if save_at == step + 1:
@@ -115,7 +115,7 @@ def _optimizer_rank(rank, world):
         model, opt, losses, _, launched = _opt_run(rank, name, STEPS, bucket_mb=0.002, **OPTIONS.get(name, {}))
         sd = opt.state_dict()["gradcomp"]
         out[name] = {"params": flat_params(model), "losses": losses, "launched": launched,
-                     "iteration": sd["iteration"], "buckets": len(opt._buckets)}
+                     "iteration": sd["iteration"], "buckets": len(opt._launcher.buckets)}
     for name, options in RESUMED.items():
         straight, _, _, saved, _ = _opt_run(rank, name, 6, save_at=3, **options)
         resumed, *_ = _opt_run(rank, name, 3, start=3, checkpoint=saved, seed=7, **options)
