@@ -61,7 +61,7 @@ import torch
 from gradcomp.compress.transaction import all_finite
 from gradcomp.kernels import rng
 
-from gradcomp.training._wrapper import Wrapper
+from gradcomp.training.wrapper import Wrapper
 
 __all__ = ["LowBitState", "PackedState", "state_nbytes", "BLOCK", "MIN_NUMEL", "BITS"]
 

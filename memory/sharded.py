@@ -45,7 +45,7 @@ from gradcomp.collectives.shards import all_gather, any_rank, reduce_scatter
 from gradcomp.compress import ErrorFeedback, get_compressor
 from gradcomp.compress.base import Compressor
 from gradcomp.compress.transaction import Transaction, all_finite
-from gradcomp.training._wrapper import Wrapper, broadcast_params, weak_grad_hook
+from gradcomp.training.wrapper import Wrapper, broadcast_params, weak_grad_hook
 from gradcomp.collectives.identity import agree, fingerprint, names_of
 
 from . import _shardckpt

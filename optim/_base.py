@@ -32,7 +32,7 @@ import torch
 from gradcomp.collectives import rank_of, world_of
 from gradcomp.compress import as_codec
 from gradcomp.collectives.identity import Identity, describe_params
-from gradcomp.training._wrapper import broadcast_params
+from gradcomp.training.wrapper import broadcast_params
 
 from . import _common as common
 from .momentum import MomentumExchange

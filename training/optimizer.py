@@ -23,7 +23,7 @@ import torch
 from gradcomp.collectives import plan_buckets
 from gradcomp.collectives.identity import names_of
 
-from ._wrapper import Wrapper, broadcast_params
+from .wrapper import Wrapper, broadcast_params
 from .buckets import BucketLauncher
 from .engine import Compression
 from .policy import Policy

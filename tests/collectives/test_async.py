@@ -122,7 +122,7 @@ def _after_in_flight(log, rank):
 
     from gradcomp.collectives import allreduce, worker
     from gradcomp.training import agree
-    from gradcomp.training._wrapper import broadcast_params
+    from gradcomp.training.wrapper import broadcast_params
 
     cpu = torch.device("cpu")
     other = dist.new_group([0, 1])  # a group the worker never took
