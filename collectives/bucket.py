@@ -36,9 +36,12 @@ from .fused import allreduce_fused
 Tensors = Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
 
 
-def plan_buckets(tensors: Sequence[Tuple[str, torch.Tensor]], bucket_mb: float) -> List[List[int]]:
+def plan_buckets(tensors: Sequence[Tuple[str, torch.Tensor]], bucket_mb: float, *,
+                 bytes_per_element: Optional[int] = None) -> List[List[int]]:
     """Indices of ``tensors`` per bucket: grouped by (device, dtype) in order of first
-    appearance, filled in order up to ``bucket_mb`` megabytes (2**20 bytes)."""
+    appearance, filled in order up to ``bucket_mb`` megabytes (2**20 bytes); a tensor larger
+    than that is a bucket alone. ``bytes_per_element`` counts every element as that many bytes
+    (None: the tensor's own element size)."""
     if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
         raise ValueError(f"bucket_mb={bucket_mb!r} must be a number > 0")
     cap = bucket_mb * 2**20
@@ -50,7 +53,8 @@ def plan_buckets(tensors: Sequence[Tuple[str, torch.Tensor]], bucket_mb: float) 
         current: List[int] = []
         size = 0
         for i in members:
-            nbytes = tensors[i][1].numel() * tensors[i][1].element_size()
+            t = tensors[i][1]
+            nbytes = t.numel() * (t.element_size() if bytes_per_element is None else bytes_per_element)
             if current and size + nbytes > cap:
                 buckets.append(current)
                 current, size = [], 0

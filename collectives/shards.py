@@ -27,7 +27,7 @@ from ._comm import Comm, scale_
 from ._telemetry import Record, commit
 from ._wire import decode, encode, gather_bytes
 
-__all__ = ["reduce_scatter", "all_gather", "any_rank"]
+__all__ = ["reduce_scatter", "all_gather", "any_rank", "piece_key"]
 
 
 def _begin(op: str, compressor: Any, key: str, group, splits: Sequence[int],
@@ -41,6 +41,12 @@ def _begin(op: str, compressor: Any, key: str, group, splits: Sequence[int],
         raise ValueError(f"{op}: splits must hold one length >= 0 per rank ({comm.size}), got {list(splits)}")
     rec.dense_bytes = tensor.numel() * tensor.element_size()
     return rec, comm, sizes
+
+
+def piece_key(key: str, j: int) -> str:
+    """The key under which a compressed :func:`reduce_scatter` of ``key`` keeps (on the sender)
+    the residual of the piece it sends to rank ``j``."""
+    return f"{key}/to{j}"
 
 
 def _label(compressor: Any) -> str:
@@ -84,7 +90,7 @@ def _compressed_reduce(comm: Comm, pieces: List[torch.Tensor], sizes: List[int],
             if j == me or not sizes[j]:
                 bufs.append(torch.empty(0, dtype=torch.uint8, device=device))
                 continue
-            payload = compressor.compress(piece, f"{key}/to{j}")
+            payload = compressor.compress(piece, piece_key(key, j))
             rec.payload_bytes += payload.nbytes
             bufs.append(encode(payload, device))
     out_sizes = [b.numel() for b in bufs]

@@ -50,8 +50,7 @@ def _run(codec, grads, send):
 
 
 def _via_compress(codec, t):
-    base = getattr(codec, "compressor", codec)
-    return base.decompress(codec.compress(t, key="w"))
+    return codec.base.decompress(codec.compress(t, key="w"))
 
 
 def _via_allreduce(codec, t):
