@@ -178,19 +178,45 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
     (``gradcomp.compress.transaction``) whether every mean is finite, from the cheapest
     tensors that decide it (the same on every rank of ``group``).
     """
-    codecs = {id(codec): codec for _, _, codec in items}
     txn = transaction.current() if observe else None
-    casts = [c for c in codecs.values() if c is not None]
-    if (buffer is not None and items and sum(g.numel() for _, g, _ in items) == buffer.numel()
-            and (not casts or (len(casts) == 1 and isinstance(casts[0], CastCompressor)))):
-        # all dense, or one 16-bit cast with at most a few small dense tensors beside it
-        dense = [i for i, (_, _, c) in enumerate(items) if c is None] if casts else []
-        if sum(items[i][1].numel() for i in dense) * 20 <= buffer.numel():
-            whole, averaged = _whole(items, buffer, casts[0] if casts else None, group, world, exact=dense)
-            if txn is not None:  # the 16-bit mean is finite exactly when its fp32 copy is: half the bytes to read
-                txn.observe(averaged)
-            return whole
+    whole = _exchange_whole(items, buffer, group, world, txn)
+    if whole is not None:
+        return whole
     out: List[Optional[torch.Tensor]] = [None] * len(items)
+    _exchange_summable(items, out, group, world, label, txn)
+    rest = [i for i in range(len(items)) if out[i] is None]
+    # the others share each exchange (allgather on two ranks, scatter-reduce on more), unless
+    # errors are measured, which allreduce does per tensor
+    if rest and not measure_error_default():
+        _exchange_fused(items, rest, out, group)
+    _exchange_each(items, [i for i in rest if out[i] is None], out, group)
+    if txn is not None:
+        txn.observe([out[i] for i in rest])
+    return out  # type: ignore[return-value]
+
+
+def _exchange_whole(items: Sequence[Item], buffer: Optional[torch.Tensor], group, world: int,
+                    txn: Optional[Any]) -> Optional[List[torch.Tensor]]:
+    """The bucket averaged as a whole (:func:`_whole`) when it is all dense, or one 16-bit cast
+    with at most a few small dense tensors beside it; else None (nothing was sent)."""
+    codecs = {id(codec): codec for _, _, codec in items}
+    casts = [c for c in codecs.values() if c is not None]
+    if not (buffer is not None and items and sum(g.numel() for _, g, _ in items) == buffer.numel()
+            and (not casts or (len(casts) == 1 and isinstance(casts[0], CastCompressor)))):
+        return None
+    dense = [i for i, (_, _, c) in enumerate(items) if c is None] if casts else []
+    if sum(items[i][1].numel() for i in dense) * 20 > buffer.numel():
+        return None
+    whole, averaged = _whole(items, buffer, casts[0] if casts else None, group, world, exact=dense)
+    if txn is not None:  # the 16-bit mean is finite exactly when its fp32 copy is: half the bytes to read
+        txn.observe(averaged)
+    return whole
+
+
+def _exchange_summable(items: Sequence[Item], out: List[Optional[torch.Tensor]], group, world: int, label: str,
+                       txn: Optional[Any]) -> None:
+    """Dense gradients and summable codecs (native, multi-round) in lockstep (:func:`_lockstep`):
+    their results into ``out``; the other items are left None."""
     gens: Dict[int, Rounds] = {}
     for i, (key, grad, codec) in enumerate(items):
         if codec is None:
@@ -200,33 +226,33 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
             gens[i] = codec.rounds(grad, key, out=grad if grad.is_contiguous() else None)
         elif codec.base.native:
             gens[i] = _native(codec, grad, key)
-    if gens:
-        rec = Record("allreduce", "bucket", label, "bucket", world,
-                     dense_bytes=sum(_nbytes(items[i][1]) for i in gens))
-        results, last = _lockstep(gens, group, world, rec)
-        for i, value in results.items():
-            out[i] = value
-        commit(rec)
-        if txn is not None:
-            # Each item's last average decides: a dense mean is the result itself, a native
-            # payload decodes to finite values only when it is finite, and PowerSGD's result
-            # P Q^T (saturated) is finite exactly when its last average, Q, is. EF21 adds its
-            # aggregate estimate, so its result itself is checked.
-            txn.observe([last[i] for i in gens])
-            txn.observe([out[i] for i in gens if isinstance(items[i][2], EF21)])
-    rest = [i for i in range(len(items)) if out[i] is None]
-    # the others share each exchange (allgather on two ranks, scatter-reduce on more), unless
-    # errors are measured, which allreduce does per tensor
-    if rest and not measure_error_default():
-        for i, value in zip(rest, allreduce_fused([items[i] for i in rest], group=group)):
-            out[i] = value
-    for i in rest:
-        if out[i] is None:
-            key, grad, codec = items[i]
-            out[i] = flat_job(grad, make_spec(codec, None, None, False), key, group)
+    if not gens:
+        return
+    rec = Record("allreduce", "bucket", label, "bucket", world, dense_bytes=sum(_nbytes(items[i][1]) for i in gens))
+    results, last = _lockstep(gens, group, world, rec)
+    for i, value in results.items():
+        out[i] = value
+    commit(rec)
     if txn is not None:
-        txn.observe([out[i] for i in rest])
-    return out  # type: ignore[return-value]
+        # Each item's last average decides: a dense mean is the result itself, a native
+        # payload decodes to finite values only when it is finite, and PowerSGD's result
+        # P Q^T (saturated) is finite exactly when its last average, Q, is. EF21 adds its
+        # aggregate estimate, so its result itself is checked.
+        txn.observe([last[i] for i in gens])
+        txn.observe([out[i] for i in gens if isinstance(items[i][2], EF21)])
+
+
+def _exchange_fused(items: Sequence[Item], rest: Sequence[int], out: List[Optional[torch.Tensor]], group) -> None:
+    """Items ``rest`` in one ``allreduce_fused``: each exchange made once for all of them."""
+    for i, value in zip(rest, allreduce_fused([items[i] for i in rest], group=group)):
+        out[i] = value
+
+
+def _exchange_each(items: Sequence[Item], rest: Sequence[int], out: List[Optional[torch.Tensor]], group) -> None:
+    """Items ``rest`` one allreduce each (what measuring the compression error needs)."""
+    for i in rest:
+        key, grad, codec = items[i]
+        out[i] = flat_job(grad, make_spec(codec, None, None, False), key, group)
 
 
 def _whole(items: Sequence[Item], buffer: torch.Tensor, cast: Optional[CastCompressor], group, world: int,
