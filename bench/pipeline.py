@@ -3,7 +3,7 @@
 On ``--world-size`` ranks (one pipeline stage each), loopback or ``--netem RATE``, in one run:
 
 - throughput: samples/s of gradcomp's ``Pipeline`` under each schedule (``--schedules``) and
-  boundary codec pair (``--codecs``, ``ACT+GRAD``), and of ``torch.distributed.pipelining``
+  pair of boundary compressors (``--codecs``, ``ACT+GRAD``), and of ``torch.distributed.pipelining``
   (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) on the same model, ranks,
   link and batch; median step time over ``--repeats`` steps after ``--warmup`` (each step
   starts at a barrier; a step's time is its slowest rank's); the measured bubble (the share
@@ -11,9 +11,9 @@ On ``--world-size`` ranks (one pipeline stage each), loopback or ``--netem RATE`
   beside the textbook ``(p - 1) / (v m + p - 1)``; bytes sent per step as the
   pipeline counts them (``Pipeline.sent_bytes``: payloads);
 - balance: an uneven model (four wide layers, then narrow ones) split into equal layer counts
-  and by ``balance="auto"`` at this link, samples/s of each (1F1B, the last codec pair);
+  and by ``balance="auto"`` at this link, samples/s of each (1F1B, the last pair);
 - accuracy (``--epochs`` > 0): the throughput model at ``--accuracy-width`` trained on the
-  training benchmark's data (scikit-learn's digits) with each codec pair (and int8 activations
+  training benchmark's data (scikit-learn's digits) with each pair (and int8 activations
   in AQ-SGD's delta mode), test accuracy against the exact pipeline's;
 - ``--plot PATH``: a PNG timeline of one step of each of gradcomp's schedules (stage x time:
   forward, backward, sends).
@@ -43,7 +43,7 @@ TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "Sched
 DEFAULT_CODECS = "none+none,int8+fp16"
 ACCURACY_CODECS = ("none+none", "fp16+fp16", "bf16+bf16", "int8+fp16", "int8~delta+fp16", "qsgd+fp16",
                    "topk:ratio=0.1+fp16")
-STAGE_LAYERS = 1  # layers per virtual stage (interleaved chunk) of the models: little compute per boundary
+STAGE_LAYERS = 1  # layers per (virtual) stage of the models: little compute per boundary
 
 
 def parser() -> argparse.ArgumentParser:
@@ -52,8 +52,9 @@ def parser() -> argparse.ArgumentParser:
                                             "torch.distributed.pipelining, on loopback or an emulated link.")
     p.add_argument("--schedules", default=",".join(SCHEDULES), metavar="A,B", help="gpipe,1f1b,interleaved")
     p.add_argument("--codecs", default=DEFAULT_CODECS, metavar="ACT+GRAD,...",
-                   help=f"boundary codec pairs, activation+gradient (default {DEFAULT_CODECS})")
-    p.add_argument("--chunks", type=int, default=8, metavar="M", help="micro-batches per step (default 8)")
+                   help=f"pairs of boundary compressors, activation+gradient (default {DEFAULT_CODECS})")
+    p.add_argument("--microbatches", "--chunks", type=int, default=8, metavar="M",
+                   help="micro-batches per step (default 8)")
     p.add_argument("--batch-size", type=int, default=256, metavar="N", help="samples per step (default 256)")
     p.add_argument("--width", type=int, default=8192, metavar="W", help="boundary width (default 8192)")
     p.add_argument("--inner", type=int, default=16, metavar="K",
@@ -113,8 +114,8 @@ class _Method:
     """One throughput method on this rank: ``step()`` runs a training step; ``measure()``
     notes what it measured after a timed one; ``result()`` is what the report needs."""
 
-    def __init__(self, step: Callable[[], Any], v: int, pipe: Any = None) -> None:
-        self.step, self.v, self.pipe = step, v, pipe
+    def __init__(self, step: Callable[[], Any], vstages: int, pipe: Any = None) -> None:
+        self.step, self.vstages, self.pipe = step, vstages, pipe  # vstages: virtual stages per rank
         self.times: List[float] = []
         self.bubbles: List[float] = []
         self.sent: List[float] = []
@@ -128,7 +129,7 @@ class _Method:
             self.sent.append(sent)
 
     def result(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {"times": self.times, "v": self.v, "bubble": None, "bytes": None}
+        out: Dict[str, Any] = {"times": self.times, "vstages": self.vstages, "bubble": None, "bytes": None}
         if self.pipe is not None:
             self.step()  # one more, for the timeline
             out.update(bubble=statistics.median(self.bubbles), bytes=statistics.median(self.sent),
@@ -165,7 +166,7 @@ def _ours(cfg: Dict[str, Any], schedule: str, codecs: str, world: int, make: Cal
     layers = len(model)
     balance = balance or [layers // (world * v)] * (world * v)
     balance[-1] += layers - sum(balance)
-    pipe = Pipeline(model, balance=balance, schedule=schedule, chunks=cfg["chunks"], activation_codec=act,
+    pipe = Pipeline(model, balance=balance, schedule=schedule, microbatches=cfg["microbatches"], activation_codec=act,
                     grad_codec=grad, delta=delta, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
     x, y = cfg["x"], cfg["y"]
     return _Method(lambda: pipe.step(x, y, nn.functional.cross_entropy), v, pipe)
@@ -183,7 +184,7 @@ def _torch(cfg: Dict[str, Any], schedule: str, rank: int, world: int, make: Call
     mine = [s for s in range(n) if s % world == rank]
     stages = [pipelining.PipelineStage(pieces[s], s, n, torch.device("cpu")) for s in mine]
     cls = getattr(pipelining, TORCH[schedule])
-    sched = cls(stages if v > 1 else stages[0], cfg["chunks"], loss_fn=nn.functional.cross_entropy)
+    sched = cls(stages if v > 1 else stages[0], cfg["microbatches"], loss_fn=nn.functional.cross_entropy)
     opt = torch.optim.SGD([p for s in mine for p in pieces[s].parameters()], lr=1e-3)
     x, y = cfg["x"], cfg["y"]
 
@@ -204,7 +205,7 @@ def _accuracy(cfg: Dict[str, Any], codecs: str, world: int, data: Any) -> Dict[s
     model = heavy_model(cfg["accuracy_width"], world * 2, cfg["seed"], cfg["inner"])
     per = len(model) // world
     pipe = Pipeline(model, balance=[per] * (world - 1) + [len(model) - per * (world - 1)], schedule="1f1b",
-                    chunks=4, activation_codec=act, grad_codec=grad, delta=delta,
+                    microbatches=4, activation_codec=act, grad_codec=grad, delta=delta,
                     optimizer=lambda ps: torch.optim.SGD(ps, lr=0.05, momentum=0.9))
     batch = 64
     for epoch in range(cfg["epochs"]):
@@ -225,7 +226,7 @@ def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[...,
     cfg = dict(cfg, x=torch.randn(cfg["batch_size"], 64, generator=g),
                y=torch.randint(0, 10, (cfg["batch_size"],), generator=g))
 
-    def model() -> nn.Sequential:  # enough layers for two chunks per rank
+    def model() -> nn.Sequential:  # enough layers for two virtual stages per rank
         return heavy_model(cfg["width"], world * 2, cfg["seed"], cfg["inner"])
 
     labels: List[str] = []
@@ -263,7 +264,8 @@ def _balance_methods(cfg: Dict[str, Any], world: int) -> List[Tuple[str, _Method
     model = uneven_model(cfg["seed"])
     chosen: List[Any] = [None]
     if dist.get_rank() == 0:
-        chosen[0] = auto_balance(model, cfg["x"][: cfg["batch_size"] // cfg["chunks"]], world, activation_codec=act,
+        chosen[0] = auto_balance(model, cfg["x"][: cfg["batch_size"] // cfg["microbatches"]], world,
+                                 activation_codec=act,
                                  grad_codec=grad, link_bps=cfg["link_bps"]).balance
     dist.broadcast_object_list(chosen, src=0)
     n = len(model)
@@ -286,7 +288,7 @@ def _records(everyone: List[Any], cfg: Dict[str, Any], world: int) -> List[Dict[
             bubbles = [x["bubble"] for x in runs if x["bubble"] is not None]
             r.update(step_ms=1e3 * step, samples_per_s=cfg["batch_size"] / step,
                      bubble=statistics.mean(bubbles) if bubbles else None,
-                     ideal_bubble=ideal_bubble(world, cfg["chunks"], mine["v"]),
+                     ideal_bubble=ideal_bubble(world, cfg["microbatches"], mine["vstages"]),
                      bytes_per_step=max(x["bytes"] for x in runs) if mine["bytes"] is not None else None)
             if "events" in mine:
                 r["timeline"] = [[(e[0], e[1], e[2], e[3] + x["started_at"], e[4] + x["started_at"])
@@ -346,7 +348,7 @@ def table(records: List[Dict[str, Any]]) -> str:
 
 
 def timeline_plot(records: List[Dict[str, Any]], path: str, title: str) -> None:
-    """One panel per gradcomp schedule (its first codec pair): stages down, time across;
+    """One panel per gradcomp schedule (its first pair of boundary compressors): stages down, time across;
     forward, backward and send intervals, micro-batch numbers on the passes."""
     from .plot import _pyplot
 
@@ -380,8 +382,8 @@ def timeline_plot(records: List[Dict[str, Any]], path: str, title: str) -> None:
                      f"{r['ideal_bubble']:.2f}); drawn: one more step, {_span(r):.0f} ms", fontsize=9, loc="left")
         ax.set_xlabel("ms since the step began (wall clock, one step)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, ["forward", "backward", "send (its wait for earlier messages included)"], loc="upper right", ncol=3,
-               fontsize=8, frameon=False)
+    fig.legend(handles, ["forward", "backward", "send (its wait for earlier messages included)"], loc="upper right",
+               ncol=3, fontsize=8, frameon=False)
     fig.suptitle(title, fontsize=10, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=130)
@@ -408,16 +410,17 @@ def main(argv: Sequence[str]) -> int:
         if c.count("+") != 1:
             raise ValueError(f"--codecs {c!r}: give ACT+GRAD, e.g. int8+fp16")
         _pair(c)
-    for name in ("chunks", "batch_size", "width", "inner", "repeats", "warmup", "accuracy_width"):
+    for name in ("microbatches", "batch_size", "width", "inner", "repeats", "warmup", "accuracy_width"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
-    if args.batch_size % args.chunks or args.chunks % args.world_size:
-        raise ValueError(f"--batch-size ({args.batch_size}) must split into --chunks ({args.chunks}) micro-batches, "
-                         f"and --chunks be a multiple of --world-size ({args.world_size}) for the interleaved schedule")
+    if args.batch_size % args.microbatches or args.microbatches % args.world_size:
+        raise ValueError(f"--batch-size ({args.batch_size}) must split into --microbatches ({args.microbatches}), "
+                         f"and --microbatches be a multiple of --world-size ({args.world_size}) for the interleaved "
+                         f"schedule")
     link = cli.resolve_link(args)
     if args.epochs:
         _data(args.seed)  # fail early, in the parent, if scikit-learn is missing
-    cfg = {"schedules": schedules, "codecs": codecs, "chunks": args.chunks, "batch_size": args.batch_size,
+    cfg = {"schedules": schedules, "codecs": codecs, "microbatches": args.microbatches, "batch_size": args.batch_size,
            "width": args.width, "inner": args.inner, "repeats": args.repeats, "warmup": args.warmup,
            "torch": not args.no_torch,
            "balance": not args.no_balance, "epochs": args.epochs, "accuracy_width": args.accuracy_width,
@@ -427,7 +430,8 @@ def main(argv: Sequence[str]) -> int:
     print(envmod.header(env, [
         f"model    stem Linear(64,{args.width}), {2 * args.world_size * STAGE_LAYERS - 2} bottleneck blocks "
         f"{args.width}-{args.inner}-{args.width}, head Linear({args.width},10); {2 * STAGE_LAYERS} layers per stage, "
-        f"{STAGE_LAYERS} per chunk when interleaved; batch {args.batch_size} in {args.chunks} micro-batches",
+        f"{STAGE_LAYERS} per virtual stage when interleaved; batch {args.batch_size} in {args.microbatches} "
+        f"micro-batches",
         f"timing   median over {args.repeats} steps after {args.warmup} warm-up, each from a barrier, slowest rank",
         f"accuracy digits, width {args.accuracy_width}, 1F1B, 4 micro-batches of 16, {args.epochs} epochs, "
         f"SGD lr 0.05 momentum 0.9",

@@ -1,7 +1,7 @@
 """gradcomp.pipeline: pipeline-parallel training over compressed point-to-point links.
 
 ``Pipeline`` (``pipe.py``) runs one rank's stage under a schedule (``schedule.py``: GPipe,
-1F1B, interleaved 1F1B) with each boundary direction through a gradcomp codec, AQ-SGD's
+1F1B, interleaved 1F1B) with each boundary direction through a boundary compressor, AQ-SGD's
 delta mode as an option (``delta.py``), data parallelism across stage replicas on a 2-D rank
 grid (``grid.py``), recompute inside stages, and ``balance="auto"`` (``balance.py``: a
 dynamic programme over measured layer time and compressed boundary bytes). See docs/pipeline.md.

@@ -1,9 +1,10 @@
 """``balance="auto"``: cut an ``nn.Sequential`` where compute is even and boundaries are cheap.
 
 Pipe-torch's idea (Zhan & Zhang 2019: a dynamic programme over layer costs that accounts for
-communication), with gradcomp's codecs in the cost: the bytes a boundary sends are measured
-by compressing the real activation with the activation codec (and a tensor of its shape with
-the gradient codec), so a cut lands where activations are small *or compress well*.
+communication), with the boundary compressors in the cost: the bytes a boundary sends are
+measured by compressing the real activation with the activation compressor (and a tensor of its
+shape with the gradient compressor), so a cut lands where activations are small *or compress
+well*.
 
 Cost model, per stage ``[a, b)`` of layers: the measured forward + backward time of its layers
 plus the time its rank's link spends on what that rank sends — the activation of boundary
@@ -26,8 +27,8 @@ class LayerCost(NamedTuple):
     """One layer, measured on one micro-batch."""
 
     seconds: float  # forward + backward, median over repeats
-    act_bytes: int  # the layer's output through the activation codec (payload bytes)
-    grad_bytes: int  # a gradient of that shape through the gradient codec
+    act_bytes: int  # the layer's output through the activation compressor (payload bytes)
+    grad_bytes: int  # a gradient of that shape through the gradient compressor
 
 
 class Balance(NamedTuple):
@@ -38,7 +39,7 @@ class Balance(NamedTuple):
     costs: List[LayerCost]
 
 
-def measure_layers(model: nn.Sequential, sample: torch.Tensor, codecs: Tuple[Compressor, Compressor],
+def measure_layers(model: nn.Sequential, sample: torch.Tensor, compressors: Tuple[Compressor, Compressor],
                    repeats: int = 3) -> List[LayerCost]:
     """Each layer's forward + backward time on ``sample`` (one micro-batch) and the compressed
     bytes of its output, measured. The model is left as it was (parameters' ``.grad`` and
@@ -46,16 +47,16 @@ def measure_layers(model: nn.Sequential, sample: torch.Tensor, codecs: Tuple[Com
     grads = [(p, p.grad) for p in model.parameters()]
     buffers = {k: v.clone() for k, v in model.state_dict().items()}
     try:
-        return _measure(model, sample, codecs, repeats)
+        return _measure(model, sample, compressors, repeats)
     finally:
         model.load_state_dict(buffers)
         for p, g in grads:
             p.grad = g
 
 
-def _measure(model: nn.Sequential, sample: torch.Tensor, codecs: Tuple[Compressor, Compressor],
+def _measure(model: nn.Sequential, sample: torch.Tensor, compressors: Tuple[Compressor, Compressor],
              repeats: int) -> List[LayerCost]:
-    act_codec, grad_codec = codecs
+    act, grad = compressors
     times: List[List[float]] = [[] for _ in model]
     sizes: List[Tuple[int, int]] = []
     for r in range(repeats + 1):  # the first pass warms up and is discarded
@@ -69,7 +70,7 @@ def _measure(model: nn.Sequential, sample: torch.Tensor, codecs: Tuple[Compresso
                 times[i].append(time.perf_counter() - t)
             if r == 1:
                 out = y.detach()
-                sizes.append((act_codec.compress(out).nbytes, grad_codec.compress(out.float()).nbytes))
+                sizes.append((act.compress(out).nbytes, grad.compress(out.float()).nbytes))
             x = y
     return [LayerCost(sorted(ts)[len(ts) // 2], a, g) for ts, (a, g) in zip(times, sizes)]
 
@@ -118,6 +119,6 @@ def auto_balance(model: nn.Sequential, sample: torch.Tensor, stages: int, *, act
         raise ValueError("balance='auto' needs sample=: one micro-batch of inputs to measure the layers on")
     if link_bps is not None and not (isinstance(link_bps, (int, float)) and link_bps > 0):
         raise ValueError(f"link_bps={link_bps!r} is not allowed; it must be a rate in bits per second > 0, or None")
-    codecs = tuple(c if isinstance(c, Compressor) else get_compressor(c or "none")
-                   for c in (activation_codec, grad_codec))
-    return partition(measure_layers(model, sample, (codecs[0], codecs[1]), repeats), stages, link_bps)
+    act, grad = (c if isinstance(c, Compressor) else get_compressor(c or "none")
+                 for c in (activation_codec, grad_codec))
+    return partition(measure_layers(model, sample, (act, grad), repeats), stages, link_bps)

@@ -39,6 +39,11 @@ class DeltaFeedback:
     def __repr__(self) -> str:
         return f"DeltaFeedback({self.compressor!r})"
 
+    @property
+    def base(self) -> Compressor:
+        """The compressor that encodes and decodes (as every wrapper's ``base``)."""
+        return self.compressor
+
     def expect(self, key: str, ids: torch.Tensor) -> None:
         """The next message under ``key`` carries the samples ``ids`` (one per row)."""
         self._ids[key] = [int(i) for i in ids.reshape(-1).tolist()]

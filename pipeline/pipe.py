@@ -1,41 +1,25 @@
 """``Pipeline``: pipeline-parallel training over compressed point-to-point links.
 
-Each rank holds one stage of a model (or, interleaved, several chunks of it). A step splits
-the batch into ``chunks`` micro-batches and runs the schedule's forward and backward passes
-(:mod:`gradcomp.pipeline.schedule`); activations go forward and activation gradients back,
-each direction through its own codec, all from the calling thread in one order every rank
-derives from the schedule (:mod:`gradcomp.pipeline.transport`: ``batch_isend_irecv``, no tags,
-safe under NCCL's one stream per pair). Every message carries its shape and size, so shapes
-may change from step to step (a new sequence length).
+Each rank holds one stage of a model (interleaved: several virtual stages of it). A step splits
+the batch into ``microbatches`` and runs the schedule's passes
+(:mod:`gradcomp.pipeline.schedule`); activations go forward and their gradients back, each
+direction through its own boundary compressor (``activation_codec``, ``grad_codec``), all from
+the calling thread in one order every rank derives from the schedule
+(:mod:`gradcomp.pipeline.transport`). Every message carries its shape.
 
-Contracts:
+Invariants (the reasons, and what each costs, in docs/pipeline.md):
 
-- loss: the last stage computes ``loss_fn(output, target)`` per micro-batch and backpropagates
-  ``loss / chunks``: gradients are those of the mean of the micro-batch losses — with the
-  ``none`` codecs bit-identical to one process running the same micro-batches in order
-  (``tests/pipeline/test_pipeline_schedules.py``). ``step`` returns that mean (averaged over
-  replicas) on every rank;
-- with ``optimizer`` (a function of the stage's parameters that returns a
-  ``torch.optim.Optimizer``) the step also updates the stage; with ``replicas > 1`` the
-  optimizer is wrapped in ``gradcomp.training.CompressedOptimizer`` over the stage's replicas
-  (``dp_compressor``), whose exchange starts during each chunk's last backward pass and so
-  overlaps the pipeline's cool-down. Without it the gradients are left in ``.grad``;
-- a step whose local gradients or loss are not finite anywhere in the grid changes no state:
-  parameters, optimizer state, compression state, delta caches and codec counters stay as they
-  were (one small all-reduce per step decides it on every rank);
-- the batch is checked on every rank and the verdict agreed (one small all-gather before the
-  step's first message): a batch that does not split anywhere, batch sizes or (delta mode)
-  ``sample_ids`` that differ between the stages of one pipeline raise the same ``ValueError``
-  on every rank, nothing sent, nothing changed;
-- ranks that disagree on the configuration raise the same ``ValueError`` at construction; a
-  dead or silent peer is a ``CommunicationError`` within the group timeout, never a hang.
-
-Host reads per training step: the batch agreement, one per received message (its header, with
-the payload, which the wire format decodes on the host) and the end-of-step all-reduce.
+- the gradients are those of the mean micro-batch loss (the last stage backpropagates
+  ``loss / microbatches``); with the ``none`` compressors bit-identical to one process running
+  the same micro-batches in order; ``step`` returns that mean (averaged over replicas) on
+  every rank;
+- a step whose loss or local gradients are not finite anywhere in the grid changes no state;
+- a batch, a configuration or a stage that any rank finds wrong raises the same ``ValueError``
+  on every rank, before any message; a dead or silent peer is a ``CommunicationError`` within
+  the group timeout, never a hang.
 """
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -44,21 +28,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _checkpoint
 
-from gradcomp.collectives import CommunicationError, group_timeout
-from gradcomp.compress import Compressor, available_compressors, get_compressor
-from gradcomp.compress.transaction import Transaction, all_finite
+from gradcomp.collectives import CommunicationError, backend_for, check_device_set, group_timeout, worker
+from gradcomp.compress import Compressor, as_codec, get_compressor
+from gradcomp.compress.transaction import Transaction
 from gradcomp.training import CompressedOptimizer
 from gradcomp.collectives.identity import Identity, agree, describe_params, fingerprint, refuse_on_every_rank
 
 from .delta import DeltaFeedback
 from .grid import Grid
-from .stages import split
+from .stages import StagesOverBudget, over_budget_message, split
 from .schedule import Action, build, check_shape
 from .transport import Message, Transport, message_order
 
 CHECKPOINTS = (None, "never", "except_last", "always")
 _MISSING, _NOT_A_BATCH, _UNEVEN, _OTHER_SIZE = 1, 2, 3, 4  # what a rank found wrong with its batch
-Codec = Union[None, str, Compressor]
+BoundarySpec = Union[None, str, Compressor]  # what activation_codec= / grad_codec= accept
 
 
 class Event(NamedTuple):
@@ -67,86 +51,79 @@ class Event(NamedTuple):
     # "F", "B" (training passes), "E" (an eval_step forward), "send" (compressing and posting a
     # message), "wait" (for a message)
     kind: str
-    stage: int  # virtual stage
+    stage: int  # the stage (virtual stage id, 0 .. p * v - 1)
     mb: int
     start: float
     end: float
 
 
 class Pipeline:
-    """One rank's part of a pipeline; see the module docstring for the contracts.
+    """One rank's part of a pipeline; the keywords and the contracts are in docs/pipeline.md.
 
-    ``stages``: an ``nn.Sequential`` of the whole model with ``balance`` (layers per virtual
-    stage, or ``"auto"``: :func:`gradcomp.pipeline.balance.auto_balance` with ``sample``,
-    ``link_bps``), or this rank's module (a list of modules, one per chunk, for
-    ``schedule="interleaved"``). ``schedule``: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``;
-    ``chunks``: micro-batches per step (more: smaller bubble, smaller messages).
-    ``activation_codec`` / ``grad_codec``: a compressor name or a ``Compressor`` for the
-    activations sent forward and the gradients sent back (``None``: exact); ``delta=True``
-    sends each sample's activation change (AQ-SGD; ``step(..., sample_ids=...)``).
-    ``checkpoint``: recompute inside stages — ``"except_last"`` (every micro-batch but the last,
-    as torchgpipe), ``"always"``, ``"never"``/``None``; or ``memory_budget``: bytes of saved
-    activations per micro-batch, each chunk under a ``gradcomp.memory`` plan (with ``balance``
-    and ``sample``). ``replicas``: pipelines side by side
-    (data parallel); ``dp_compressor`` (+ ``dp_options``) averages each stage's gradients over its
-    replicas. ``process_group``: the ranks of the whole grid (default: all). ``device``: where
-    this rank's stage runs, needed only when its modules hold no parameter or buffer (else
-    theirs); every message and the end-of-step all-reduce live there.
+    ``stages``: an ``nn.Sequential`` of the whole model cut by ``balance`` (layers per stage,
+    or ``"auto"``), or this rank's module (a list, one per virtual stage, for
+    ``schedule="interleaved"``). ``microbatches`` (``chunks`` is the same keyword): micro-batches
+    per step. ``activation_codec`` / ``grad_codec``: the boundary compressors (a name, a
+    ``Compressor``, ``None``: exact). ``checkpoint`` or ``memory_budget`` (bytes of saved
+    activations per micro-batch): recompute inside stages. ``replicas`` with ``dp_compressor``:
+    data parallelism over stage replicas. ``device``: only for a stage without parameters or
+    buffers.
     """
 
-    def __init__(self, stages: Union[nn.Module, Sequence[nn.Module]], *, schedule: str = "1f1b", chunks: int = 4,
-                 balance: Union[None, str, Sequence[int]] = None, activation_codec: Codec = None,
-                 grad_codec: Codec = None, delta: bool = False, checkpoint: Optional[str] = None,
-                 replicas: int = 1, dp_compressor: Any = "none", dp_options: Optional[Dict[str, Any]] = None,
+    def __init__(self, stages: Union[nn.Module, Sequence[nn.Module]], *, schedule: str = "1f1b",
+                 microbatches: Optional[int] = None, balance: Union[None, str, Sequence[int]] = None,
+                 activation_codec: BoundarySpec = None, grad_codec: BoundarySpec = None, delta: bool = False,
+                 checkpoint: Optional[str] = None, replicas: int = 1, dp_compressor: Any = "none",
+                 dp_options: Optional[Dict[str, Any]] = None,
                  optimizer: Optional[Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = None,
                  process_group: Any = None, virtual: Optional[int] = None, sample: Optional[torch.Tensor] = None,
                  link_bps: Optional[float] = None, memory_budget: Optional[float] = None,
-                 device: Union[None, str, torch.device] = None) -> None:
-        if checkpoint not in CHECKPOINTS:
-            raise ValueError(f"checkpoint={checkpoint!r} is not allowed; use one of {CHECKPOINTS}")
-        if memory_budget is not None and checkpoint not in (None, "never"):
-            raise ValueError(f"memory_budget= and checkpoint={checkpoint!r} both decide what a stage recomputes; "
-                             f"give one of them")
-        if not isinstance(delta, bool):
-            raise ValueError(f"delta={delta!r} is not allowed; it must be True or False")
+                 device: Union[None, str, torch.device] = None, chunks: Optional[int] = None) -> None:
+        microbatches = _microbatches(microbatches, chunks)
+        _check_options(checkpoint, memory_budget, delta)
         self.grid = Grid(process_group, replicas)
         p = self.grid.stages
-        self.schedule, self.chunks, self.checkpoint, self.delta = schedule, chunks, checkpoint, delta
-        # checked by every rank, then compared: a rank alone with a bad shape or a budget too
-        # small for its stage must not leave the others waiting
-        problem = ""
+        self.schedule, self.microbatches, self.checkpoint, self.delta = schedule, microbatches, checkpoint, delta
+        self.memory_budget = memory_budget
+        # Checked by every rank, then compared: a rank alone with a bad shape, a budget too
+        # small for its stage or a bad compressor must not leave the others waiting.
+        problem, needed = "", {}  # needed: stage -> the least memory_budget it plans within
         try:
             self.modules, self.balance = split(stages, balance, p, self.grid.stage, schedule, virtual, sample,
                                                (activation_codec, grad_codec), link_bps, process_group, memory_budget)
-            check_shape(schedule, p, chunks, len(self.modules))
+            check_shape(schedule, p, microbatches, len(self.modules))
+        except StagesOverBudget as exc:
+            self.modules, self.balance, problem, needed = [nn.Identity()], None, str(exc), exc.needed
         except ValueError as exc:
             self.modules, self.balance, problem = [nn.Identity()], None, str(exc)
-        self.memory_budget = memory_budget
-        self.v = len(self.modules)
-        self.n_stages = p * self.v
-        self.stage_ids = [c * p + self.grid.stage for c in range(self.v)]  # the virtual stage of each chunk
+        self.virtual_stages = len(self.modules)  # this rank's virtual stages (model chunks)
+        self.n_stages = p * self.virtual_stages
+        self.stage_ids = [c * p + self.grid.stage for c in range(self.virtual_stages)]  # each one's stage
         self.local = nn.ModuleList(self.modules)
-        try:  # a rank that cannot tell its device says so in the agreement, as the others wait there
+        try:  # a rank that cannot tell its device or build a compressor says so, as the others wait
             self.device = self._stage_device(device)
+            # per virtual stage, one boundary compressor per direction and end: each keeps its
+            # own per-key counters
+            self._act_send = [_boundary_compressor(activation_codec, "activation_codec")
+                              for _ in range(self.virtual_stages)]
+            self._act_recv = [_boundary_compressor(activation_codec, "activation_codec")
+                              for _ in range(self.virtual_stages)]
+            self._grad = [_boundary_compressor(grad_codec, "grad_codec") for _ in range(self.virtual_stages)]
         except ValueError as exc:
             self.device, problem = torch.device("cpu"), problem or str(exc)
-        self._act = [_codec(activation_codec, "activation_codec") for _ in range(self.v)]
-        self._grad = [_codec(grad_codec, "grad_codec") for _ in range(self.v)]
-        self._agree(dp_compressor, dp_options, optimizer, problem)
-        if problem:
-            raise ValueError(problem)
+            self._act_send = self._act_recv = self._grad = [get_compressor("none")]
+        self._refuse_construction(problem, needed)
+        self._agree(dp_compressor, dp_options, optimizer)
         self.grid.make_dp_groups(group_timeout(process_group if process_group is not None else dist.group.WORLD))
-        # per chunk, one codec per direction and end: each keeps its own per-key counters
-        self._recv_codec = [_codec(activation_codec, "activation_codec") for _ in range(self.v)]
-        self._delta_out = [DeltaFeedback(c) for c in self._act] if delta else []  # what this chunk sent
-        self._delta_in = [DeltaFeedback(c) for c in self._recv_codec] if delta else []  # what it received
+        self._delta_out = [DeltaFeedback(c) for c in self._act_send] if delta else []  # what each sent
+        self._delta_in = [DeltaFeedback(c) for c in self._act_recv] if delta else []  # what each received
         self._ids: List[Any] = []
         self.optimizer = self._make_optimizer(optimizer, dp_compressor, dp_options or {})
-        self.actions: List[Action] = build(schedule, self.grid.stage, p, chunks, self.v)
+        self.actions: List[Action] = build(schedule, self.grid.stage, p, microbatches, self.virtual_stages)
         # every rank's actions are known to every rank: the message order follows from them
-        self._order = message_order([build(schedule, r, p, chunks, self.v) for r in range(p)], p)
-        self._eval_order = message_order([[Action("F", c, mb) for mb in range(chunks) for c in range(self.v)]
-                                          for _ in range(p)], p)
+        self._order = message_order([build(schedule, r, p, microbatches, self.virtual_stages) for r in range(p)], p)
+        self._eval_order = message_order([[Action("F", c, mb) for mb in range(microbatches)
+                                           for c in range(self.virtual_stages)] for _ in range(p)], p)
         self._transport = Transport(self.grid.group, self.grid.peer, self.stage_ids, self.device)
         self._failed: Optional[BaseException] = None
         self.events: List[Event] = []  # the last step's timeline on this rank, from started_at
@@ -155,15 +132,23 @@ class Pipeline:
         self.applied = True  # whether the last step was kept (False: something was not finite; nothing changed)
 
     # ---- construction helpers ------------------------------------------------------------
-    def _agree(self, dp: Any, dp_options: Any, optimizer: Any, problem: str) -> None:
-        """The same ``ValueError`` on every rank unless all were built alike (``problem``:
-        what this rank's own checks found, compared too)."""
-        if self.grid.world == 1:
-            return
-        config = {"stage check": problem or "passed", "schedule": self.schedule,
-                  "chunks (micro-batches)": repr(self.chunks),
+    def _refuse_construction(self, problem: str, needed: Dict[int, int]) -> None:
+        """The same ``ValueError`` on every rank when any rank's own checks found a
+        ``problem`` (one small all-gather of objects, after the gradcomp jobs in flight)."""
+        group = self.grid.group
+        check_device_set(group, None, "Pipeline")  # NCCL's object collectives need set_device
+        found: List[Any] = [None] * self.grid.world
+        worker.submit(lambda eff: dist.all_gather_object(found, (problem, needed), group=eff(group)), (group,),
+                      False, device=_object_device(group))
+        message = _construction_verdict(found, self.memory_budget)
+        if message:
+            raise ValueError(message)
+
+    def _agree(self, dp: Any, dp_options: Any, optimizer: Any) -> None:
+        """The same ``ValueError`` on every rank unless all were built alike."""
+        config = {"schedule": self.schedule, "microbatches": repr(self.microbatches),
                   "grid (stages x replicas)": f"{self.grid.stages} x {self.grid.replicas}",
-                  "model chunks per rank": repr(self.v), "activation_codec": repr(self._act[0]),
+                  "virtual stages per rank": repr(self.virtual_stages), "activation_codec": repr(self._act_send[0]),
                   "grad_codec": repr(self._grad[0]), "delta": repr(self.delta), "checkpoint": repr(self.checkpoint),
                   "memory_budget": repr(self.memory_budget),
                   "dp_compressor": f"{dp!r} {sorted((dp_options or {}).items())!r}",
@@ -205,7 +190,7 @@ class Pipeline:
 
     # ---- the public API ------------------------------------------------------------------
     def parameters(self) -> Iterable[nn.Parameter]:
-        """The parameters of this rank's stage (all its chunks)."""
+        """The parameters of this rank's stage (all its virtual stages)."""
         return self.local.parameters()
 
     @property
@@ -224,10 +209,10 @@ class Pipeline:
     def step(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor],
              loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], *,
              sample_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """One training step of ``chunks`` micro-batches; the mean micro-batch loss on every rank.
+        """One training step of ``microbatches`` micro-batches; the mean micro-batch loss on every rank.
 
         ``inputs`` is read on the first stage, ``targets`` on the last (others may pass None);
-        both are split along dim 0 into ``chunks`` equal micro-batches. ``sample_ids`` (delta
+        both are split along dim 0 into ``microbatches`` equal parts. ``sample_ids`` (delta
         mode; every rank passes the same): one id per sample, as the caches are keyed."""
         self._check_usable()
         mbs = self._split_inputs(inputs, targets, sample_ids, need_targets=True, need_ids=self.delta)
@@ -269,8 +254,8 @@ class Pipeline:
         try:
             with txn.active():
                 self._transport.begin(self._eval_order)
-                for mb in range(self.chunks):
-                    for c in range(self.v):
+                for mb in range(self.microbatches):
+                    for c in range(self.virtual_stages):
                         y = self._forward_pass(c, mb, mbs, record=False)
                         if self._stage(c) == self.n_stages - 1:
                             outs.append(y)
@@ -288,11 +273,11 @@ class Pipeline:
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's stage: modules, optimizer (with its compression state), delta caches,
-        codec counters, and an identity that :meth:`load_state_dict` checks."""
+        boundary compressors' counters, and an identity that :meth:`load_state_dict` checks."""
         return {"identity": self._identity().to_dict(),
                 "modules": [m.state_dict() for m in self.modules],
                 "optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
-                "codecs": [c.state_dict() for c in self._act + self._grad + self._recv_codec],
+                "codecs": [c.state_dict() for c in self._act_send + self._grad + self._act_recv],
                 "delta": None if not self.delta else [d.state_dict() for d in self._delta_out + self._delta_in]}
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -310,7 +295,7 @@ class Pipeline:
             m.load_state_dict(sd)
         if self.optimizer is not None and state["optimizer"] is not None:
             self.optimizer.load_state_dict(state["optimizer"])
-        for c, sd in zip(self._act + self._grad + self._recv_codec, state["codecs"]):
+        for c, sd in zip(self._act_send + self._grad + self._act_recv, state["codecs"]):
             c.load_state_dict(sd)
         if self.delta:
             for d, sd in zip(self._delta_out + self._delta_in, state["delta"]):
@@ -332,21 +317,32 @@ class Pipeline:
         return self._transport.sent_bytes
 
     # ---- one step ------------------------------------------------------------------------
-    def _stage(self, chunk: int) -> int:
-        return self.stage_ids[chunk]
+    def _stage(self, vstage: int) -> int:
+        return self.stage_ids[vstage]
 
     def _split_inputs(self, inputs: Any, targets: Any, ids: Any, *, need_targets: bool,
                       need_ids: bool) -> Dict[str, List[Any]]:
-        """The batch, split into ``chunks`` micro-batches. Every rank checks every tensor it is
-        given and has what it needs, then the ranks agree on the verdict (one all-gather of a
-        small row): a problem anywhere is the same ``ValueError`` on every rank, before any
+        """The batch split into ``microbatches``, once every rank found its own part good (one
+        all-gather of a small row): else the same ``ValueError`` on every rank, before any
         message, so no rank runs ahead into its peers' next step."""
-        m = self.chunks
+        row, out = self._check_batch((("inputs", inputs, self.is_first),
+                                      ("targets", targets, self.is_last and need_targets),
+                                      ("sample_ids", ids, need_ids)))
+        if need_ids and "sample_ids" in out and not row[0]:
+            row[4] = _ids_hash(ids)
+        problem = _batch_verdict(self._gather_rows(row), self.microbatches, self.grid.stages, self.grid.replicas,
+                                 need_ids)
+        if problem:
+            raise ValueError(problem)
+        return out
+
+    def _check_batch(self, given: Sequence[Tuple[str, Any, bool]]) -> Tuple[List[int], Dict[str, List[Any]]]:
+        """This rank's row (problem, which tensor, its length, the batch it reads, its sample
+        ids' hash) and the tensors it needs, split."""
+        m = self.microbatches
         out: Dict[str, List[Any]] = {}
-        row = [0, 0, 0, 0, 0]  # problem, which tensor, its length, the batch this rank reads, its sample ids' hash
-        for i, (name, value, needed) in enumerate((("inputs", inputs, self.is_first),
-                                                   ("targets", targets, self.is_last and need_targets),
-                                                   ("sample_ids", ids, need_ids))):
+        row = [0, 0, 0, 0, 0]
+        for i, (name, value, needed) in enumerate(given):
             if row[0] or (value is None and not needed):
                 continue
             n = value.shape[0] if isinstance(value, torch.Tensor) and value.dim() >= 1 else 0
@@ -361,17 +357,10 @@ class Pipeline:
             else:
                 row[3] = row[3] if not needed else n
                 out[name] = list(value.chunk(m))
-        if need_ids and "sample_ids" in out and not row[0]:
-            flat = ids.detach().reshape(-1).to("cpu", torch.int64)  # a host copy of the ids, delta mode only
-            row[4] = int.from_bytes(hashlib.blake2b(flat.numpy().tobytes(), digest_size=8).digest(), "little") >> 1
-        problem = self._batch_verdict(row, need_ids)
-        if problem:
-            raise ValueError(problem)
-        return out
+        return row, out
 
-    def _batch_verdict(self, row: List[int], need_ids: bool) -> str:
-        """Every rank's row, gathered on the stage's device and read once; the same text on
-        every rank ("" when the batch is good everywhere)."""
+    def _gather_rows(self, row: List[int]) -> List[List[int]]:
+        """Every rank's row, gathered on the stage's device and read once."""
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         rows_t = [torch.empty_like(mine) for _ in range(self.grid.world)]
         try:
@@ -379,32 +368,7 @@ class Pipeline:
         except RuntimeError as exc:
             raise CommunicationError(f"Pipeline: the batch agreement failed on rank {self.grid.rank}: a peer died "
                                      f"or did not answer within the group timeout ({exc})") from exc
-        rows = torch.stack(rows_t).tolist()
-        m, names = self.chunks, ("inputs", "targets", "sample_ids")
-        where = ("the first stage", "the last stage", "every rank in delta mode")
-        tail = "; the step was refused on every rank, nothing sent or changed"
-        for r, (problem, i, n, size, _) in enumerate(rows):
-            if problem == _MISSING:
-                return f"rank {r}: {names[i]} is missing: {where[i]} needs a tensor with the batch along dim 0{tail}"
-            if problem == _NOT_A_BATCH:
-                return f"rank {r}: {names[i]} must be a tensor with the batch along dim 0{tail}"
-            if problem == _UNEVEN:
-                return (f"rank {r}: the batch of {n} {names[i]} does not split into chunks={m} equal micro-batches; "
-                        f"use a batch size that is a multiple of {m}{tail}")
-            if problem == _OTHER_SIZE:
-                return f"rank {r}: {names[i]} has {n} rows where the rest of its batch has {size}{tail}"
-        p = self.grid.stages
-        for replica in range(self.grid.replicas):
-            ranks = range(replica * p, (replica + 1) * p)
-            sizes = {r: rows[r][3] for r in ranks if rows[r][3]}
-            if len(set(sizes.values())) > 1:
-                return (f"the stages of one pipeline were given batches of different sizes ({sizes}: group rank -> "
-                        f"samples){tail}")
-            if need_ids and len({rows[r][4] for r in ranks}) > 1:
-                return (f"delta mode: sample_ids differ between the stages of one pipeline (group ranks "
-                        f"{list(ranks)}); every stage must pass the same ids, in the same order, or the two ends of "
-                        f"a boundary would cache different samples{tail}")
-        return ""
+        return torch.stack(rows_t).tolist()
 
     def _run(self, mbs: Dict[str, List[Any]], loss_fn: Callable) -> Optional[torch.Tensor]:
         self.events = []
@@ -416,16 +380,16 @@ class Pipeline:
         live = peak = 0
         for a in self.actions:
             if a.kind == "F":
-                x, y = self._forward_pass(a.chunk, a.mb, mbs, record=True)
-                if self._stage(a.chunk) == self.n_stages - 1:
+                x, y = self._forward_pass(a.vstage, a.mb, mbs, record=True)
+                if self._stage(a.vstage) == self.n_stages - 1:
                     y = loss_fn(y, mbs["targets"][a.mb])
                     losses.append(y.detach())
-                saved[(a.chunk, a.mb)] = (x, y)
+                saved[(a.vstage, a.mb)] = (x, y)
                 live += 1
                 peak = max(peak, live)
             else:
-                x, y = saved.pop((a.chunk, a.mb))
-                self._backward_pass(a.chunk, a.mb, x, y)
+                x, y = saved.pop((a.vstage, a.mb))
+                self._backward_pass(a.vstage, a.mb, x, y)
                 live -= 1
         self.peak_in_flight = peak
         self._transport.finish()
@@ -442,7 +406,7 @@ class Pipeline:
         t = time.time()
         module = self.modules[c]
         recompute = record and (self.checkpoint == "always" or (self.checkpoint == "except_last"
-                                                                 and mb < self.chunks - 1))
+                                                                 and mb < self.microbatches - 1))
         y = _checkpoint(module, x, use_reentrant=False) if recompute else module(x)
         self._event("F" if record else "E", s, mb, t)
         if s < self.n_stages - 1:
@@ -452,7 +416,7 @@ class Pipeline:
     def _backward_pass(self, c: int, mb: int, x: Any, y: torch.Tensor) -> None:
         s = self._stage(c)
         if s == self.n_stages - 1:
-            out, grad = y / self.chunks, None
+            out, grad = y / self.microbatches, None
         else:
             out, grad = y, self._recv(c, mb, "grad")
         t = time.time()
@@ -476,29 +440,29 @@ class Pipeline:
 
     # ---- messages ------------------------------------------------------------------------
     def _message(self, c: int, mb: int, kind: str, outgoing: bool) -> Message:
-        """The message of ``kind`` that chunk ``c`` sends (``outgoing``) or receives for ``mb``."""
+        """The message of ``kind`` that virtual stage ``c`` sends (``outgoing``) or receives for ``mb``."""
         s = self._stage(c)
         forward = kind == "act"
         return Message(kind, s if forward == outgoing else s - 1, mb)
 
     def _send(self, c: int, mb: int, kind: str, tensor: torch.Tensor, delta: bool = False) -> None:
         msg = self._message(c, mb, kind, True)
-        codec: Any = self._act[c] if kind == "act" else self._grad[c]
+        compressor: Any = self._act_send[c] if kind == "act" else self._grad[c]
         if delta and self.delta:
-            codec = self._delta_out[c]
-            codec.expect(msg.key, self._ids[mb])
+            compressor = self._delta_out[c]
+            compressor.expect(msg.key, self._ids[mb])
         t = time.time()
-        self._transport.send(msg, tensor, codec)
+        self._transport.send(msg, tensor, compressor)
         self._event("send", self._stage(c), mb, t)
 
     def _recv(self, c: int, mb: int, kind: str, delta: bool = False) -> torch.Tensor:
         msg = self._message(c, mb, kind, False)
-        codec: Any = self._recv_codec[c] if kind == "act" else self._grad[c]
+        compressor: Any = self._act_recv[c] if kind == "act" else self._grad[c]
         if kind == "act" and delta and self.delta:
-            codec = self._delta_in[c]
-            codec.expect(msg.key, self._ids[mb])
+            compressor = self._delta_in[c]
+            compressor.expect(msg.key, self._ids[mb])
         t = time.time()
-        out = self._transport.take(msg, codec)
+        out = self._transport.take(msg, compressor)
         self._event("wait", self._stage(c), mb, t)
         return out
 
@@ -551,22 +515,94 @@ class Pipeline:
                                f"build a new one (and a new process group if a rank died)")
 
     def _identity(self) -> Identity:
-        config = repr((self.schedule, self.chunks, self.grid.stages, self.grid.replicas, self.v, repr(self._act[0]),
+        config = repr((self.schedule, self.microbatches, self.grid.stages, self.grid.replicas, self.virtual_stages,
+                       repr(self._act_send[0]),
                        repr(self._grad[0]), self.delta, self.checkpoint))
         return Identity(owner="Pipeline", rank=self.grid.rank, world=self.grid.world, config=fingerprint(config),
                         params=fingerprint(describe_params(list(self.local.named_parameters()))),
                         fields={"stage": str(self.grid.stage)})
 
 
-def _codec(spec: Codec, what: str) -> Compressor:
-    """A fresh compressor for one channel: its per-key counters are that channel's alone."""
-    if spec is None:
-        return get_compressor("none")
-    if isinstance(spec, str):
-        if spec not in available_compressors():
-            raise ValueError(f"{what}={spec!r} is not a compressor; allowed: None, a Compressor, or one of "
-                             f"{', '.join(available_compressors())}")
-        return get_compressor(spec)
-    if isinstance(spec, Compressor):
-        return spec
-    raise ValueError(f"{what} must be None, a compressor name or a Compressor, got {type(spec).__name__}")
+def _microbatches(microbatches: Optional[int], chunks: Optional[int]) -> int:
+    """``microbatches=``, or ``chunks=`` (the same keyword under torchgpipe's name); 4 by default."""
+    if microbatches is not None and chunks is not None:
+        raise ValueError(f"microbatches={microbatches!r} and chunks={chunks!r} name the same thing (micro-batches per "
+                         f"step); give one of them")
+    if microbatches is None:
+        return 4 if chunks is None else chunks
+    return microbatches
+
+
+def _check_options(checkpoint: Any, memory_budget: Any, delta: Any) -> None:
+    """The options every rank checks alike, before any collective."""
+    if checkpoint not in CHECKPOINTS:
+        raise ValueError(f"checkpoint={checkpoint!r} is not allowed; use one of {CHECKPOINTS}")
+    if memory_budget is not None and checkpoint not in (None, "never"):
+        raise ValueError(f"memory_budget= and checkpoint={checkpoint!r} both decide what a stage recomputes; "
+                         f"give one of them")
+    if not isinstance(delta, bool):
+        raise ValueError(f"delta={delta!r} is not allowed; it must be True or False")
+
+
+def _object_device(group: Any) -> torch.device:
+    """Where object collectives on ``group`` put their tensors (NCCL: the current CUDA device)."""
+    if backend_for(group, "cuda") == "nccl" and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _construction_verdict(found: Sequence[Tuple[str, Dict[int, int]]], budget: Optional[float]) -> str:
+    """One text for every rank from each rank's ``(problem, stage -> least budget)`` ("" when
+    none has a problem). A budget too small is said as such, with the least that fits all the
+    stages; a problem every rank found is said as it is, one found by some ranks names the first."""
+    problems = [(r, text) for r, (text, _) in enumerate(found) if text]
+    if not problems:
+        return ""
+    needed = {s: (r, n) for r, (_, per_stage) in enumerate(found) for s, n in per_stage.items()}
+    if needed and budget is not None and all(found[r][1] for r, _ in problems):
+        return over_budget_message(budget, needed)
+    if len(problems) == len(found) and len({text for _, text in problems}) == 1:
+        return problems[0][1]
+    r, text = problems[0]
+    return f"Pipeline: rank {r}: {text}"
+
+
+def _batch_verdict(rows: List[List[int]], m: int, p: int, replicas: int, need_ids: bool) -> str:
+    """The same text on every rank from every rank's batch row ("" when the batch is good
+    everywhere): the first rank's own problem, else sizes or ids that differ in a pipeline."""
+    names = ("inputs", "targets", "sample_ids")
+    where = ("the first stage", "the last stage", "every rank in delta mode")
+    tail = "; the step was refused on every rank, nothing sent or changed"
+    for r, (problem, i, n, size, _) in enumerate(rows):
+        if problem == _MISSING:
+            return f"rank {r}: {names[i]} is missing: {where[i]} needs a tensor with the batch along dim 0{tail}"
+        if problem == _NOT_A_BATCH:
+            return f"rank {r}: {names[i]} must be a tensor with the batch along dim 0{tail}"
+        if problem == _UNEVEN:
+            return (f"rank {r}: the batch of {n} {names[i]} does not split into microbatches={m} equal parts; "
+                    f"use a batch size that is a multiple of {m}{tail}")
+        if problem == _OTHER_SIZE:
+            return f"rank {r}: {names[i]} has {n} rows where the rest of its batch has {size}{tail}"
+    for replica in range(replicas):
+        ranks = range(replica * p, (replica + 1) * p)
+        sizes = {r: rows[r][3] for r in ranks if rows[r][3]}
+        if len(set(sizes.values())) > 1:
+            return (f"the stages of one pipeline were given batches of different sizes ({sizes}: group rank -> "
+                    f"samples){tail}")
+        if need_ids and len({rows[r][4] for r in ranks}) > 1:
+            return (f"delta mode: sample_ids differ between the stages of one pipeline (group ranks "
+                    f"{list(ranks)}); every stage must pass the same ids, in the same order, or the two ends of "
+                    f"a boundary would cache different samples{tail}")
+    return ""
+
+
+def _ids_hash(ids: torch.Tensor) -> int:
+    """A non-negative 63-bit hash of the sample ids (a host copy: delta mode only)."""
+    flat = ids.detach().reshape(-1).to("cpu", torch.int64)
+    return int.from_bytes(bytes.fromhex(fingerprint(flat.numpy().tobytes())), "little") >> 1
+
+
+def _boundary_compressor(spec: BoundarySpec, what: str) -> Compressor:
+    """A fresh compressor for one channel (its per-key counters are that channel's alone), or
+    the instance given; no error feedback (delta mode is the pipeline's own)."""
+    return as_codec("none" if spec is None else spec, error_feedback="none", wrappers="refuse", what=what)

@@ -1,9 +1,9 @@
 """Pipeline schedules: the fixed order of forward and backward passes each rank runs.
 
-A schedule is, for every rank, a list of :class:`Action` ``(kind, chunk, mb)``: ``"F"`` or
-``"B"`` of micro-batch ``mb`` on the rank's model chunk ``chunk``. With ``p`` ranks and ``v``
-chunks per rank there are ``p * v`` virtual stages; stage ``s`` lives on rank ``s % p`` as its
-chunk ``s // p`` (``v == 1`` for GPipe and 1F1B). The order of every message follows from
+A schedule is, for every rank, a list of :class:`Action` ``(kind, vstage, mb)``: ``"F"`` or
+``"B"`` of micro-batch ``mb`` on the rank's virtual stage ``vstage`` (a model chunk). With ``p``
+ranks and ``v`` virtual stages per rank there are ``p * v`` stages; stage ``s`` lives on rank
+``s % p`` as its virtual stage ``s // p`` (``v == 1`` for GPipe and 1F1B). The order of every message follows from
 these lists: a forward on stage ``s > 0`` first receives its input from stage ``s - 1``, a
 backward on stage ``s < last`` first receives its output's gradient from stage ``s + 1``, and
 what a pass produces is sent as soon as it is done. Sends never block a rank's schedule, receives
@@ -18,8 +18,8 @@ the transport (:mod:`gradcomp.pipeline.transport`), identically on every rank.
 - ``1f1b`` (PipeDream-flush, Narayanan et al. 2021): rank ``r`` runs ``p - r - 1`` warm-up
   forwards, then alternates one forward and one backward; at most ``p - r`` micro-batches are
   in flight, so stage 0 holds at most ``p`` micro-batches of activations, whatever ``m``.
-- ``interleaved`` (Megatron-LM's interleaved 1F1B): ``v >= 2`` chunks per rank, forwards in
-  groups of ``p`` micro-batches per chunk; the bubble shrinks by ``v``
+- ``interleaved`` (Megatron-LM's interleaved 1F1B): ``v >= 2`` virtual stages per rank,
+  forwards in groups of ``p`` micro-batches per virtual stage; the bubble shrinks by ``v``
   (``(p - 1) / (v m + p - 1)`` in units of a full stage) at the price of ``v`` times the
   boundary messages. Needs ``m`` to be a multiple of ``p``.
 """
@@ -29,10 +29,10 @@ from typing import Callable, Dict, List, NamedTuple, Sequence, Tuple
 
 
 class Action(NamedTuple):
-    """One pass of one micro-batch on one of a rank's model chunks."""
+    """One pass of one micro-batch on one of a rank's virtual stages."""
 
     kind: str  # "F" (forward) or "B" (backward)
-    chunk: int  # which of the rank's model chunks (0 unless interleaved)
+    vstage: int  # which of the rank's virtual stages, 0 .. v-1 (0 unless interleaved); stage vstage * p + rank
     mb: int  # micro-batch index
 
 
@@ -68,8 +68,8 @@ def _interleaved(rank: int, p: int, m: int, v: int) -> List[Action]:
     total = m * v
 
     def unit(k: int, forward: bool) -> Tuple[int, int]:
-        chunk = (k % (p * v)) // p
-        return (chunk if forward else v - 1 - chunk), (k // (p * v)) * p + k % p
+        vstage = (k % (p * v)) // p
+        return (vstage if forward else v - 1 - vstage), (k // (p * v)) * p + k % p
 
     warm = min((p - rank - 1) * 2 + (v - 1) * p, total)
     out = [Action("F", *unit(k, True)) for k in range(warm)]
@@ -80,21 +80,22 @@ def _interleaved(rank: int, p: int, m: int, v: int) -> List[Action]:
 
 def check_shape(schedule: str, p: int, m: int, v: int) -> None:
     """``ValueError`` unless ``schedule`` can run ``m`` micro-batches on ``p`` ranks with ``v``
-    chunks each."""
+    virtual stages each."""
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule={schedule!r} is not known; allowed: {', '.join(map(repr, SCHEDULES))}")
     if isinstance(m, bool) or not isinstance(m, int) or m < 1:
-        raise ValueError(f"chunks={m!r} is not allowed; it must be an int >= 1 (micro-batches per step)")
+        raise ValueError(f"microbatches={m!r} is not allowed; it must be an int >= 1 (micro-batches per step)")
     if schedule == "interleaved":
         if v < 2:
-            raise ValueError(f"schedule='interleaved' needs at least 2 model chunks per rank, got {v}: pass a list of "
-                             f"modules per rank, or a balance of {2 * p} (or more, a multiple of {p}) stages")
+            raise ValueError(f"schedule='interleaved' needs at least 2 virtual stages (model chunks) per rank, got "
+                             f"{v}: pass a list of modules per rank, or a balance of {2 * p} (or more, a multiple of "
+                             f"{p}) stages")
         if m % p:
-            raise ValueError(f"schedule='interleaved' needs chunks (micro-batches) to be a multiple of the {p} "
-                             f"pipeline stages, got chunks={m}")
+            raise ValueError(f"schedule='interleaved' needs microbatches to be a multiple of the {p} pipeline "
+                             f"stages, got microbatches={m}")
     elif v != 1:
-        raise ValueError(f"schedule={schedule!r} runs one model chunk per rank, got {v}; use schedule='interleaved' "
-                         f"for several")
+        raise ValueError(f"schedule={schedule!r} runs one virtual stage (model chunk) per rank, got {v}; use "
+                         f"schedule='interleaved' for several")
 
 
 def build(schedule: str, rank: int, p: int, m: int, v: int = 1) -> List[Action]:
@@ -123,7 +124,7 @@ def timeline(plans: Sequence[Sequence[Action]], p: int, *, forward: float = 1.0,
     with the given pass costs and free communication, each receive waiting for its message;
     ``ValueError`` naming the stuck ranks if the plans deadlock. The pipeline's transport
     orders its messages by these times (:mod:`gradcomp.pipeline.transport`)."""
-    stages = p * (1 + max((a.chunk for plan in plans for a in plan), default=0))
+    stages = p * (1 + max((a.vstage for plan in plans for a in plan), default=0))
     done: Dict[Tuple[str, int, int], float] = {}  # (kind, stage, mb) -> finish time
     pos, clock = [0] * p, [0.0] * p
     while any(pos[r] < len(plans[r]) for r in range(p)):
@@ -132,7 +133,7 @@ def timeline(plans: Sequence[Sequence[Action]], p: int, *, forward: float = 1.0,
             if pos[r] == len(plans[r]):
                 continue
             a = plans[r][pos[r]]
-            s = a.chunk * p + r
+            s = a.vstage * p + r
             if a.kind == "F":
                 need = [("F", s - 1, a.mb)] if s > 0 else []
             else:
@@ -151,7 +152,7 @@ def timeline(plans: Sequence[Sequence[Action]], p: int, *, forward: float = 1.0,
 
 
 def simulate(schedule: str, p: int, m: int, v: int = 1, *, forward: float = 1.0, backward: float = 2.0) -> Simulation:
-    """Run every rank's actions with the given pass costs (per chunk) and free communication,
+    """Run every rank's actions with the given pass costs (per virtual stage) and free communication,
     each receive waiting for its message; ``ValueError`` naming the stuck ranks if the
     schedule deadlocks or is missing a pass."""
     plans = [build(schedule, r, p, m, v) for r in range(p)]

@@ -19,7 +19,7 @@ from the schedule, which every rank knows for every rank:
   tail that comes next, below). Every post is one ``torch.distributed.batch_isend_irecv`` call
   from the calling thread (as ``torch.distributed.pipelining`` does); no tag is relied on.
 - **The message.** One uint8 device tensor: a fixed 64-byte header (magic, the message's
-  identity, the payload length, the codec's hash, the dtype), then the payload in the wire
+  identity, the payload length, the boundary compressor's hash, the dtype), then the payload in the wire
   format (``Payload.to_tensor``: self-describing, so shapes may change at any step). Both ends
   know the capacity of the next message on each channel (kind and boundary): the length of the
   previous one, or the header alone for the first of a step. A payload that fits is padded to the
@@ -33,20 +33,19 @@ ranks are out of step (``Pipeline`` then refuses further steps).
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import CommunicationError
+from gradcomp.collectives import CommunicationError, fingerprint
 from gradcomp.compress import Compressor, Payload
 from gradcomp.compress.payload import memory_bytes
 
 from .schedule import Action, timeline
 
 MAGIC = 0x67706970650001  # "gpipe" + version 1
-HEADER = 8  # int64 fields: magic, message code, payload length, codec hash, dtype, 3 spare
+HEADER = 8  # int64 fields: magic, message code, payload length, compressor hash, dtype, 3 spare
 HEADER_BYTES = HEADER * 8
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 FLOAT_DTYPES = frozenset(_DTYPES)
@@ -71,7 +70,7 @@ class Message(NamedTuple):
 
     @property
     def key(self) -> str:
-        """The codec key (per-key counters and error feedback), as the channels always used."""
+        """The boundary compressor's key (per-key counters and feedback), as the channels always used."""
         return f"{self.kind}{self.boundary}:{self.mb}"
 
     @property
@@ -83,7 +82,7 @@ def message_order(plans: Sequence[Sequence[Action]], p: int) -> List[Message]:
     """Every message of one step of ``plans`` (each rank's actions), in the order every rank
     issues its operations (see the module docstring)."""
     done = timeline(plans, p)
-    n_stages = p * (1 + max((a.chunk for plan in plans for a in plan), default=0))
+    n_stages = p * (1 + max((a.vstage for plan in plans for a in plan), default=0))
     out: List[Tuple[float, int, int, int, Message]] = []
     for (kind, s, mb), t in done.items():
         if kind == "F" and s < n_stages - 1:
@@ -95,7 +94,7 @@ def message_order(plans: Sequence[Sequence[Action]], p: int) -> List[Message]:
 
 def h63(text: str) -> int:
     """A non-negative 63-bit hash of ``text``, the same on every rank and run."""
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+    return int.from_bytes(bytes.fromhex(fingerprint(text)), "little") >> 1
 
 
 class _Slot:
@@ -147,25 +146,36 @@ class Transport:
         self._pos, self._cap, self.sent_bytes, self.payload_bytes, self.messages = 0, {}, 0, 0, 0
         self._works, self._waited = [], 0
 
-    def send(self, msg: Message, tensor: torch.Tensor, codec: Any) -> None:
-        """Compress ``tensor`` with ``codec`` (a compressor or a feedback wrapper; its state
-        under ``msg.key``) and post it as soon as the agreed order allows."""
+    def send(self, msg: Message, tensor: torch.Tensor, compressor: Any) -> None:
+        """Compress ``tensor`` with the boundary ``compressor`` (a Compressor or a feedback
+        wrapper of one; its state under ``msg.key``) and post it as soon as the agreed order
+        allows."""
         self._check()
         slot = self._slot[msg]
         if tensor.dtype not in FLOAT_DTYPES:
             raise ValueError(f"pipeline: a stage output of dtype {tensor.dtype} cannot cross a boundary; "
                              f"use float16, bfloat16, float32 or float64")
-        base, feedback = _split_codec(codec)
-        acc = tensor.detach()
-        if feedback is not None:
-            acc = feedback.accumulate(acc, msg.key)
-            payload, sent = base.compress_decoded(acc.to(tensor.dtype), msg.key)
-            feedback.update(msg.key, acc, sent)
-        else:
-            payload = base.compress(acc, msg.key)
-        body = payload.to_tensor()
+        base, payload = _encode(msg, tensor, compressor)
+        self._frame(slot, base, payload.to_tensor(), tensor.dtype)
+        self.payload_bytes += payload.nbytes
+        before = len(self._works)
+        # The message leaves now: the receives ahead of it in the agreed order are waited for
+        # (else it would stay queued until the next take), and so is what was issued before it
+        # (torch's pipelining waits a micro-batch's sends at the next one too; on gloo an unwaited
+        # send may not move). Both waits are safe in the agreed order. Measured on 2 gloo
+        # ranks, 8192-wide boundaries, 8 micro-batches, each against the step without it: the
+        # second GPipe 351 -> 235 ms and 1F1B 300 -> 262 ms, the first 1F1B 138 -> 121 ms and
+        # interleaved 240 -> 232 ms.
+        self._advance(self._seq.index(slot))
+        if slot.works and self._waited < before:
+            self._wait_index(before)
+
+    def _frame(self, slot: _Slot, base: Compressor, body: torch.Tensor, dtype: torch.dtype) -> None:
+        """Header + payload into the slot: padded to the channel's capacity, or cut into the
+        first ``capacity`` bytes and a tail."""
+        msg = slot.msg
         body = body if body.device == self.device else body.to(self.device)
-        head = torch.tensor([MAGIC, msg.code, body.numel(), h63(repr(base)), _DTYPES.index(tensor.dtype), 0, 0, 0],
+        head = torch.tensor([MAGIC, msg.code, body.numel(), h63(repr(base)), _DTYPES.index(dtype), 0, 0, 0],
                             dtype=torch.int64, device=self.device)
         cap = self._capacity(msg)
         whole = torch.cat([head.view(torch.uint8), body])
@@ -176,21 +186,9 @@ class Transport:
         self._cap[(msg.kind, msg.boundary)] = whole.numel()
         slot.length = body.numel()
         self.sent_bytes += whole.numel()
-        self.payload_bytes += payload.nbytes
-        before = len(self._works)
-        # The message leaves now: the receives ahead of it in the agreed order are waited for
-        # (else it would stay queued until the next take), and so is what was issued before it
-        # (torch's pipelining waits a chunk's sends at the next one too; on gloo an unwaited
-        # send may not move). Both waits are safe in the agreed order. Measured on 2 gloo
-        # ranks, 8192-wide boundaries, 8 micro-batches, each against the step without it: the
-        # second GPipe 351 -> 235 ms and 1F1B 300 -> 262 ms, the first 1F1B 138 -> 121 ms and
-        # interleaved 240 -> 232 ms.
-        self._advance(self._seq.index(slot))
-        if slot.works and self._waited < before:
-            self._wait_index(before)
 
-    def take(self, msg: Message, codec: Any) -> torch.Tensor:
-        """The decoded tensor of ``msg`` (waits for it), through ``codec`` as :meth:`send`."""
+    def take(self, msg: Message, compressor: Any) -> torch.Tensor:
+        """The decoded tensor of ``msg`` (waits for it), through ``compressor`` as :meth:`send`."""
         self._check()
         slot = self._slot[msg]
         at = self._seq.index(slot)
@@ -203,10 +201,11 @@ class Transport:
         assert slot.buf is not None
         data = slot.buf[HEADER_BYTES:] if slot.tail is None else torch.cat([slot.buf[HEADER_BYTES:], slot.tail])
         data = data[:slot.length]
-        base, feedback = _split_codec(codec)
+        base, feedback = _split(compressor)
         if slot.hdr[3] != h63(repr(base)):
-            raise ValueError(f"pipeline: {msg.key} from rank {slot.peer} was sent with another codec than "
-                             f"{base!r}; every rank must be built with the same codecs")
+            raise ValueError(f"pipeline: {msg.key} from rank {slot.peer} was sent with another boundary compressor "
+                             f"than {base!r}; every rank must be built with the same activation_codec and "
+                             f"grad_codec")
         try:  # the bytes are this rank's own: the payload may view them
             payload = Payload.from_bytes(data.cpu().numpy().data, copy=False)
         except ValueError as exc:
@@ -334,12 +333,25 @@ class Transport:
             raise self.broken
 
 
-def _split_codec(codec: Any) -> Tuple[Compressor, Optional[Any]]:
-    if isinstance(codec, Compressor):
-        return codec, None
-    inner = getattr(codec, "compressor", None)
-    if isinstance(inner, Compressor) and all(hasattr(codec, f) for f in ("accumulate", "update", "combine")):
-        return inner, codec
-    raise ValueError(f"a pipeline codec must be a Compressor or an error-feedback wrapper of one, "
-                     f"got {type(codec).__name__}")
+def _encode(msg: Message, tensor: torch.Tensor, compressor: Any) -> Tuple[Compressor, Payload]:
+    """``tensor`` compressed under ``msg.key``, through the feedback wrapper if there is one."""
+    base, feedback = _split(compressor)
+    acc = tensor.detach()
+    if feedback is None:
+        return base, base.compress(acc, msg.key)
+    acc = feedback.accumulate(acc, msg.key)
+    payload, sent = base.compress_decoded(acc.to(tensor.dtype), msg.key)
+    feedback.update(msg.key, acc, sent)
+    return base, payload
+
+
+def _split(compressor: Any) -> Tuple[Compressor, Optional[Any]]:
+    """``(the Compressor that encodes, the feedback wrapper around it or None)``."""
+    if isinstance(compressor, Compressor):
+        return compressor, None
+    inner = getattr(compressor, "base", None)
+    if isinstance(inner, Compressor) and all(hasattr(compressor, f) for f in ("accumulate", "update", "combine")):
+        return inner, compressor
+    raise ValueError(f"a pipeline boundary compressor must be a Compressor or a feedback wrapper of one, "
+                     f"got {type(compressor).__name__}")
 

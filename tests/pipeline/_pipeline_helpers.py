@@ -1,9 +1,9 @@
 """Models, data and the single-process reference shared by the pipeline tests.
 
 The reference runs the unsplit model on the same micro-batches in order, backpropagating
-``loss / chunks`` each (what a pipeline step computes); with codecs it passes every stage
-boundary through the codec's round trip — forward the activation codec, backward the gradient
-codec — keyed and stepped as the pipeline's channels are (``act{b}:{mb}`` / ``grad{b}:{mb}``,
+``loss / microbatches`` each (what a pipeline step computes); with boundary compressors it passes
+every stage boundary through their round trip — forward the activation compressor, backward the
+gradient compressor — keyed and stepped as the pipeline's channels are (``act{b}:{mb}`` / ``grad{b}:{mb}``,
 step = the training step), so a pipeline step and the reference give the same bits.
 """
 from __future__ import annotations
@@ -52,24 +52,24 @@ def pieces_of(model: nn.Sequential, balance: Sequence[int]) -> List[nn.Module]:
     return [model[a:b] for a, b in zip([0] + bounds, bounds + [len(model)])]
 
 
-def micro_step(pieces: List[nn.Module], x: torch.Tensor, y: torch.Tensor, chunks: int, step: int, act: Any = None,
-               grad: Any = None, loss_fn: Any = LOSS) -> float:
-    """Accumulate one step's gradients over ``chunks`` micro-batches in order; the mean loss."""
+def micro_step(pieces: List[nn.Module], x: torch.Tensor, y: torch.Tensor, microbatches: int, step: int,
+               act: Any = None, grad: Any = None, loss_fn: Any = LOSS) -> float:
+    """Accumulate one step's gradients over ``microbatches`` in order; the mean loss."""
     per = []
-    for mb, (xb, yb) in enumerate(zip(x.chunk(chunks), y.chunk(chunks))):
+    for mb, (xb, yb) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
         h = xb
         for b, piece in enumerate(pieces):
             h = piece(h)
             if b < len(pieces) - 1:
                 h = _RoundTrip.apply(h, act, grad, b, mb, step)
         loss = loss_fn(h, yb)
-        (loss / chunks).backward()
+        (loss / microbatches).backward()
         per.append(loss.detach())
     return float(torch.stack(per).mean())
 
 
 def reference(model: nn.Sequential, balance: Sequence[int], batches: List[Tuple[torch.Tensor, torch.Tensor]],
-              chunks: int, *, act: Any = None, grad: Any = None, loss_fn: Any = LOSS
+              microbatches: int, *, act: Any = None, grad: Any = None, loss_fn: Any = LOSS
               ) -> Tuple[List[float], List[torch.Tensor]]:
     """``(loss per step, final parameters)`` of single-process training with :func:`sgd`."""
     pieces = pieces_of(model, balance)
@@ -77,7 +77,7 @@ def reference(model: nn.Sequential, balance: Sequence[int], batches: List[Tuple[
     losses = []
     for step, (x, y) in enumerate(batches):
         opt.zero_grad()
-        losses.append(micro_step(pieces, x, y, chunks, step, act, grad, loss_fn))
+        losses.append(micro_step(pieces, x, y, microbatches, step, act, grad, loss_fn))
         opt.step()
     return losses, [p.detach().clone() for p in model.parameters()]
 
@@ -94,5 +94,5 @@ def gathered_params(pipe: Any, replica: int = 0) -> List[torch.Tensor]:
             for s, m in zip(pipe.stage_ids, pipe.modules)]
     out: List[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, mine)
-    chunks = sorted((s, ps) for rows in out for r, s, ps in rows if r == replica)
-    return [p for _, ps in chunks for p in ps]
+    stages = sorted((s, ps) for rows in out for r, s, ps in rows if r == replica)
+    return [p for _, ps in stages for p in ps]

@@ -1,4 +1,4 @@
-"""The pipeline benchmark's parts that run without ranks: codec pairs, models, option checks,
+"""The pipeline benchmark's parts that run without ranks: boundary compressor pairs, models, option checks,
 the table and the timeline picture (ranks and links are covered by the bench tests' launcher)."""
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ def test_models_have_the_layers_the_balances_assume():
 @pytest.mark.parametrize("argv,message", [
     (["--schedules", "zb"], "choose from gpipe, 1f1b, interleaved"),
     (["--codecs", "int8"], "give ACT\\+GRAD"),
-    (["--chunks", "6"], "multiple of --world-size"),
+    (["--microbatches", "6"], "--microbatches be a multiple of --world-size"),
+    (["--chunks", "6"], "--microbatches be a multiple of --world-size"),  # the option's other name
     (["--world-size", "1"], "one pipeline stage per rank"),
 ])
 def test_bad_options_say_what_is_allowed(argv, message):

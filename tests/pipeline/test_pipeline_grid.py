@@ -31,7 +31,7 @@ def _batches(replica=0):
 def _four_stages(schedule):
     from gradcomp.pipeline import Pipeline
 
-    pipe = Pipeline(chain(depth=7), balance=BALANCE[schedule], schedule=schedule, chunks=4, optimizer=sgd,
+    pipe = Pipeline(chain(depth=7), balance=BALANCE[schedule], schedule=schedule, microbatches=4, optimizer=sgd,
                     activation_codec=None)
     losses = [float(pipe.step(x, y, LOSS)) for x, y in _batches()]
     return losses, gathered_params(pipe)
@@ -40,7 +40,7 @@ def _four_stages(schedule):
 def _grid(rank, compressor, options):
     from gradcomp.pipeline import Pipeline
 
-    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, replicas=2, dp_compressor=compressor, dp_options=options,
+    pipe = Pipeline(chain(), balance=[4, 3], microbatches=4, replicas=2, dp_compressor=compressor, dp_options=options,
                     optimizer=sgd, activation_codec="int8", grad_codec="fp16")
     replica = pipe.grid.replica
     launched = []  # whether the step's messages were all done when each data-parallel bucket left
@@ -74,7 +74,7 @@ def _dies(rank, world):
     """Rank 2 dies at the start of the second step; the others must raise, not hang."""
     from gradcomp.pipeline import Pipeline
 
-    pipe = Pipeline(chain(depth=7), balance=[2, 2, 2, 2], chunks=4, optimizer=sgd)
+    pipe = Pipeline(chain(depth=7), balance=[2, 2, 2, 2], microbatches=4, optimizer=sgd)
     x, y = data(16)
     pipe.step(x, y, LOSS)
     if rank == 2:

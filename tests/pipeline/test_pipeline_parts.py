@@ -40,10 +40,10 @@ def test_every_rank_runs_each_pass_once_in_micro_batch_order():
 
 @pytest.mark.parametrize("args,message", [
     (("zb", 2, 4, 1), "allowed: 'gpipe', '1f1b', 'interleaved'"),
-    (("1f1b", 2, 0, 1), "chunks=0"),
-    (("interleaved", 2, 4, 1), "at least 2 model chunks"),
+    (("1f1b", 2, 0, 1), "microbatches=0"),
+    (("interleaved", 2, 4, 1), "at least 2 virtual stages"),
     (("interleaved", 4, 6, 2), "multiple of the 4"),
-    (("gpipe", 2, 4, 2), "one model chunk per rank"),
+    (("gpipe", 2, 4, 2), "one virtual stage"),
 ])
 def test_bad_schedule_shape_says_what_is_allowed(args, message):
     with pytest.raises(ValueError, match=message):
@@ -118,6 +118,28 @@ def test_bad_pipeline_options_say_what_is_allowed(kw, message):
         Pipeline(nn.Linear(2, 2), **kw)
 
 
+def test_microbatches_and_chunks_are_one_keyword():
+    from gradcomp.pipeline import Pipeline
+
+    with pytest.raises(ValueError, match="name the same thing .*give one of them"):
+        Pipeline(nn.Linear(2, 2), microbatches=4, chunks=4)
+
+
+def test_what_ranks_found_wrong_at_construction_is_one_text():
+    """Each rank's (problem, stage -> least budget): a budget too small is said as such, with the
+    least budget that fits every stage; one rank's other problem names that rank."""
+    from gradcomp.pipeline.pipe import _construction_verdict
+
+    budget = _construction_verdict([("over", {0: 9000}), ("", {}), ("over", {2: 12000, 5: 100})], 4096)
+    assert budget.startswith("Pipeline: memory_budget=4096 bytes (4.00 KiB) of saved activations per micro-batch "
+                             "is too small: stage 0 (rank 0) needs at least 9000 bytes (8.79 KiB)"), budget
+    assert "stage 2 (rank 2) needs at least 12000" in budget and "stage 5 (rank 2) needs at least 100 bytes" in budget
+    assert budget.endswith("; raise memory_budget to at least 12000")
+    assert _construction_verdict([("", {}), ("bad name", {})], None) == "Pipeline: rank 1: bad name"
+    assert _construction_verdict([("same", {}), ("same", {})], None) == "same"
+    assert _construction_verdict([("", {}), ("", {})], 4096) == ""
+
+
 def test_a_pipeline_needs_two_ranks():
     from gradcomp.pipeline import Pipeline
 
@@ -133,7 +155,7 @@ def _nccl_run(plans, p, queues):
     exists once the action producing it ran."""
     from gradcomp.pipeline.transport import Message
 
-    n = p * (1 + max(a.chunk for plan in plans for a in plan))
+    n = p * (1 + max(a.vstage for plan in plans for a in plan))
     queues = [list(q) for q in queues]
     produced, delivered, pos = set(), set(), [0] * p
     moved = True
@@ -142,7 +164,7 @@ def _nccl_run(plans, p, queues):
         for r in range(p):
             while pos[r] < len(plans[r]):
                 a = plans[r][pos[r]]
-                s = a.chunk * p + r
+                s = a.vstage * p + r
                 fwd = a.kind == "F"
                 need = (Message("act", s - 1, a.mb) if fwd and s > 0 else
                         Message("grad", s, a.mb) if not fwd and s < n - 1 else None)

@@ -3,7 +3,7 @@ training, so does ``torch.distributed.pipelining``'s Schedule1F1B; every codec's
 through the boundary is the reference's; shapes change between steps; 1F1B holds at most
 ``p`` micro-batches on stage 0 (measured); recompute changes no bit; delta mode keeps both
 caches equal; a non-finite step changes no state; state round-trips and another rank's is
-refused; ranks built differently raise the same error.
+refused; ranks built differently, or a stage one rank finds wrong, raise the same error.
 
 One spawn of ranks runs every case; the tests assert on its results."""
 from __future__ import annotations
@@ -37,11 +37,11 @@ def _batches(steps=STEPS, tokens=None, n=16):
     return [data(n, seed=10 + s, tokens=None if tokens is None else tokens[s]) for s in range(steps)]
 
 
-def _train(schedule, *, chunks=4, act=None, grad=None, tokens=None, loss_fn=LOSS, **kw):
+def _train(schedule, *, microbatches=4, act=None, grad=None, tokens=None, loss_fn=LOSS, **kw):
     from gradcomp.pipeline import Pipeline
 
-    pipe = Pipeline(chain(), balance=BALANCE[schedule], schedule=schedule, chunks=chunks, activation_codec=act,
-                    grad_codec=grad, optimizer=sgd, **kw)
+    pipe = Pipeline(chain(), balance=BALANCE[schedule], schedule=schedule, microbatches=microbatches,
+                    activation_codec=act, grad_codec=grad, optimizer=sgd, **kw)
     losses = [float(pipe.step(x, y, loss_fn)) for x, y in _batches(tokens=tokens)]
     return losses, gathered_params(pipe)
 
@@ -69,7 +69,7 @@ def _memory(schedule, checkpoint=None, budget=None):
     from gradcomp.pipeline import Pipeline
 
     x, y = data(64, width=64)
-    pipe = Pipeline(chain(width=64), balance=[4, 3], schedule=schedule, chunks=8, checkpoint=checkpoint,
+    pipe = Pipeline(chain(width=64), balance=[4, 3], schedule=schedule, microbatches=8, checkpoint=checkpoint,
                     optimizer=sgd, memory_budget=budget, sample=x[:8])
     with MemoryMeter() as meter:
         pipe.step(x, y, LOSS)
@@ -80,7 +80,7 @@ def _delta(rank):
     """Three epochs over the same 16 samples, int8 activation deltas."""
     from gradcomp.pipeline import Pipeline
 
-    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, activation_codec="int8", delta=True, optimizer=sgd)
+    pipe = Pipeline(chain(), balance=[4, 3], microbatches=4, activation_codec="int8", delta=True, optimizer=sgd)
     x, y = data(16)
     ids = torch.arange(16)
     losses = [float(pipe.step(x, y, LOSS, sample_ids=ids)) for _ in range(3)]
@@ -93,7 +93,7 @@ def _state(rank, world):
     from gradcomp.pipeline import Pipeline
 
     out = {}
-    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, activation_codec="qsgd", grad_codec="fp16", delta=True,
+    pipe = Pipeline(chain(), balance=[4, 3], microbatches=4, activation_codec="qsgd", grad_codec="fp16", delta=True,
                     optimizer=sgd)
     x, y = data(16)
     ids = torch.arange(16)
@@ -133,18 +133,28 @@ def _same(a, b) -> bool:
 
 
 def _mismatch(rank):
+    """Ranks built differently; a problem one rank finds alone (a memory budget too small for
+    its stage, a compressor name it does not know): the same error on every rank."""
+    import re
+
     from gradcomp.pipeline import Pipeline
 
     said = {}
     sample = data(8, width=64)[0]
-    for what, kw in (("chunks", {"chunks": 4 if rank == 0 else 2}),
+    for what, kw in (("microbatches", {"microbatches": 4 if rank == 0 else 2}),
                      ("activation_codec", {"activation_codec": "int8" if rank == 0 else "fp16"}),
-                     ("stage check", {"memory_budget": 4096, "sample": sample, "balance": [6, 1]})):  # stage 0 only
+                     ("memory_budget", {"memory_budget": 4096, "sample": sample, "balance": [6, 1]}),  # stage 0 only
+                     ("unknown compressor", {"activation_codec": "int8" if rank == 0 else "int9"})):
         try:
-            Pipeline(chain(width=64), optimizer=sgd, **{"chunks": 4, "balance": [4, 3], **kw})
+            Pipeline(chain(width=64), optimizer=sgd, **{"microbatches": 4, "balance": [4, 3], **kw})
             said[what] = None
         except ValueError as exc:
             said[what] = str(exc)
+    least = re.search(r"raise memory_budget to at least (\d+)$", said["memory_budget"] or "")
+    said["least"] = int(least.group(1)) if least else None
+    if least:  # the budget the error asks for is enough
+        Pipeline(chain(width=64), optimizer=sgd, microbatches=4, balance=[6, 1], sample=sample,
+                 memory_budget=said["least"])
     return said
 
 
@@ -153,7 +163,7 @@ def _bad_inputs():
     message; the pipeline then trains as if nothing happened."""
     from gradcomp.pipeline import Pipeline
 
-    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, optimizer=sgd)
+    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, optimizer=sgd)  # chunks=, the keyword's other name
     x, y = data(16)
     try:
         pipe.step(x[:10], y[:10], LOSS)
@@ -169,7 +179,7 @@ def _disagree(rank):
     from gradcomp.pipeline import Pipeline
 
     said = {}
-    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, optimizer=sgd)
+    pipe = Pipeline(chain(), balance=[4, 3], microbatches=4, optimizer=sgd)
     x, y = data(16)
     for what, (xs, ys) in (("uneven", (x, y[:10])), ("sizes", (x, y[:8])), ("missing", (x, None))):
         try:
@@ -178,7 +188,7 @@ def _disagree(rank):
         except ValueError as exc:
             said[what] = str(exc)
     said["after"] = float(pipe.step(x if rank == 0 else None, y if rank == 1 else None, LOSS))
-    delta = Pipeline(chain(), balance=[4, 3], chunks=4, activation_codec="int8", delta=True, optimizer=sgd)
+    delta = Pipeline(chain(), balance=[4, 3], microbatches=4, activation_codec="int8", delta=True, optimizer=sgd)
     ids = torch.arange(16)
     try:
         delta.step(x, y, LOSS, sample_ids=ids if rank == 0 else ids.flip(0))
@@ -199,7 +209,7 @@ def _models(rank):
     for kind in KINDS:
         torch.manual_seed(0)
         model = sequential(kind)
-        pipe = Pipeline(model, balance=MODEL_BALANCE[kind], chunks=4, optimizer=sgd)
+        pipe = Pipeline(model, balance=MODEL_BALANCE[kind], microbatches=4, optimizer=sgd)
         batches = [model_data(kind, 16, seed=s) for s in range(2)]
         losses = [float(pipe.step(xb, yb, LOSS)) for xb, yb in batches]
         out[kind] = losses, gathered_params(pipe), [b.clone() for m in pipe.modules for b in m.buffers()]
@@ -209,7 +219,7 @@ def _models(rank):
 def _eval():
     from gradcomp.pipeline import Pipeline
 
-    pipe = Pipeline(chain(), balance=[4, 3], chunks=4, optimizer=sgd)
+    pipe = Pipeline(chain(), balance=[4, 3], microbatches=4, optimizer=sgd)
     x, y = data(16)
     out, loss = pipe.eval_step(x, y, LOSS)
     return out, float(loss)
@@ -223,7 +233,7 @@ def _explicit(rank, schedule):
     bounds = [0] + [sum(BALANCE[schedule][:i + 1]) for i in range(len(BALANCE[schedule]))]
     pieces = [model[a:b] for a, b in zip(bounds, bounds[1:])]
     mine = pieces[rank::2]
-    pipe = Pipeline(mine if len(mine) > 1 else mine[0], schedule=schedule, chunks=4, optimizer=sgd)
+    pipe = Pipeline(mine if len(mine) > 1 else mine[0], schedule=schedule, microbatches=4, optimizer=sgd)
     losses = [float(pipe.step(x, y, LOSS)) for x, y in _batches()]
     return losses, gathered_params(pipe)
 
@@ -236,7 +246,7 @@ def _auto(rank):
     wide = torch.nn.Sequential(torch.nn.Linear(16, 512), torch.nn.Tanh(), torch.nn.Linear(512, 512), torch.nn.Tanh(),
                                torch.nn.Linear(512, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
     x, y = data(16)
-    pipe = Pipeline(wide, balance="auto", sample=x[:4], chunks=4, optimizer=sgd, activation_codec="int8",
+    pipe = Pipeline(wide, balance="auto", sample=x[:4], microbatches=4, optimizer=sgd, activation_codec="int8",
                     link_bps=1e9)
     return pipe.balance, float(pipe.step(x, y, LOSS))
 
@@ -366,16 +376,32 @@ def test_nonfinite_step_changes_no_state_and_state_round_trips(results):
         assert out["inf_loss"] == out["inf_loss"] and not out["inf_applied"] and not out["nan_applied"]
         assert out["unchanged"], f"rank {rank}: a non-finite step changed the state"
         assert out["resumed"], f"rank {rank}: steps after load_state_dict differ from the first run"
-        assert out["other_rank"] is not None and "another rank" in out["other_rank"], out["other_rank"]
+        assert out["other_rank"] is not None and "it is rank 1's, loaded on rank 0" in out["other_rank"], \
+            out["other_rank"]
+    assert results[0]["state"]["other_rank"] == results[1]["state"]["other_rank"], "refused alike on every rank"
 
 
-@pytest.mark.parametrize("what", ["chunks", "activation_codec", "stage check"])
+@pytest.mark.parametrize("what", ["microbatches", "activation_codec"])
 def test_mismatched_config_raises_on_every_rank(results, what):
     said = [results[r]["mismatch"][what] for r in range(2)]
     assert said[0] is not None and said[0] == said[1], said
-    assert what.split("_")[0] in said[0] and "ranks disagree" in said[0]
-    if what == "stage check":  # the rank whose stage does not fit says why, on every rank
-        assert "no schedule keeps the saved activations within 4096 bytes" in said[0]
+    assert what in said[0] and "ranks disagree" in said[0]
+
+
+def test_a_memory_budget_too_small_says_the_budget_that_fits_on_every_rank(results):
+    """Issue 28: not a disagreement between ranks, nor cut short, and the budget it asks for works."""
+    said = [results[r]["mismatch"]["memory_budget"] for r in range(2)]
+    assert said[0] is not None and said[0] == said[1], said
+    assert "ranks disagree" not in said[0] and "..." not in said[0], said[0]
+    assert said[0].startswith("Pipeline: memory_budget=4096 bytes") and "stage 0 (rank 0) needs at least" in said[0]
+    least = results[0]["mismatch"]["least"]
+    assert least is not None and least > 4096 and said[0].endswith(f"raise memory_budget to at least {least}")
+
+
+def test_a_compressor_one_rank_does_not_know_raises_on_every_rank(results):
+    said = [results[r]["mismatch"]["unknown compressor"] for r in range(2)]
+    assert said[0] is not None and said[0] == said[1], said
+    assert said[0].startswith("Pipeline: rank 1: activation_codec: unknown compressor 'int9'"), said[0]
 
 
 def test_eval_step_is_the_model_forward(results):
@@ -396,7 +422,7 @@ def test_auto_balance_is_shared_by_every_rank(results):
 
 def test_bad_inputs_are_refused_before_any_message(results):
     said = [results[r]["bad_inputs"][0] for r in range(2)]
-    assert said[0] is not None and said[0] == said[1] and "does not split into chunks=4" in said[0]
+    assert said[0] is not None and said[0] == said[1] and "does not split into microbatches=4" in said[0]
     ref_losses, _ = reference(chain(), [4, 3], [data(16)], 4)
     assert [results[r]["bad_inputs"][1] for r in range(2)] == ref_losses * 2, "the refused step changed something"
 
@@ -406,7 +432,7 @@ def test_a_batch_wrong_on_one_rank_raises_on_every_rank(results, what):
     said = [results[r]["disagree"][what] for r in range(2)]
     assert said[0] is not None and said[0] == said[1], said
     assert "refused on every rank" in said[0]
-    want = {"uneven": "rank 1: the batch of 10 targets does not split into chunks=4",
+    want = {"uneven": "rank 1: the batch of 10 targets does not split into microbatches=4",
             "sizes": "batches of different sizes", "missing": "rank 1: targets is missing"}[what]
     assert want in said[0], said[0]
 
