@@ -4,14 +4,15 @@
     torchrun --nproc_per_node=4 examples/train_pipeline.py --schedule interleaved
     torchrun --nproc_per_node=4 examples/train_pipeline.py --replicas 2 --dp-compressor fp16
 
-Each rank holds one stage of an ``nn.Sequential`` (``--schedule interleaved``: two chunks);
-activations go forward through ``--act`` and their gradients back through ``--grad``
-(``none`` for exact), ``--delta`` sends each sample's activation change (AQ-SGD). With
+Each rank holds one stage of an ``nn.Sequential`` (``--schedule interleaved``: two virtual
+stages); activations go forward through the boundary compressor ``--act`` and their gradients
+back through ``--grad`` (``none`` for exact), ``--delta`` sends each sample's activation
+change (AQ-SGD). With
 ``--replicas R`` the ranks form R pipelines side by side and each stage's replicas average
 gradients with ``--dp-compressor``. ``--balance auto`` cuts the model where measured compute
 is even and compressed boundaries are cheap. The data is synthetic (a random linear teacher),
-so nothing is downloaded; gloo on CPU. Rank 0 prints the loss, the test accuracy and the
-bytes this rank sent.
+so nothing is downloaded; gloo on CPU. Rank 0 prints every line (the loss, the test accuracy
+the last stage measured, what each rank sent), so lines of several ranks never interleave.
 """
 from __future__ import annotations
 
@@ -53,9 +54,10 @@ def model(width: int) -> nn.Sequential:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved"))
-    p.add_argument("--chunks", type=int, default=4, help="micro-batches per step")
-    p.add_argument("--act", default="int8", help="activation codec (a gradcomp compressor name, or none)")
-    p.add_argument("--grad", default="fp16", help="activation-gradient codec")
+    p.add_argument("--microbatches", "--chunks", type=int, default=4, help="micro-batches per step")
+    p.add_argument("--act", default="int8", help="the activations' boundary compressor (a gradcomp compressor "
+                                                 "name, or none)")
+    p.add_argument("--grad", default="fp16", help="the activation gradients' boundary compressor")
     p.add_argument("--delta", action="store_true", help="AQ-SGD: send each sample's activation change")
     p.add_argument("--replicas", type=int, default=1, help="pipelines side by side (data parallel)")
     p.add_argument("--dp-compressor", default="none", help="how stage replicas average gradients")
@@ -75,24 +77,32 @@ def main() -> None:
     else:
         per = len(net) // stages
         balance = [per] * (stages - 1) + [len(net) - per * (stages - 1)]
-    pipe = Pipeline(net, balance=balance, sample=x[:batch // args.chunks], schedule=args.schedule,
-                    chunks=args.chunks, activation_codec=args.act, grad_codec=args.grad, delta=args.delta,
-                    replicas=args.replicas, dp_compressor=args.dp_compressor,
+    pipe = Pipeline(net, balance=balance, sample=x[:batch // args.microbatches], schedule=args.schedule,
+                    microbatches=args.microbatches, activation_codec=args.act, grad_codec=args.grad,
+                    delta=args.delta, replicas=args.replicas, dp_compressor=args.dp_compressor,
                     optimizer=lambda params: torch.optim.SGD(params, lr=0.05, momentum=0.9))
     replica = pipe.grid.replica
+    boundary = 0  # bytes this rank put on the wire across stage boundaries
     for step in range(args.steps):
         # each replica its own samples; every rank of a pipeline the same ones
         idx = torch.randint(0, len(y), (batch,), generator=torch.Generator().manual_seed(step * 131 + replica))
         loss = pipe.step(x[idx], y[idx], nn.functional.cross_entropy, sample_ids=idx)
+        boundary += pipe.wire_bytes
         if rank == 0 and step % 50 == 0:
             print(f"step {step:4d}  loss {float(loss):.4f}", flush=True)
     xt, yt = synthetic(1024, seed=2)
     out, loss = pipe.eval_step(xt, yt, nn.functional.cross_entropy)
-    if out is not None and replica == 0:
-        print(f"rank {rank} (last stage): test accuracy {float((out.argmax(1) == yt).float().mean()):.3f}", flush=True)
+    # the accuracy is known on the last stages, the bytes on each rank: rank 0 prints them all
+    accuracy = float((out.argmax(1) == yt).float().mean()) if out is not None else None
+    mine = (accuracy, boundary, telemetry()["total"]["bytes_sent"])
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, mine)
     if rank == 0:
-        print(f"balance {pipe.balance}, test loss {float(loss):.4f}, this rank sent "
-              f"{telemetry()['total']['bytes_sent'] / 1e6:.1f} MB", flush=True)
+        found = [a for a, _, _ in everyone if a is not None]
+        print(f"balance {pipe.balance}, test loss {float(loss):.4f}, test accuracy {found[0]:.3f}", flush=True)
+        for r, (_, wire, dp) in enumerate(everyone):
+            dp_text = f", {dp / 1e6:.1f} MB of data-parallel gradients" if args.replicas > 1 else ""
+            print(f"rank {r} sent {wire / 1e6:.1f} MB across stage boundaries{dp_text}", flush=True)
     pipe.close()
     shutdown()
     dist.destroy_process_group()
