@@ -206,3 +206,22 @@ def test_message_order_runs_under_nccl_rules(schedule, p, m, v):
     evals = [[Action("F", c, i) for i in range(m) for c in range(v)] for _ in range(p)]
     eval_order = message_order(evals, p)
     assert _nccl_run(evals, p, [[x for x in eval_order if r in (x.src % p, x.dst % p)] for r in range(p)])
+
+
+def test_the_example_prints_from_rank_0_only():
+    """Issue 28: ``examples/train_pipeline.py --replicas 2`` printed two ranks' lines into each
+    other; every print now sits under ``if rank == 0`` (what other ranks know is gathered to it)."""
+    import ast
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "train_pipeline.py"
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    guarded, prints = set(), []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and ast.unparse(node.test).startswith("rank == 0"):
+            guarded |= {id(n) for n in ast.walk(node)}
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print":
+            prints.append(node)
+    assert prints, "the example prints nothing"
+    alone = [ast.unparse(p)[:60] for p in prints if id(p) not in guarded]
+    assert not alone, f"printed by other ranks than rank 0: {alone}"
