@@ -50,8 +50,7 @@ def parse_methods(text: Optional[str], error_feedback: str = "auto") -> List[Dic
     ``error_feedback``: ``on``/``off``/``both``, or ``auto``: as gradcomp's DDP hook decides
     (biased compressors get it, except 16-bit casts and the scale-free signs).
     """
-    from gradcomp.compress import available_compressors, get_compressor
-    from gradcomp.training.policy import wants_feedback
+    from gradcomp.compress import available_compressors, get_compressor, wants_feedback
 
     if error_feedback not in ("auto", "on", "off", "both"):
         raise ValueError(f"error feedback must be auto, on, off or both, not {error_feedback!r}")
