@@ -20,19 +20,36 @@ A checkpoint is checked on every rank before anything loads, and every rank rais
 from __future__ import annotations
 
 import copy
-from typing import TYPE_CHECKING, Any, Dict, List, Mapping, Optional
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import Identity, check_device_set, fingerprint, refuse_on_every_rank, worker
 
+from ._shards import GroupLayout, bucket_key, piece_key, weight_key
 from .lowbit import PackedState, as_packed, is_packed, saved
 
-if TYPE_CHECKING:
-    from .sharded import ShardedOptimizer
-
 FORMAT = "gradcomp.sharded/1"
+
+
+@dataclass(frozen=True)
+class ShardView:
+    """What a checkpoint reads and writes of one rank's :class:`~gradcomp.memory.ShardedOptimizer`
+    (it builds one per call): the tensors are its own, so loading writes them in place."""
+
+    rank: int
+    world: int
+    group: Any
+    layouts: Sequence[GroupLayout]
+    buckets: Sequence[Tuple[int, int, int]]  # (group, start, stop) of each bucket, in key order
+    masters: Sequence[torch.Tensor]
+    optimizer: torch.optim.Optimizer  # the inner one (LowBitState when state is low-bit)
+    grad_feedback: Any  # ErrorFeedback of the gradients' reduce-scatter, or None
+    weight_feedback: Any  # ErrorFeedback of the weights' all-gather, or None
+    identity: Dict[str, Any]
+    skipped: int
 
 
 def _cpu(tree: Any) -> Any:
@@ -48,85 +65,86 @@ def _cpu(tree: Any) -> Any:
     return copy.deepcopy(tree)
 
 
-def sharded(opt: "ShardedOptimizer") -> Dict[str, Any]:
-    return {"format": FORMAT, "kind": "sharded", "identity": opt.identity(),
-            "inner": _cpu(opt.optimizer.state_dict()), "master": _cpu(opt.masters),
-            "grad_feedback": None if opt.grad_feedback is None else opt.grad_feedback.state_dict(),
-            "weight_feedback": None if opt.weight_feedback is None else opt.weight_feedback.state_dict(),
-            "buckets": _bucket_plan(opt), "skipped": opt.skipped}
+def shard_state(view: ShardView) -> Dict[str, Any]:
+    """This rank's checkpoint (``ShardedOptimizer.state_dict()``)."""
+    return {"format": FORMAT, "kind": "sharded", "identity": view.identity,
+            "inner": _cpu(view.optimizer.state_dict()), "master": _cpu(view.masters),
+            "grad_feedback": None if view.grad_feedback is None else view.grad_feedback.state_dict(),
+            "weight_feedback": None if view.weight_feedback is None else view.weight_feedback.state_dict(),
+            "buckets": _bucket_plan(view), "skipped": view.skipped}
 
 
-def _bucket_plan(opt: "ShardedOptimizer") -> List[List[int]]:
+def _bucket_plan(view: ShardView) -> List[List[int]]:
     """``[group, start, stop]`` of each bucket, in key order: what the residual keys mean."""
-    return [[b.group, b.start, b.stop] for b in opt._buckets]
+    return [list(b) for b in view.buckets]
 
 
 # ---- consolidated ------------------------------------------------------------------------------
-def _grad_residuals(opt: "ShardedOptimizer", residual: Any = None,
+def _grad_residuals(view: ShardView, residual: Any = None,
                     plan: Optional[List[List[int]]] = None) -> Optional[List[torch.Tensor]]:
     """This rank's gradient residuals laid out on each group's flat vector (zeros where none):
     independent of the bucket layout. ``residual``/``plan``: a saved error feedback's
     ``key -> tensor`` and the bucket plan its keys were made with (default: this run's)."""
-    ef = opt.grad_feedback
+    ef = view.grad_feedback
     if ef is None:
         return None
     if residual is None:
         residual = ef.residual
-    buckets = [(b.group, b.start, b.stop) for b in opt._buckets] if plan is None else [tuple(b) for b in plan]
-    out = [torch.zeros(lay.numel, dtype=torch.float32) for lay in opt.layouts]
+    buckets = list(view.buckets) if plan is None else [tuple(b) for b in plan]
+    out = [torch.zeros(lay.numel, dtype=torch.float32) for lay in view.layouts]
     for k, (g, start, stop) in enumerate(buckets):
-        splits = opt.layouts[g].splits(start, stop)
+        splits = view.layouts[g].splits(start, stop)
         at = start
         for j, n in enumerate(splits):
-            res = residual(f"g{g}/b{k}/to{j}")
+            res = residual(piece_key(bucket_key(g, k), j))
             if n and res is not None and res.numel() == n:
                 out[g][at:at + n] = res.reshape(-1).float().cpu()
             at += n
     return out
 
 
-def _grad_pieces(opt: "ShardedOptimizer", flat: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+def _grad_pieces(view: ShardView, flat: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
     """The residual of each (bucket, destination) of this run's layout, cut from ``flat``."""
     pieces: Dict[str, torch.Tensor] = {}
-    for k, b in enumerate(opt._buckets):
-        at = b.start
-        for j, n in enumerate(opt.layouts[b.group].splits(b.start, b.stop)):
-            if n and j != opt.rank:
-                pieces[f"g{b.group}/b{k}/to{j}"] = flat[b.group][at:at + n]
+    for k, (g, start, stop) in enumerate(view.buckets):
+        at = start
+        for j, n in enumerate(view.layouts[g].splits(start, stop)):
+            if n and j != view.rank:
+                pieces[piece_key(bucket_key(g, k), j)] = flat[g][at:at + n]
             at += n
     return pieces
 
 
-def _weight_residuals(opt: "ShardedOptimizer") -> Optional[List[torch.Tensor]]:
-    ef = opt.weight_feedback
+def _weight_residuals(view: ShardView) -> Optional[List[torch.Tensor]]:
+    ef = view.weight_feedback
     if ef is None:
         return None
     out = []
-    for g, m in enumerate(opt.masters):
-        res = ef.residual(f"w{g}")
+    for g, m in enumerate(view.masters):
+        res = ef.residual(weight_key(g))
         out.append(res.reshape(-1).cpu().clone() if res.numel() == m.numel() else torch.zeros(m.numel()))
     return out
 
 
-def consolidated(opt: "ShardedOptimizer", to: int) -> Optional[Dict[str, Any]]:
-    if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < opt.world:
-        raise ValueError(f"to={to!r} must be a rank of the group (0 .. {opt.world - 1})")
-    inner = opt.optimizer.state_dict()
-    mine = {"state": [_cpu(opt.optimizer.state.get(m, {})) for m in opt.masters], "master": _cpu(opt.masters),
-            "grad": _grad_residuals(opt), "weight": _weight_residuals(opt)}
-    if opt.world == 1:
+def consolidated(view: ShardView, to: int) -> Optional[Dict[str, Any]]:
+    if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to < view.world:
+        raise ValueError(f"to={to!r} must be a rank of the group (0 .. {view.world - 1})")
+    inner = view.optimizer.state_dict()
+    mine = {"state": [_cpu(view.optimizer.state.get(m, {})) for m in view.masters], "master": _cpu(view.masters),
+            "grad": _grad_residuals(view), "weight": _weight_residuals(view)}
+    if view.world == 1:
         parts = [mine]
     else:
-        gathered: Optional[List[Any]] = [None] * opt.world if opt.rank == to else None
-        dst = to if opt.group is None else dist.get_global_rank(opt.group, to)
-        check_device_set(opt.group, opt.masters, "ShardedOptimizer.state_dict")  # NCCL's object collectives
-        dist.gather_object(mine, gathered, dst=dst, group=opt.group)
-        if opt.rank != to:
+        gathered: Optional[List[Any]] = [None] * view.world if view.rank == to else None
+        dst = to if view.group is None else dist.get_global_rank(view.group, to)
+        check_device_set(view.group, view.masters, "ShardedOptimizer.state_dict")  # NCCL's object collectives
+        dist.gather_object(mine, gathered, dst=dst, group=view.group)
+        if view.rank != to:
             return None
         assert gathered is not None
         parts = gathered
-    ident = {k: v for k, v in opt.identity().items() if k != "rank"}
-    groups = range(len(opt.masters))
+    ident = {k: v for k, v in view.identity.items() if k != "rank"}
+    groups = range(len(view.masters))
     return {"format": FORMAT, "kind": "consolidated", "identity": ident,
             "param_groups": _cpu(inner["param_groups"]), "lowbit": _cpu(inner.get("lowbit")),
             "state": [_join_state([p["state"][g] for p in parts]) for g in groups],
@@ -135,7 +153,7 @@ def consolidated(opt: "ShardedOptimizer", to: int) -> Optional[Dict[str, Any]]:
             [torch.stack([p["grad"][g] for p in parts]).mean(0) for g in groups],
             "weight_residual": None if mine["weight"] is None else
             [torch.cat([p["weight"][g] for p in parts]) for g in groups],
-            "skipped": opt.skipped}
+            "skipped": view.skipped}
 
 
 def _join_state(states: List[Dict[str, Any]]) -> Dict[str, Any]:
@@ -167,12 +185,12 @@ def _cut_state(state: Mapping[str, Any], numel: int, lo: int, hi: int) -> Dict[s
 
 
 # ---- loading -----------------------------------------------------------------------------------
-def _problem(opt: "ShardedOptimizer", sd: Any) -> str:
+def _problem(view: ShardView, sd: Any) -> str:
     """What is wrong with ``sd`` for this rank, or ``""``."""
     if not isinstance(sd, Mapping) or sd.get("format") != FORMAT or sd.get("kind") not in ("sharded", "consolidated"):
         return ("the state_dict is not a ShardedOptimizer checkpoint of this gradcomp version (format "
                 f"{sd.get('format') if isinstance(sd, Mapping) else type(sd).__name__!r}, expected {FORMAT!r})")
-    saved, mine = sd.get("identity"), opt.identity()
+    saved, mine = sd.get("identity"), view.identity
     if not isinstance(saved, Mapping) or any(k not in saved for k in ("names", "shapes", "trainable", "config")):
         return "it carries no ShardedOptimizer identity (not a ShardedOptimizer checkpoint); it cannot be checked"
     if saved.get("names") != mine["names"] or saved.get("shapes") != mine["shapes"]:
@@ -185,9 +203,12 @@ def _problem(opt: "ShardedOptimizer", sd: Any) -> str:
                                       fixes=_FIXES)
     if problem:
         return problem
+    unreadable = _packs_problem(sd)
+    if unreadable:
+        return unreadable
     if sd["kind"] == "consolidated":
-        for g, (state, lay) in enumerate(zip(sd.get("state") or [], opt.layouts)):
-            lo = lay.shard(opt.rank)[0]
+        for g, (state, lay) in enumerate(zip(sd.get("state") or [], view.layouts)):
+            lo = lay.shard(view.rank)[0]
             for key, v in (state or {}).items():
                 if is_packed(v) and lo < as_packed(v).numel and not as_packed(v).is_boundary(lo):
                     return (f"its low-bit {key!r} of group {g} has a block across element {lo}, where this rank's "
@@ -212,52 +233,69 @@ def identity(d: Mapping[str, Any]) -> Identity:
                     fields={"frozen parameters": repr(frozen)})
 
 
-def _agree(opt: "ShardedOptimizer", problem: str) -> None:
+def _agree(view: ShardView, problem: str) -> None:
     """Raise the same ``ValueError`` on every rank when any rank has a ``problem``."""
-    refuse_on_every_rank(problem, opt.group, "ShardedOptimizer.load_state_dict",
-                         device=worker.device_of(opt.masters))
+    refuse_on_every_rank(problem, view.group, "ShardedOptimizer.load_state_dict",
+                         device=worker.device_of(view.masters))
 
 
-def load(opt: "ShardedOptimizer", sd: Mapping[str, Any]) -> None:
-    _agree(opt, _problem(opt, sd))
+def _packs_problem(sd: Mapping[str, Any]) -> Optional[str]:
+    """Why a low-bit pack in ``sd`` cannot be read (an unknown format, a missing field), or
+    None: found here, every rank refuses, instead of one rank failing inside its inner load."""
+    inner = sd.get("inner")
+    states = (inner.get("state") or {}).values() if isinstance(inner, Mapping) else sd.get("state") or []
+    for state in states:
+        for key, v in (state.items() if isinstance(state, Mapping) else ()):
+            if is_packed(v):
+                try:
+                    as_packed(v)
+                except ValueError as exc:
+                    return f"its low-bit {key!r} cannot be read ({exc})"
+    return None
+
+
+def load(view: ShardView, sd: Mapping[str, Any]) -> int:
+    """Load ``sd`` (either kind) into ``view``'s tensors and optimizers, or raise the same
+    ``ValueError`` on every rank; returns the checkpoint's count of skipped steps."""
+    _agree(view, _problem(view, sd))
     if sd["kind"] == "sharded":
-        opt.optimizer.load_state_dict(sd["inner"])
-        for m, saved_master in zip(opt.masters, sd["master"]):
+        view.optimizer.load_state_dict(sd["inner"])
+        for m, saved_master in zip(view.masters, sd["master"]):
             m.copy_(saved_master)
-        for ef, saved_ef in ((opt.grad_feedback, sd["grad_feedback"]), (opt.weight_feedback, sd["weight_feedback"])):
+        for ef, saved_ef in ((view.grad_feedback, sd["grad_feedback"]), (view.weight_feedback, sd["weight_feedback"])):
             if ef is not None:
                 ef.load_state_dict(saved_ef)
         plan = sd.get("buckets")
-        if opt.grad_feedback is not None and plan is not None and plan != _bucket_plan(opt):
+        if view.grad_feedback is not None and plan is not None and plan != _bucket_plan(view):
             # saved with another bucket_mb: the residual keys name other buckets; re-key them
             state = sd["grad_feedback"]["state"]
-            flat = _grad_residuals(opt, state.get, plan)
+            flat = _grad_residuals(view, state.get, plan)
             assert flat is not None
-            _set_residuals(opt.grad_feedback, _grad_pieces(opt, flat))
+            _set_residuals(view.grad_feedback, _grad_pieces(view, flat))
     else:
-        _load_consolidated(opt, sd)
-    opt.skipped = int(sd["skipped"])
+        _load_consolidated(view, sd)
+    return int(sd["skipped"])
 
 
-def _load_consolidated(opt: "ShardedOptimizer", sd: Mapping[str, Any]) -> None:
-    bounds = [lay.shard(opt.rank) for lay in opt.layouts]
+def _load_consolidated(view: ShardView, sd: Mapping[str, Any]) -> None:
+    bounds = [lay.shard(view.rank) for lay in view.layouts]
     inner: Dict[str, Any] = {
         "state": {g: _cut_state(s, lay.numel, lo, hi)
-                  for g, (s, lay, (lo, hi)) in enumerate(zip(sd["state"], opt.layouts, bounds)) if s},
+                  for g, (s, lay, (lo, hi)) in enumerate(zip(sd["state"], view.layouts, bounds)) if s},
         "param_groups": copy.deepcopy(sd["param_groups"])}
     if sd.get("lowbit") is not None:
         inner["lowbit"] = copy.deepcopy(sd["lowbit"])
-    opt.optimizer.load_state_dict(inner)
-    for m, full, (lo, hi) in zip(opt.masters, sd["master"], bounds):
+    view.optimizer.load_state_dict(inner)
+    for m, full, (lo, hi) in zip(view.masters, sd["master"], bounds):
         m.copy_(full[lo:hi])
-    if opt.weight_feedback is not None:
-        _set_residuals(opt.weight_feedback, {f"w{g}": full[lo:hi] for g, (full, (lo, hi))
+    if view.weight_feedback is not None:
+        _set_residuals(view.weight_feedback, {weight_key(g): full[lo:hi] for g, (full, (lo, hi))
                                              in enumerate(zip(sd["weight_residual"], bounds)) if hi > lo})
-    if opt.grad_feedback is not None and opt.world > 1:
+    if view.grad_feedback is not None and view.world > 1:
         # what the mean gradient still owes is the mean of the residuals; here w - 1 ranks send
         # each piece (its owner does not), so each holds w / (w - 1) of it
-        mean = [r * (opt.world / (opt.world - 1)) for r in sd["grad_residual"]]
-        _set_residuals(opt.grad_feedback, _grad_pieces(opt, mean))
+        mean = [r * (view.world / (view.world - 1)) for r in sd["grad_residual"]]
+        _set_residuals(view.grad_feedback, _grad_pieces(view, mean))
 
 
 def _set_residuals(ef: Any, residuals: Mapping[str, torch.Tensor]) -> None:

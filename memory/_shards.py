@@ -90,6 +90,23 @@ def _bucket(layout: GroupLayout, group: int, members: List[int]) -> Bucket:
     return Bucket(group, ordered, start, stop)
 
 
+def bucket_key(group: int, k: int) -> str:
+    """The error-feedback key of bucket ``k``'s reduce-scatter (``k``: its index over all
+    groups' buckets, in launch order; ``group``: its parameter group)."""
+    return f"g{group}/b{k}"
+
+
+def piece_key(key: str, j: int) -> str:
+    """The key under which a compressed reduce-scatter of ``key`` keeps the residual of the
+    piece it sends to rank ``j`` (``collectives.shards.reduce_scatter``'s rule)."""
+    return f"{key}/to{j}"
+
+
+def weight_key(group: int) -> str:
+    """The error-feedback key of parameter group ``group``'s weight all-gather."""
+    return f"w{group}"
+
+
 def layer_slices(layout: GroupLayout, rank: int, layers: Sequence[int]) -> List[Tuple[int, int, int]]:
     """``(layer, start, stop)`` for every parameter with elements in this rank's shard, in
     shard coordinates; ``layers[i]`` is the layer number of the group's parameter ``i``."""

@@ -34,42 +34,37 @@ size); ``consolidated_state_dict(to=0)`` gathers a whole checkpoint on one rank,
 """
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Mapping, Optional
 
 import torch
 
 from gradcomp.collectives import rank_of, world_of
 from gradcomp.collectives import worker
 from gradcomp.collectives.shards import all_gather, any_rank, reduce_scatter
-from gradcomp.compress import ErrorFeedback, get_compressor
-from gradcomp.compress.base import Compressor
+from gradcomp.compress import ErrorFeedback, as_codec
 from gradcomp.compress.transaction import Transaction, all_finite
-from gradcomp.training.wrapper import Wrapper, broadcast_params, weak_grad_hook
-from gradcomp.collectives.identity import agree, fingerprint, names_of
+from gradcomp.training.buckets import BucketLauncher
+from gradcomp.training.wrapper import Wrapper, broadcast_params
+from gradcomp.collectives.identity import agree, describe_params, fingerprint, names_of
 
 from . import _shardckpt
-from ._shards import Bucket, GroupLayout, flat_of, group_layout, layer_slices, plan_buckets
+from ._shards import Bucket, GroupLayout, bucket_key, flat_of, group_layout, layer_slices, plan_buckets, weight_key
 from .lowbit import _COMPENSATIONS, BITS, MIN_NUMEL, LowBitState, bits_problem
 
 __all__ = ["ShardedOptimizer"]
 
 _STAGES = (1, 2)
+# the agreement field naming frozen parameters: a parameter frozen on one rank only changes the
+# group's layout, so it is compared before the groups and named (not just counted)
+_FROZEN = "parameters with requires_grad=False"
 _STATE_BITS = (32, *BITS)  # 32: the inner optimizer's own state
 
 
 def _feedback(compressor: Any, options: Mapping[str, Any], what: str) -> Optional[ErrorFeedback]:
-    """``None`` for dense, else the compressor wrapped in error feedback."""
-    if compressor is None or compressor == "none":
+    """``None`` for dense, else the compressor with (residual) error feedback."""
+    if compressor is None or (isinstance(compressor, str) and compressor == "none"):
         return None
-    if isinstance(compressor, ErrorFeedback):
-        return compressor
-    if isinstance(compressor, str):
-        return ErrorFeedback(get_compressor(compressor, **options))
-    if isinstance(compressor, Compressor):
-        return ErrorFeedback(compressor)
-    raise ValueError(f"{what}={compressor!r} is not allowed; pass None (dense), a compressor name "
-                     f"(gradcomp.compress.available_compressors()), a Compressor or an ErrorFeedback")
+    return as_codec(compressor, options, error_feedback="ef", what=what)
 
 
 def _groups(params: Any) -> List[Dict[str, Any]]:
@@ -162,11 +157,12 @@ class ShardedOptimizer(Wrapper):
             broadcast_params([p for ps in self._trainable for p in ps], self.group)
         self.masters = [self._master_of(g) for g in range(len(groups))]
         self.optimizer = self._build_inner(hyper, defaults)
-        self._bucket_of = {(b.group, i): k for k, b in enumerate(self._buckets) for i in b.members}
         self._index = {id(p): (g, i) for g, ps in enumerate(self._trainable) for i, p in enumerate(ps)}
         self._worker = worker.worker_for((process_group,)) if self.world > 1 else None
-        self._handles = [p.register_post_accumulate_grad_hook(weak_grad_hook(self)) for ps in self._trainable for p in ps]
-        self._no_sync = False
+        self._launcher = BucketLauncher()  # members: (group, position in the group's trainable parameters)
+        self._launcher.plan([[(b.group, i) for i in b.members] for b in self._buckets],
+                            {(g, i): self.names[self._layers[g][i]] for (g, i) in self._index.values()})
+        self._launcher.watch([p for ps in self._trainable for p in ps], self._grad_ready)
         self._reset()
 
     # ---- construction -----------------------------------------------------------------------
@@ -181,15 +177,16 @@ class ShardedOptimizer(Wrapper):
 
     def _describe(self, hyper: List[Dict[str, Any]], defaults: Mapping[str, Any]) -> Dict[str, str]:
         """What every rank must agree on (printable), field by field."""
-        params = "; ".join(f"{n} {tuple(p.shape)} {str(p.dtype).replace('torch.', '')}"
-                           f"{'' if p.requires_grad else ' frozen'}" for n, p in zip(self.names, self._all))
+        frozen = [n for n, p in zip(self.names, self._all) if not p.requires_grad]
         groups = " | ".join(str(len(ps)) for ps in self._trainable)
         return {"optimizer": f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}",
                 "optimizer options": repr(sorted(defaults.items())),
+                "parameters": describe_params(list(zip(self.names, self._all))),
+                _FROZEN: repr(frozen),
                 "parameter groups": f"{groups} {sorted(repr(sorted(h.items())) for h in hyper)}",
                 "compressor": repr(self.grad_feedback), "weight compressor": repr(self.weight_feedback),
                 "state bits": f"{self.state_bits} {self.state_compensation if self.state_bits < 32 else ''}",
-                "stage": str(self.stage), "parameters": params}
+                "stage": str(self.stage)}
 
     def _bucket_text(self) -> str:
         return f"bucket_mb={self.bucket_mb:g}: " + " ".join(f"{b.group}:{b.start}-{b.stop}" for b in self._buckets)
@@ -245,15 +242,10 @@ class ShardedOptimizer(Wrapper):
                 elif p.grad is not None:
                     p.grad.detach_().zero_()
 
-    @contextlib.contextmanager
-    def no_sync(self) -> Iterator[None]:
+    def no_sync(self) -> ContextManager[None]:
         """Backward passes inside only accumulate gradients (keep ``stage=1`` semantics for them:
         nothing is freed); the next one outside exchanges them."""
-        previous, self._no_sync = self._no_sync, True
-        try:
-            yield
-        finally:
-            self._no_sync = previous
+        return self._launcher.no_sync()
 
     # ---- one step ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -281,17 +273,8 @@ class ShardedOptimizer(Wrapper):
     def _reduced(self) -> Optional[List[Optional[torch.Tensor]]]:
         """Every bucket's piece of this rank's shard, once every rank knows that none failed
         and all are finite; None when some are not (the iteration is undone and skipped)."""
-        while self._next < len(self._buckets):
-            self._launch(self._next)
-            self._next += 1
-        pieces: List[Optional[torch.Tensor]] = []
-        error: Optional[BaseException] = None
-        for fut in self._futures:
-            try:
-                pieces.append(None if fut is None else fut.wait())
-            except Exception as exc:
-                pieces.append(None)
-                error = error or exc
+        self._launcher.launch_rest(self._launch)
+        pieces, error = self._launcher.wait()
         txn = self._txn
         if error is not None and not isinstance(error, ValueError):
             # the group failed under the exchange (a peer silent past the timeout, a broken
@@ -333,36 +316,20 @@ class ShardedOptimizer(Wrapper):
             sizes = [b - a for a, b in zip(lay.bounds[:-1], lay.bounds[1:])]
             dense = self.weight_feedback is None
             shard = m.to(ps[0].dtype) if dense else m
-            full = all_gather(shard, sizes, compressor=self.weight_feedback, key=f"w{g}", group=self.group)
+            full = all_gather(shard, sizes, compressor=self.weight_feedback, key=weight_key(g), group=self.group)
             for p, off, n in zip(ps, lay.offsets, lay.numels):
                 p.data.copy_(full[off:off + n].view_as(p))
 
     # ---- the backward hooks -----------------------------------------------------------------
     def _reset(self) -> None:
-        self._missing = [len(b.members) for b in self._buckets]
-        self._ready: set = set()
-        self._futures: List[Optional[torch.futures.Future]] = [None] * len(self._buckets)
-        self._next = 0
+        """A new iteration: no bucket launched, a fresh transaction for the exchanges' state."""
+        self._launcher.reset()
         self._txn = Transaction()
 
     def _grad_ready(self, param: torch.Tensor) -> None:
-        if self._no_sync:
-            return
-        g, i = self._index[id(param)]
-        k = self._bucket_of[(g, i)]
-        if self._futures[k] is not None:
-            raise ValueError(f"the gradient of {self.names[self._layers[g][i]]!r} was accumulated again after its "
-                             f"bucket was sent; call step() between backward passes, or run the extra passes under "
-                             f"`with optimizer.no_sync():`")
-        if (g, i) in self._ready:
-            return
-        self._ready.add((g, i))
-        self._missing[k] -= 1
-        while self._next < len(self._buckets) and self._missing[self._next] <= 0:
-            self._launch(self._next)
-            self._next += 1
+        self._launcher.ready(self._index[id(param)], self._launch)
 
-    def _launch(self, k: int) -> None:
+    def _launch(self, k: int) -> torch.futures.Future:
         b = self._buckets[k]
         params = [self._trainable[b.group][i] for i in b.members]
         flat = flat_of([p.grad if p.grad is not None else torch.zeros_like(p) for p in params],
@@ -371,56 +338,53 @@ class ShardedOptimizer(Wrapper):
             for p in params:
                 p.grad = None
         splits = self.layouts[b.group].splits(b.start, b.stop)
-        key, comp, group, txn = f"g{b.group}/b{k}", self.grad_feedback, self.group, self._txn
+        key, comp, group, txn = bucket_key(b.group, k), self.grad_feedback, self.group, self._txn
 
-        def job(eff: Callable[[Any], Any]) -> torch.Tensor:
+        def job(group_for: Callable[[Any], Any]) -> torch.Tensor:
             if flat.is_cuda:  # made on the caller's stream, read (and freed) on this one
                 flat.record_stream(torch.cuda.current_stream(flat.device))
             with txn.active():
-                return reduce_scatter(flat, splits, compressor=comp, key=key, group=eff(group))
+                return reduce_scatter(flat, splits, compressor=comp, key=key, group=group_for(group))
 
         if self._worker is None:
-            self._futures[k] = worker.completed(job, eff=lambda g: None)
-        else:
-            self._futures[k] = self._worker.submit(job, device=flat.device, inline=k == len(self._buckets) - 1)
+            return worker.completed(job, eff=lambda g: None)
+        return self._worker.submit(job, device=flat.device, inline=k == len(self._buckets) - 1)
 
     def _drain(self) -> None:
         """Wait for exchanges in flight and undo them (their gradients never reach the shard)."""
-        if any(f is not None for f in self._futures):
-            for fut in self._futures:
-                if fut is not None:
-                    with contextlib.suppress(Exception):
-                        fut.wait()
+        if self._launcher.drain():
             self._txn.rollback()
             self._reset()
-
-    def __del__(self) -> None:
-        for handle in getattr(self, "_handles", ()):
-            handle.remove()
 
     # ---- checkpoints ------------------------------------------------------------------------
     def identity(self) -> Dict[str, Any]:
         """Whose optimizer this is: rank, world size, parameter names and shapes, and a
         fingerprint of the configuration."""
-        cfg = {k: v for k, v in self._config.items() if k != "parameters"}
+        cfg = {k: v for k, v in self._config.items() if k not in ("parameters", _FROZEN)}  # "trainable" has those
         return {"rank": self.rank, "world": self.world, "names": list(self.names),
                 "shapes": [list(p.shape) for p in self._all],
                 "trainable": [bool(p.requires_grad) for p in self._all],
                 "config": fingerprint(repr(sorted(cfg.items())))}
 
+    def _checkpoint_view(self) -> _shardckpt.ShardView:
+        return _shardckpt.ShardView(self.rank, self.world, self.group, self.layouts,
+                                    [(b.group, b.start, b.stop) for b in self._buckets], self.masters,
+                                    self.optimizer, self.grad_feedback, self.weight_feedback, self.identity(),
+                                    self.skipped)
+
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard: inner optimizer state, master shards, error feedback."""
         self._drain()
-        return _shardckpt.sharded(self)
+        return _shardckpt.shard_state(self._checkpoint_view())
 
     def consolidated_state_dict(self, to: int = 0) -> Optional[Dict[str, Any]]:
         """The whole optimizer, gathered on rank ``to`` (None on the others; every rank must
         call it): loads at any world size."""
         self._drain()
-        return _shardckpt.consolidated(self, to)
+        return _shardckpt.consolidated(self._checkpoint_view(), to)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load this rank's ``state_dict()`` or a ``consolidated_state_dict()`` of any world
         size; every rank raises the same error when any rank's checkpoint does not fit."""
         self._drain()
-        _shardckpt.load(self, state_dict)
+        self.skipped = _shardckpt.load(self._checkpoint_view(), state_dict)

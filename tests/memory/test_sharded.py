@@ -19,6 +19,7 @@ Invariants protected:
 """
 from __future__ import annotations
 
+import copy
 import functools
 import io
 import os
@@ -333,12 +334,24 @@ def _catch(out, key, fn):
         out[key] = str(exc)
 
 
+def _frozen_on_rank_one(rank, all_params):
+    """Issue 28: ``gain`` frozen on rank 1 only, given with every parameter (or left out there)."""
+    from gradcomp.memory import ShardedOptimizer
+
+    model = Net()
+    model.gain.requires_grad_(rank != 1)
+    params = list(model.parameters()) if all_params else _trainable(model)
+    return ShardedOptimizer(params, torch.optim.AdamW, model=model, lr=0.01, bucket_mb=0.0005)
+
+
 def case_errors(rank, world, ckpt_other_world):
     """Every rank raises the same clear error."""
     out: dict = {}
     catch = functools.partial(_catch, out)
 
     catch("params", lambda: _sharded(Net(width=33 if rank == 0 else 34)))
+    catch("frozen_one_rank", lambda: _frozen_on_rank_one(rank, all_params=True))
+    catch("frozen_one_rank_left_out", lambda: _frozen_on_rank_one(rank, all_params=False))
     catch("optimizer", lambda: _sharded(Net(), lr=0.01 if rank == 0 else 0.02))
     model = Net()
     opt = _sharded(model)
@@ -352,6 +365,16 @@ def case_errors(rank, world, ckpt_other_world):
     catch("bits", lambda: _sharded(Net(), state_bits=16))
     catch("stage", lambda: _sharded(Net(), stage=3))
     catch("compressor", lambda: _sharded(Net(), compressor="int9"))
+    # a low-bit pack of an unknown format on rank 1 only: both refuse, neither loads
+    low = Net(width=600)
+    low_opt = _sharded(low, state_bits=8)
+    _run(low, low_opt, rank, world, 1, check=False)
+    before = low_opt.state_dict()
+    bad = copy.deepcopy(before)
+    if rank == 1:
+        bad["inner"]["state"][0]["exp_avg"]["format"] = "f8"
+    catch("bad_pack", lambda: low_opt.load_state_dict(bad))
+    out["bad_pack_unchanged"] = _equal(low_opt.state_dict(), before)
     out["still_works"] = _run(model, opt, rank, world, 1, start=1)
     return out
 
@@ -530,18 +553,28 @@ def test_nonfinite_step_changes_nothing_anywhere(results):
 
 def test_errors_are_the_same_on_every_rank(results):
     per_rank = [r["errors"] for r in results[2]]
-    for key in ("params", "optimizer", "other_rank", "other_world", "other_model", "bits", "stage", "compressor"):
+    for key in ("params", "optimizer", "other_rank", "other_world", "other_model", "bits", "stage", "compressor",
+                "frozen_one_rank", "frozen_one_rank_left_out", "bad_pack"):
         messages = [e[key] for e in per_rank]
         assert all(messages), key
-        if key in ("params", "optimizer", "other_rank", "other_world"):
+        if key in ("params", "optimizer", "other_rank", "other_world", "frozen_one_rank", "frozen_one_rank_left_out",
+                   "bad_pack"):
             assert len(set(messages)) == 1, (key, messages)
     assert "disagree on the parameters" in per_rank[0]["params"]
+    # issue 28: it read "disagree on the parameter groups ... (rank 0: 4 ['[]'], rank 1: 3 ['[]'])"
+    frozen = per_rank[0]["frozen_one_rank"]
+    assert "requires_grad=False" in frozen and "rank 1: ['gain', 'frozen.weight'" in frozen, frozen
+    assert "disagree on the parameters" in per_rank[0]["frozen_one_rank_left_out"]
+    assert "gain (1,) float32" in per_rank[0]["frozen_one_rank_left_out"]
     assert "optimizer options" in per_rank[0]["optimizer"]
     assert "it is rank 1's, loaded on rank 0" in per_rank[0]["other_rank"]
     assert "saved on 4 ranks" in per_rank[0]["other_world"] and "consolidated_state_dict" in per_rank[0]["other_world"]
     assert "other parameters" in per_rank[0]["other_model"]
     assert "state_bits=16" in per_rank[0]["bits"] and "stage=3" in per_rank[0]["stage"]
     assert "int9" in per_rank[0]["compressor"]
+    # it failed inside rank 1's inner load only, after rank 0 had loaded
+    assert "rank 1: its low-bit 'exp_avg' cannot be read (unknown low-bit state format 'f8'" in per_rank[0]["bad_pack"]
+    assert all(e["bad_pack_unchanged"] for e in per_rank)
     assert all(e["still_works"] for e in per_rank)
 
 
@@ -648,12 +681,12 @@ def case_layout(rank, world):
     opt = _sharded(model, compressor="int8", bucket_mb=0.0005)
     _run(model, opt, rank, world, 2, check=False)
     saved_model, saved_opt = _save(model.state_dict()), _save(opt.state_dict())
-    before = _shardckpt._grad_residuals(opt)
+    before = _shardckpt._grad_residuals(opt._checkpoint_view())
     again = Net(width=160, seed=5)
     again.load_state_dict(_load(saved_model))
     opt2 = _sharded(again, compressor="int8", bucket_mb=0.01)  # one bucket where there were five
     opt2.load_state_dict(_load(saved_opt))
-    after = _shardckpt._grad_residuals(opt2)
+    after = _shardckpt._grad_residuals(opt2._checkpoint_view())
     out["rekeyed"] = (len(opt._buckets) != len(opt2._buckets)
                       and all(torch.equal(a, b) for a, b in zip(before, after)))
     out["goes_on"] = _run(again, opt2, rank, world, 2, start=2)
