@@ -1,14 +1,14 @@
 """The base of gradcomp's optimizers that wrap another one (``CompressedOptimizer``,
 ``memory.LowBitState``, ``memory.ShardedOptimizer``): a ``torch.optim.Optimizer`` whose
 ``param_groups``, ``state`` and ``defaults`` are the wrapped optimizer's, so LR schedulers,
-gradient clipping and hooks work on it as on any optimizer; and the weakly held gradient hook
-of those that exchange gradients as backward produces them; and the broadcast that gives every
-rank the first rank's parameters at the start (``gradcomp.optim``'s optimizers use it too)."""
+gradient clipping and hooks work on it as on any optimizer; and the broadcast that gives every
+rank the first rank's parameters at the start (``gradcomp.optim``'s optimizers use it too).
+The gradient hooks of those that exchange gradients as backward produces them are
+:mod:`gradcomp.training.buckets`'."""
 from __future__ import annotations
 
 from collections import OrderedDict
-import weakref
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -44,20 +44,6 @@ class Wrapper(torch.optim.Optimizer):
 
     def __getstate__(self) -> Dict[str, Any]:
         raise ValueError(f"a {type(self).__name__} cannot be pickled; save state_dict() instead")
-
-
-def weak_grad_hook(opt: Any) -> Callable[[torch.Tensor], None]:
-    """A ``register_post_accumulate_grad_hook`` hook calling ``opt._grad_ready(param)``, holding
-    ``opt`` weakly: a wrapper that is dropped (say, replaced by a new one over the same
-    parameters) must stop exchanging gradients, and be freed."""
-    ref = weakref.ref(opt)
-
-    def hook(param: torch.Tensor) -> None:
-        target = ref()
-        if target is not None:
-            target._grad_ready(param)
-
-    return hook
 
 
 def broadcast_params(params: Sequence[torch.Tensor], group=None) -> None:
