@@ -11,7 +11,8 @@ counted the same way), and loss curves.
 
 ``--model transformer``: a small character-level transformer language model learns Python
 source, the standard library's own files (:mod:`gradcomp.bench.text`; split by file), with
-AdamW, a fixed number of steps and the same windows of text for every method. Reported:
+AdamW, a fixed number of steps and the same windows of text for every method; the methods
+take turns step by step, so that load on a shared machine slows them alike. Reported:
 final validation loss (nats per character, on held-out files; the unigram baseline beside
 it), its difference to PyTorch's allreduce, time per step, bytes, and loss curves. Error
 feedback by default where ``error_feedback="auto"`` puts it (the biased compressors but the
@@ -212,45 +213,81 @@ def _register(spec, model: torch.nn.Module, cfg: Dict[str, Any]):
     return ddp
 
 
-def _lm_one(spec, rank, world, cfg, data, tick) -> Dict[str, Any]:
-    """One method's run of the transformer: AdamW for ``cfg["steps"]`` steps on the windows of
-    :func:`text.train_starts`; the validation loss before the first step and every
-    ``cfg["eval_every"]`` steps."""
-    from gradcomp.collectives import reset_telemetry, telemetry
+class _LMRun:
+    """One method's run of the transformer, a step at a time: AdamW for ``cfg["steps"]`` steps on
+    the windows of :func:`text.train_starts`, the validation loss before the first step and every
+    ``cfg["eval_every"]`` steps. The methods take turns step by step (:func:`_lm_rank`), so a
+    load spike on a shared machine slows every method alike, not the one that happens to run."""
 
-    from . import text
+    def __init__(self, spec: Dict[str, Any], rank: int, world: int, cfg: Dict[str, Any], data) -> None:
+        from . import text
 
-    train, xv, yv = data
-    model = text.model(cfg)
-    ddp = _register(spec, model, cfg)
-    opt = torch.optim.AdamW(ddp.parameters(), lr=cfg["lr"], weight_decay=0.01)
-    steps, warmup = cfg["steps"], max(1, min(10, cfg["steps"] // 10))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: text.lr_at(s, steps, warmup))
-    counter = hooks.CountingAllReduce(world)
-    reset_telemetry()
-    def validate(step: int) -> None:
+        self.spec, self.rank, self.world, self.cfg = spec, rank, world, cfg
+        self.train, self.xv, self.yv = data
+        self.model = text.model(cfg)
+        self.ddp = _register(spec, self.model, cfg)
+        self.opt = torch.optim.AdamW(self.ddp.parameters(), lr=cfg["lr"], weight_decay=0.01)
+        steps, warmup = cfg["steps"], max(1, min(10, cfg["steps"] // 10))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: text.lr_at(s, steps, warmup))
+        self.counter = hooks.CountingAllReduce(world)
+        self.sent = 0.0
+        self.losses: List[float] = []
+        self.times: List[float] = []
+        self.val_curve: List[Tuple[int, float]] = []
+        self.validate(0)
+
+    def validate(self, step: int) -> None:
         with torch.no_grad():  # this rank's equal share of the windows: the ranks' mean is the mean
-            val_curve.append((step, float(torch.nn.functional.cross_entropy(model(xv), yv))))
+            self.val_curve.append((step, float(torch.nn.functional.cross_entropy(self.model(self.xv), self.yv))))
 
-    losses: List[float] = []
-    times: List[float] = []
-    val_curve: List[Tuple[int, float]] = []
-    validate(0)
-    with counter if spec["source"] == "torch" else contextlib.nullcontext():
-        for step in range(steps):
-            x, y = text.batch(train, text.train_starts(len(train), cfg["context"], rank, world, cfg["batch_size"],
-                                                       cfg["seed"], step), cfg["context"])
-            loss, ms = timed_step(ddp, opt, x, y)
-            sched.step()
-            losses.append(loss)
-            times.append(ms)
-            if (step + 1) % cfg["eval_every"] == 0 or step + 1 == steps:
-                validate(step + 1)
-                tick()
-    sent = telemetry()["total"]["bytes_sent"] if spec["source"] == "gradcomp" else counter.nbytes
-    checksum = float(sum(p.double().sum() for p in model.parameters()))
-    return {"losses": losses, "times_ms": times, "val_curve": val_curve, "bytes_per_step": sent / max(steps, 1),
-            "checksum": checksum}
+    def step(self, step: int) -> bool:
+        """Train step ``step``; whether a validation loss was taken after it."""
+        from gradcomp.collectives import telemetry
+        from gradcomp.training import wait_all
+
+        from . import text
+
+        cfg = self.cfg
+        x, y = text.batch(self.train, text.train_starts(len(self.train), cfg["context"], self.rank, self.world,
+                                                        cfg["batch_size"], cfg["seed"], step), cfg["context"])
+        if self.spec["source"] == "torch":
+            # PyTorch's hooks keep no telemetry: count what they hand to all_reduce (ours report their own)
+            with self.counter:
+                loss, ms = timed_step(self.ddp, self.opt, x, y)
+        else:
+            before = telemetry()["total"]["bytes_sent"]
+            loss, ms = timed_step(self.ddp, self.opt, x, y)
+            wait_all()  # this method's bytes are all counted before the next method's step
+            self.sent += telemetry()["total"]["bytes_sent"] - before
+        self.sched.step()
+        self.losses.append(loss)
+        self.times.append(ms)
+        if (step + 1) % cfg["eval_every"] == 0 or step + 1 == cfg["steps"]:
+            self.validate(step + 1)
+            return True
+        return False
+
+    def result(self) -> Dict[str, Any]:
+        sent = self.sent if self.spec["source"] == "gradcomp" else self.counter.nbytes
+        checksum = float(sum(p.double().sum() for p in self.model.parameters()))
+        return {"losses": self.losses, "times_ms": self.times, "val_curve": self.val_curve,
+                "bytes_per_step": sent / max(len(self.times), 1), "checksum": checksum}
+
+
+def _lm_rank(rank: int, world: int, cfg: Dict[str, Any], data, progress: Callable[..., None]) -> List[Dict[str, Any]]:
+    """Every method's transformer run, the methods taking turns each step (in a rotating order)."""
+    from gradcomp.collectives import reset_telemetry
+
+    reset_telemetry()
+    runs = [_LMRun(spec, rank, world, cfg, data) for spec in cfg["methods"]]
+    total, done = len(runs) * _evals(cfg), 0
+    for step in range(cfg["steps"]):
+        k = step % len(runs)
+        for run in runs[k:] + runs[:k]:
+            if run.step(step):
+                done += 1
+                progress(done=done, total=total, label=run.spec["label"])
+    return [run.result() for run in runs]
 
 
 def lm_data(cfg: Dict[str, Any], rank: int, world: int):
@@ -269,16 +306,19 @@ def _evals(cfg: Dict[str, Any]) -> int:
 
 def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[..., None]) -> Any:
     lm = cfg.get("model") == "transformer"
-    data = lm_data(cfg, rank, world) if lm else _data(cfg["seed"])
     specs = cfg["methods"]
-    total, done = len(specs) * (_evals(cfg) if lm else cfg["epochs"]), [0]
-    results = []
-    for spec in specs:
-        def tick(label=spec["label"]):
-            done[0] += 1
-            progress(done=done[0], total=total, label=label)
-        results.append((_lm_one if lm else _train_one)(spec, rank, world, cfg, data, tick))
-        dist.barrier()
+    if lm:
+        results = _lm_rank(rank, world, cfg, lm_data(cfg, rank, world), progress)
+    else:
+        data = _data(cfg["seed"])
+        total, done = len(specs) * cfg["epochs"], [0]
+        results = []
+        for spec in specs:
+            def tick(label=spec["label"]):
+                done[0] += 1
+                progress(done=done[0], total=total, label=label)
+            results.append(_train_one(spec, rank, world, cfg, data, tick))
+            dist.barrier()
     everyone: List[Any] = [None] * world
     dist.all_gather_object(everyone, results)
     if rank != 0:
