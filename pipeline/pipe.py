@@ -87,31 +87,14 @@ class Pipeline:
         self.memory_budget = memory_budget
         # Checked by every rank, then compared: a rank alone with a bad shape, a budget too
         # small for its stage or a bad compressor must not leave the others waiting.
-        problem, needed = "", {}  # needed: stage -> the least memory_budget it plans within
-        try:
-            self.modules, self.balance = split(stages, balance, p, self.grid.stage, schedule, virtual, sample,
-                                               (activation_codec, grad_codec), link_bps, process_group, memory_budget)
-            check_shape(schedule, p, microbatches, len(self.modules))
-        except StagesOverBudget as exc:
-            self.modules, self.balance, problem, needed = [nn.Identity()], None, str(exc), exc.needed
-        except ValueError as exc:
-            self.modules, self.balance, problem = [nn.Identity()], None, str(exc)
+        problem, needed = self._cut(stages, balance, virtual, sample, (activation_codec, grad_codec), link_bps,
+                                    process_group)
         self.virtual_stages = len(self.modules)  # this rank's virtual stages (model chunks)
         self.n_stages = p * self.virtual_stages
         self.stage_ids = [c * p + self.grid.stage for c in range(self.virtual_stages)]  # each one's stage
         self.local = nn.ModuleList(self.modules)
-        try:  # a rank that cannot tell its device or build a compressor says so, as the others wait
-            self.device = self._stage_device(device)
-            # per virtual stage, one boundary compressor per direction and end: each keeps its
-            # own per-key counters
-            self._act_send = [_boundary_compressor(activation_codec, "activation_codec")
-                              for _ in range(self.virtual_stages)]
-            self._act_recv = [_boundary_compressor(activation_codec, "activation_codec")
-                              for _ in range(self.virtual_stages)]
-            self._grad = [_boundary_compressor(grad_codec, "grad_codec") for _ in range(self.virtual_stages)]
-        except ValueError as exc:
-            self.device, problem = torch.device("cpu"), problem or str(exc)
-            self._act_send = self._act_recv = self._grad = [get_compressor("none")]
+        placed = self._place(device, activation_codec, grad_codec)  # always: it sets the device and compressors
+        problem = problem or placed
         self._refuse_construction(problem, needed)
         self._agree(dp_compressor, dp_options, optimizer)
         self.grid.make_dp_groups(group_timeout(process_group if process_group is not None else dist.group.WORLD))
@@ -132,6 +115,38 @@ class Pipeline:
         self.applied = True  # whether the last step was kept (False: something was not finite; nothing changed)
 
     # ---- construction helpers ------------------------------------------------------------
+    def _cut(self, stages: Any, balance: Any, virtual: Optional[int], sample: Optional[torch.Tensor],
+             compressors: Tuple[Any, Any], link_bps: Optional[float], group: Any) -> Tuple[str, Dict[int, int]]:
+        """This rank's modules and the balance; what was wrong ("" if nothing) and, for a budget
+        too small, each stage's need."""
+        p = self.grid.stages
+        try:
+            self.modules, self.balance = split(stages, balance, p, self.grid.stage, self.schedule, virtual, sample,
+                                               compressors, link_bps, group, self.memory_budget)
+            check_shape(self.schedule, p, self.microbatches, len(self.modules))
+            return "", {}
+        except StagesOverBudget as exc:
+            self.modules, self.balance = [nn.Identity()], None
+            return str(exc), exc.needed
+        except ValueError as exc:
+            self.modules, self.balance = [nn.Identity()], None
+            return str(exc), {}
+
+    def _place(self, device: Any, activation_codec: BoundarySpec, grad_codec: BoundarySpec) -> str:
+        """The stage's device and its boundary compressors: per virtual stage, one per direction
+        and end, each with its own per-key counters. What was wrong, or ""."""
+        n = self.virtual_stages
+        try:
+            self.device = self._stage_device(device)
+            self._act_send = [_boundary_compressor(activation_codec, "activation_codec") for _ in range(n)]
+            self._act_recv = [_boundary_compressor(activation_codec, "activation_codec") for _ in range(n)]
+            self._grad = [_boundary_compressor(grad_codec, "grad_codec") for _ in range(n)]
+            return ""
+        except ValueError as exc:
+            self.device = torch.device("cpu")
+            self._act_send = self._act_recv = self._grad = [get_compressor("none")]
+            return str(exc)
+
     def _refuse_construction(self, problem: str, needed: Dict[int, int]) -> None:
         """The same ``ValueError`` on every rank when any rank's own checks found a
         ``problem`` (one small all-gather of objects, after the gradcomp jobs in flight)."""
