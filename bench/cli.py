@@ -19,6 +19,16 @@ DEFAULT_NUMEL = 1 << 22  # 16 MB of fp32: the default run stays well under 3 min
 ALGORITHMS = ("auto", *_collectives.ALGORITHMS)
 # python -m gradcomp.bench <subcommand>: the module of bench/ that runs it (each has main(argv) -> int)
 SUBCOMMANDS = {"train": "train", "memory": "memory", "sharded": "sharded", "optim": "optim", "pipeline": "pipeline"}
+# one line each for ``python -m gradcomp.bench --help``
+SUBCOMMAND_HELP = {
+    "train": "train a model on several ranks with each compressor beside "
+             "PyTorch's hooks: accuracy, step time, bytes",
+    "memory": "activation memory against step time in one process: checkpoint_sequential, plan_memory, "
+              "compressed_activations",
+    "sharded": "ShardedOptimizer (int8 gradients/weights, 8-bit state) against DDP and ZeroRedundancyOptimizer",
+    "optim": "1-bit Adam, 0/1 Adam, LAMB and 1-bit LAMB against dense Adam + DDP",
+    "pipeline": "pipeline-parallel training with compressed stage boundaries against PyTorch's pipelining",
+}
 
 
 # ---- shared pieces ---------------------------------------------------------------------------
@@ -116,12 +126,18 @@ def write_json(path: str, records: List[Dict[str, Any]]) -> None:
 
 # ---- the collective benchmark ----------------------------------------------------------------
 def collective_parser() -> argparse.ArgumentParser:
+    width = max(len(k) for k in SUBCOMMAND_HELP) + 2
+    subs = "\n".join(textwrap.fill(SUBCOMMAND_HELP[k], 100, initial_indent=f"  {k:<{width}}",
+                                    subsequent_indent=" " * (width + 2)) for k in SUBCOMMANDS)
     p = argparse.ArgumentParser(
         prog="python -m gradcomp.bench",
-        description="Average a gradient over local gloo ranks with every compressor and compare it with "
-                    "dense all_reduce. With neither --json nor --plot it writes gradcomp-bench.json and "
-                    "gradcomp-bench.png in the current directory. `python -m gradcomp.bench train --help` "
-                    "for the training benchmark.")
+        usage="python -m gradcomp.bench [options]\n       python -m gradcomp.bench SUBCOMMAND [options]",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=textwrap.fill(
+            "Without a subcommand: average a gradient over local gloo ranks with every compressor, compare it "
+            "with dense all_reduce, and project the result to network links. With neither --json nor --plot it "
+            "writes gradcomp-bench.json and gradcomp-bench.png in the current directory.", 100)
+        + f"\n\nsubcommands (python -m gradcomp.bench SUBCOMMAND --help for each one's options):\n{subs}")
     size = p.add_mutually_exclusive_group()
     size.add_argument("--numel", type=int, metavar="N",
                       help=f"elements of the fp32 gradient, one tensor (default {DEFAULT_NUMEL:,})")
@@ -201,16 +217,19 @@ def run_collective(argv: Sequence[str]) -> int:
     links = None if (args.links or "").lower() == "none" else projection.parse_links(args.links or projection.DEFAULT_LINKS)
     records = run_and_report("collective", cfg, args, link, env, collective_table)
     ok = [r for r in records if not r.get("error") and r.get("collective_ms")]
+    proj = None
     if links and ok and args.world_size > 1 and args.local_size == 1:
         proj = projection.project(records, links, link.rate_bit if link else None, int(records[0]["numel"]))
         print()
         print(projection.table(proj, env["link"]))
         print()
-        print(textwrap.fill(projection.summary(proj, link is None), 100))
+        for paragraph in projection.summary(proj, link is None, records).split("\n"):
+            print(textwrap.fill(paragraph, 100))
         if args.json:
             for r in records:
                 row = next((x for x in proj["rows"] if x["compressor"] == r["compressor"]), None)
                 if row is not None:
+                    r["trainable"] = projection.trainable(r)  # may the recommendation name it
                     r["projection"] = {"efficiency": proj["efficiency"], "pass_ms": proj["pass_ms"],
                                        "compute_ms": row["compute_ms"],
                                        "links": {str(R): v for R, v in row["at"].items()}}
@@ -218,7 +237,8 @@ def run_collective(argv: Sequence[str]) -> int:
     if args.plot:
         from . import plot
 
-        plot.collective_plot(records, args.plot, title=f"{grad}\n{env['world_size']} rank{'s' if env['world_size'] != 1 else ''}, {env['link']}")
+        plot.collective_plot(records, args.plot, proj=proj,
+                             title=f"{grad}\n{env['world_size']} rank{'s' if env['world_size'] != 1 else ''}, {env['link']}")
         print(f"wrote {args.plot}")
     return 0
 

@@ -15,8 +15,12 @@ For one chain (``--model``: an MLP, a ResNet-like conv chain or a transformer-li
 - ``compressed_activations`` with each codec of ``--codecs``.
 
 Per method: peak saved-activation bytes (``MemoryMeter``; on CUDA also
-``torch.cuda.max_memory_allocated``), the median step time over ``--repeats`` steps after a
-warm-up, and whether the gradients equal the plain model's. ``--accuracy`` also trains a
+``torch.cuda.max_memory_allocated``), the step time, and whether the gradients equal the plain
+model's. After one warm-up step of each, the methods are timed in ``--repeats`` rounds of one
+step each (the order rotating), so a change of the machine's load reaches them alike; a
+method's time ratio is the median over rounds of its step time over no saving's in the same
+round. The results so far are written after every round. The planner measures the chain once
+per variant and solves that measurement at every budget. ``--accuracy`` also trains a
 16-stage residual MLP on the training benchmark's data (scikit-learn's digits) with each
 codec and a lossy plan, and reports test accuracy against the plain model's. The planner's solve time for a
 100-stage chain is measured too. ``--plot`` draws the memory-time frontier.
@@ -24,9 +28,12 @@ codec and a lossy plan, and reports test accuracy against the plain model's. The
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import math
+import os
 import statistics
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -36,7 +43,7 @@ from torch.utils.checkpoint import checkpoint_sequential
 
 from gradcomp.memory import BudgetTooSmall, MemoryMeter, compressed_activations, plan_memory
 from gradcomp.memory import schedule as sch
-from gradcomp.memory.planner import profile
+from gradcomp.memory.planner import Plan, profile
 
 from . import env as envmod
 
@@ -84,16 +91,16 @@ def build(name: str, device: torch.device, scale: float = 1.0):
     """The chain and a batch for it: (model, x, y, description)."""
     torch.manual_seed(0)
     if name == "mlp":
-        w, n, b = 512, 24, int(256 * scale)
+        w, n, b = 512, 24, max(1, round(256 * scale))
         model = nn.Sequential(*[nn.Sequential(nn.Linear(w, w), nn.ReLU()) for _ in range(n)], nn.Linear(w, 10))
         x, desc = torch.randn(b, w), f"MLP: {n} x (Linear {w}-{w} + ReLU) + Linear {w}-10, batch {b}"
     elif name == "resnet-like":
-        c, n, b, hw = 32, 16, int(32 * scale), 32
+        c, n, b, hw = 32, 16, max(1, round(32 * scale)), 32
         model = nn.Sequential(nn.Conv2d(3, c, 3, padding=1), nn.ReLU(), *[_Residual(c) for _ in range(n)],
                               nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10))
         x, desc = torch.randn(b, 3, hw, hw), f"ResNet-like: stem + {n} residual blocks of {c} channels at {hw}x{hw}, batch {b}"
     elif name == "transformer-like":
-        d, n, b, s = 256, 16, int(8 * scale), 128
+        d, n, b, s = 256, 16, max(1, round(8 * scale)), 128
         model = nn.Sequential(*[_Block(d, 4) for _ in range(n)], nn.Flatten(1), nn.Linear(s * d, 10))
         x, desc = torch.randn(b, s, d), f"transformer-like: {n} pre-norm blocks, d={d}, 4 heads, sequence {s}, batch {b}"
     else:
@@ -107,39 +114,51 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(model: nn.Module, x: torch.Tensor, y: torch.Tensor, forward: Callable[[torch.Tensor], torch.Tensor],
-            repeats: int, warmup: int = 1, context: Optional[Callable[[], Any]] = None) -> Dict[str, Any]:
-    """Steps of forward and backward (gradients zeroed, no optimizer step, so every step is
-    the same): peak saved bytes, CUDA peak, median seconds, the gradients of the last."""
+class Method:
+    """One way to train the chain: its label, kind, forward and context, what it measured."""
+
+    def __init__(self, label: str, kind: str, forward: Callable[[torch.Tensor], torch.Tensor],
+                 context: Optional[Callable[[], Any]] = None, **extra: Any) -> None:
+        self.label, self.kind, self.forward, self.context, self.extra = label, kind, forward, context, extra
+        self.times: List[float] = []
+        self.ratios: List[float] = []  # step time / no saving's in the same round
+        self.peak: int = 0
+        self.cuda_peak: Optional[int] = None
+        self.bit_identical, self.grad_rel_error = True, 0.0
+
+
+def step(model: nn.Module, state: Dict[str, torch.Tensor], m: Method, x: torch.Tensor,
+         y: torch.Tensor) -> float:
+    """One forward and backward of ``m`` from the saved weights (gradients zeroed, no optimizer
+    step, so every step is the same); records the peak bytes, returns the seconds."""
     device = x.device
-    times, peak, cuda_peak = [], 0, None
-    for i in range(warmup + repeats):
-        for p in model.parameters():
-            p.grad = None
-        torch.manual_seed(1)
-        _sync(device)
-        t0 = time.perf_counter()
-        with MemoryMeter(device if device.type == "cuda" else None) as meter:
-            if context is None:
-                loss = nn.functional.cross_entropy(forward(x), y)
-                loss.backward()
-            else:
-                with context():
-                    loss = nn.functional.cross_entropy(forward(x), y)
-                loss.backward()
-        _sync(device)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-        peak = max(peak, meter.peak_saved_bytes)
-        if meter.peak_cuda_bytes is not None:
-            cuda_peak = max(cuda_peak or 0, meter.peak_cuda_bytes)
-    grads = [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
-    return {"peak_bytes": peak, "cuda_peak_bytes": cuda_peak, "step_s": statistics.median(times),
-            "step_s_repeats": times, "grads": grads}
+    model.load_state_dict(state)  # untimed: batch norm's running statistics as at the start
+    for p in model.parameters():
+        p.grad = None
+    torch.manual_seed(1)
+    _sync(device)
+    t0 = time.perf_counter()
+    with MemoryMeter(device if device.type == "cuda" else None) as meter:
+        if m.context is None:
+            loss = nn.functional.cross_entropy(m.forward(x), y)
+        else:
+            with m.context():
+                loss = nn.functional.cross_entropy(m.forward(x), y)
+        loss.backward()
+    _sync(device)
+    seconds = time.perf_counter() - t0
+    m.peak = max(m.peak, meter.peak_saved_bytes)
+    if meter.peak_cuda_bytes is not None:
+        m.cuda_peak = max(m.cuda_peak or 0, meter.peak_cuda_bytes)
+    return seconds
+
+
+def _grads(model: nn.Module) -> List[torch.Tensor]:
+    return [p.grad.detach().clone() for p in model.parameters() if p.grad is not None]
 
 
 def _same(a: List[torch.Tensor], b: List[torch.Tensor]) -> bool:
-    return all(torch.equal(u, v) for u, v in zip(a, b))
+    return len(a) == len(b) and all(torch.equal(u, v) for u, v in zip(a, b))
 
 
 def _rel_error(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
@@ -148,73 +167,151 @@ def _rel_error(a: List[torch.Tensor], b: List[torch.Tensor]) -> float:
     return num / den if den else 0.0
 
 
-def run_model(name: str, args, device: torch.device) -> Dict[str, Any]:
-    model, x, y, desc = build(name, device)
-    state = {k: v.clone() for k, v in model.state_dict().items()}
-    n = len(model)
-    records: List[Dict[str, Any]] = []
-    print(f"model    {desc} ({n} stages)", flush=True)
+def warm_up(model: nn.Module, state: Dict[str, torch.Tensor], methods: Sequence[Method], x: torch.Tensor,
+            y: torch.Tensor, base_grads: List[torch.Tensor]) -> None:
+    """One untimed step of each method: its peak, and its gradients against the plain model's."""
+    for m in methods:
+        step(model, state, m, x, y)
+        grads = _grads(model)
+        m.bit_identical, m.grad_rel_error = _same(grads, base_grads), _rel_error(grads, base_grads)
 
-    def add(method: str, kind: str, forward, context=None, **extra) -> Dict[str, Any]:
-        model.load_state_dict(state)
-        r = measure(model, x, y, forward, args.repeats, context=context)
-        grads = r.pop("grads")
-        r.update(method=method, kind=kind, model=name, **extra)
-        r["bit_identical"] = _same(grads, base_grads) if records else True
-        r["grad_rel_error"] = _rel_error(grads, base_grads) if records else 0.0
-        r["time_ratio"] = r["step_s"] / records[0]["step_s"] if records else 1.0
-        records.append(r)
-        same = "bit-identical" if r["bit_identical"] else "grad err %.1e" % r["grad_rel_error"]
-        print(f"  {method:<40} {r['peak_bytes'] / 2**20:9.2f} MiB  {r['step_s'] * 1e3:9.1f} ms  "
-              f"{r['time_ratio']:5.2f}x  {same}", flush=True)
-        return r
 
-    model.load_state_dict(state)
-    base = measure(model, x, y, model, args.repeats)
-    base_grads = base.pop("grads")
-    base.update(method="no saving", kind="none", model=name, bit_identical=True, grad_rel_error=0.0, time_ratio=1.0)
-    records.append(base)
-    print(f"  {'no saving':<40} {base['peak_bytes'] / 2**20:9.2f} MiB  {base['step_s'] * 1e3:9.1f} ms  1.00x", flush=True)
-    base_peak = base["peak_bytes"]
+def rounds(model: nn.Module, state: Dict[str, torch.Tensor], methods: Sequence[Method], x: torch.Tensor,
+           y: torch.Tensor, repeats: int, after_round: Callable[[int], None]) -> None:
+    """``repeats`` timed rounds, one step of every method per round (the first method,
+    no saving, is each round's reference): a change of the machine's load between rounds
+    reaches every method alike, and each ratio compares steps of the same round. The order
+    inside a round rotates, so no method always follows the same one. ``after_round(i)`` runs
+    after round ``i`` (the caller writes what is measured so far)."""
+    for i in range(repeats):
+        order = [methods[(j + i) % len(methods)] for j in range(len(methods))]
+        took = {id(m): step(model, state, m, x, y) for m in order}
+        for m in methods:
+            m.times.append(took[id(m)])
+            m.ratios.append(took[id(m)] / took[id(methods[0])])
+        after_round(i)
 
-    ckpt_peaks = []
-    for segments in sorted({2, 4, max(1, round(math.sqrt(n)))}):
+
+def record(m: Method, model_name: str) -> Dict[str, Any]:
+    """The JSON record of a method with the rounds measured so far."""
+    r: Dict[str, Any] = {"method": m.label, "kind": m.kind, "model": model_name, "peak_bytes": m.peak,
+                         "cuda_peak_bytes": m.cuda_peak, "step_s": statistics.median(m.times) if m.times else None,
+                         "step_s_repeats": list(m.times), "rounds": len(m.times),
+                         "time_ratio": statistics.median(m.ratios) if m.ratios else None,
+                         "bit_identical": m.bit_identical, "grad_rel_error": m.grad_rel_error}
+    r.update(m.extra)
+    return r
+
+
+def table(records: Sequence[Dict[str, Any]]) -> str:
+    """The records as an aligned table (column widths from the longest label)."""
+    head = ("method", "peak saved", "step", "x no saving", "gradients")
+    rows = [(r["method"], f"{r['peak_bytes'] / 2**20:.2f} MiB",
+             "-" if r["step_s"] is None else f"{r['step_s'] * 1e3:.1f} ms",
+             "-" if r["time_ratio"] is None else f"{r['time_ratio']:.2f}x",
+             "bit-identical" if r["bit_identical"] else f"grad err {r['grad_rel_error']:.1e}") for r in records]
+    widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i in (0, 4) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    return "\n".join(["  " + line(head)] + ["  " + line(row) for row in rows])
+
+
+def _checkpointed(model: nn.Sequential, segments: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    def forward(inp: torch.Tensor) -> torch.Tensor:
         # reentrant checkpointing needs an input that requires grad, or it leaves every gradient
         # None; "* 1" makes it an activation, which the meter counts where checkpoint stores it
         # (a leaf that requires grad would pass for a parameter)
-        r = add(f"checkpoint_sequential({segments})", "checkpoint",
-                lambda inp, s=segments: checkpoint_sequential(model, s, inp.detach().requires_grad_() * 1,
-                                                              use_reentrant=True),
-                segments=segments)
-        ckpt_peaks.append((segments, r["peak_bytes"]))
-    if device.type == "cuda":
-        add("save_on_cpu", "offload", model, context=lambda: torch.autograd.graph.save_on_cpu(pin_memory=True))
-    for codec in args.codecs:
-        add(f"compressed_activations({codec})", "codec", model,
-            context=lambda c=codec: compressed_activations(c), codec=codec)
+        return checkpoint_sequential(model, segments, inp.detach().requires_grad_() * 1, use_reentrant=True)
+    return forward
 
+
+def _codec_context(codec: str) -> Callable[[], Any]:
+    return lambda: compressed_activations(codec)
+
+
+def _replan(plan: Any, budget: int) -> Optional[Any]:
+    """The measured plan solved again at another budget (no second measurement); None when no
+    schedule fits."""
+    blocks = sch.solve(plan.costs, int(budget), recompute=True)
+    if blocks is None:
+        least, blocks = sch.min_peak(plan.costs, recompute=True)
+        if least > budget:
+            return None
+    return Plan(plan.costs, blocks, int(budget), plan.names, plan.fingerprint, plan.device, plan.notes)
+
+
+def run_model(name: str, args, device: torch.device,
+              write: Callable[[Dict[str, Any]], None] = lambda res: None) -> Dict[str, Any]:
+    """Every method on chain ``name``; ``write(result)`` is called with the results so far
+    after the warm-up and after every timed round."""
+    model, x, y, desc = build(name, device, args.scale)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    n = len(model)
+    print(f"model    {desc} ({n} stages)", flush=True)
+    base = Method("no saving", "none", model)
+    methods = [base]
+    for segments in sorted({2, 4, max(1, round(math.sqrt(n)))}):
+        methods.append(Method(f"checkpoint_sequential({segments})", "checkpoint", _checkpointed(model, segments),
+                              segments=segments))
+    if device.type == "cuda":
+        methods.append(Method("save_on_cpu", "offload", model,
+                              context=lambda: torch.autograd.graph.save_on_cpu(pin_memory=True)))
+    for codec in args.codecs:
+        methods.append(Method(f"compressed_activations({codec})", "codec", model,
+                              context=_codec_context(codec), codec=codec))
+    step(model, state, base, x, y)
+    base_grads = _grads(model)
+    warm_up(model, state, methods[1:], x, y, base_grads)
+    base_peak = base.peak
+    result = {"model": name, "description": desc, "stages": n, "records": [], "complete": False}
+
+    def publish() -> None:
+        result["records"] = [record(m, name) for m in methods]
+        write(result)
+
+    # the planner: each variant measured once (at a budget every schedule meets), then solved
+    # at each budget
     budgets = [(f"{f:g} of no saving", int(base_peak * f)) for f in args.budgets]
-    budgets += [(f"checkpoint_sequential({s})'s peak", p) for s, p in ckpt_peaks]
-    allow_offload = ("offload",) if device.type == "cuda" else ()
+    budgets += [(f"checkpoint_sequential({m.extra['segments']})'s peak", m.peak) for m in methods
+                if m.kind == "checkpoint"]
+    allow = ("recompute", "compress") + (("offload",) if device.type == "cuda" else ())
     lossy = "+".join(args.plan_codecs)
+    planned: List[Method] = []
     for variant, codecs in (("lossless", ("lossless",)), (lossy, tuple(["lossless"] + args.plan_codecs))):
+        model.load_state_dict(state)
+        t0 = time.perf_counter()
+        measured = plan_memory(model, x, base_peak, allow=allow, codecs=codecs, repeats=args.plan_repeats)
+        measure_s = time.perf_counter() - t0
         for label, budget in budgets:
-            model.load_state_dict(state)
-            t0 = time.perf_counter()
-            try:
-                plan = plan_memory(model, x, budget, allow=("recompute", "compress") + allow_offload, codecs=codecs,
-                                   repeats=args.plan_repeats)
-            except ValueError as exc:
-                print(f"  plan {variant} at {label}: {exc}")
+            plan = _replan(measured, budget)
+            if plan is None:
+                print(f"  plan {variant} at {label}: no schedule fits {budget} bytes", flush=True)
                 continue
-            planned = plan.apply(model)
-            r = add(f"plan {variant} @ {label}", f"plan-{variant}", planned, budget_bytes=budget, budget_label=label,
-                    plan_s=time.perf_counter() - t0, predicted_peak_bytes=plan.predicted_peak,
-                    predicted_time_ratio=plan.predicted_time / max(plan.baseline_time, 1e-12),
-                    decisions=[{k: d[k] for k in ("mode", "forward_runs")} for d in plan.decisions()])
-            r["predicted_error"] = (r["peak_bytes"] - plan.predicted_peak) / max(plan.predicted_peak, 1)
+            planned.append(Method(f"plan {variant} @ {label}", f"plan-{variant}", plan.apply(model),
+                                  budget_bytes=budget, budget_label=label, plan_s=measure_s,
+                                  predicted_peak_bytes=plan.predicted_peak,
+                                  predicted_time_ratio=plan.predicted_time / max(plan.baseline_time, 1e-12),
+                                  decisions=[{k: d[k] for k in ("mode", "forward_runs")} for d in plan.decisions()]))
+    warm_up(model, state, planned, x, y, base_grads)
+    for m in planned:
+        m.extra["predicted_error"] = (m.peak - m.extra["predicted_peak_bytes"]) / max(m.extra["predicted_peak_bytes"], 1)
+    methods += planned
+    publish()
+    t_start = time.perf_counter()
+
+    def after_round(i: int) -> None:
+        publish()
+        print(f"  round {i + 1}/{args.repeats}: one step of each of {len(methods)} methods "
+              f"({time.perf_counter() - t_start:.0f} s so far)", flush=True)
+
+    rounds(model, state, methods, x, y, args.repeats, after_round)
+    result["complete"] = True
+    publish()
     model.load_state_dict(state)
-    return {"model": name, "description": desc, "stages": n, "records": records}
+    print(table(result["records"]), flush=True)
+    return result
 
 
 def solve_time(device: torch.device) -> Dict[str, Any]:
@@ -305,15 +402,17 @@ def frontier_plot(results: List[Dict[str, Any]], path: str, title: str) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(6.2 * len(results), 5.6), squeeze=False)
     styles = {"none": ("black", "o"), "checkpoint": ("tab:red", "s"), "offload": ("tab:purple", "D"),
               "codec": ("tab:orange", "^")}
+    labels: List[Any] = []
     for ax, res in zip(axes[0], results):
-        recs = res["records"]
+        recs = [r for r in res["records"] if r.get("time_ratio") is not None]
         for kind, (color, marker) in styles.items():
             pts = [r for r in recs if r["kind"] == kind]
             for r in pts:
                 ax.scatter(r["peak_bytes"] / 2**20, r["time_ratio"], color=color, marker=marker, s=46, zorder=3)
-                ax.annotate(r["method"].replace("compressed_activations", "").replace("checkpoint_sequential", "ckpt"),
-                            (r["peak_bytes"] / 2**20, r["time_ratio"]), textcoords="offset points",
-                            xytext=(5, -9 if kind == "checkpoint" else 4), fontsize=7, color=color)
+                labels.append(ax.annotate(
+                    r["method"].replace("compressed_activations", "").replace("checkpoint_sequential", "ckpt"),
+                    (r["peak_bytes"] / 2**20, r["time_ratio"]), textcoords="offset points", xytext=(5, 4),
+                    fontsize=7, color=color))
         lossy = "+".join(res.get("plan_codecs", ["int8"]))
         for kind, color in (("plan-lossless", "tab:blue"), (f"plan-{lossy}", "tab:green")):
             pts = sorted((r for r in recs if r["kind"] == kind), key=lambda r: r["peak_bytes"])
@@ -334,43 +433,87 @@ def frontier_plot(results: List[Dict[str, Any]], path: str, title: str) -> None:
         ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.14), ncol=3, frameon=False)
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
+    place_labels(fig, labels)  # after the layout: it fixes where the points are drawn
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
 
+# where a point's label may go, in points from the point, tried in turn
+_OFFSETS = ((5, 4), (5, -10), (-5, 4), (-5, -10), (5, 14), (5, -20), (-5, 14), (-5, -20), (5, 24), (5, -30))
+
+
+def place_labels(fig: Any, labels: Sequence[Any]) -> None:
+    """Move each point label to the first offset where it overlaps no label placed before it
+    (two methods with nearly the same peak and time, such as two checkpoint_sequential
+    segmentations, no longer print on top of each other); the last offset when none is free."""
+    fig.draw_without_rendering()  # settles the axes' limits, which place the points
+    renderer = fig.canvas.get_renderer()
+    placed: List[Any] = []
+    for text in labels:
+        for dx, dy in _OFFSETS:
+            text.set_position((dx, dy))
+            text.set_horizontalalignment("left" if dx > 0 else "right")
+            box = text.get_window_extent(renderer).expanded(1.05, 1.15)
+            if not any(box.overlaps(other) for other in placed):
+                break
+        placed.append(text.get_window_extent(renderer))
+
+
 # ---- command line ------------------------------------------------------------------------------
+DEFAULT_JSON, DEFAULT_PLOT = "gradcomp-bench-memory.json", "gradcomp-bench-memory.png"
+DEFAULT_SCALE = 0.25  # batch scale: the default run stays under 2 minutes on 2 cores; 1 is section 11's size
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gradcomp.bench memory",
                                 description="Activation memory against step time: no saving, checkpoint_sequential, "
                                             "save_on_cpu (CUDA), plan_memory at several budgets, compressed "
-                                            "activations per codec; one process.")
+                                            "activations per codec; one process. The methods are timed in rounds, "
+                                            "one step of each per round, and the results are written after every "
+                                            f"round (with neither --json nor --plot: {DEFAULT_JSON} and "
+                                            f"{DEFAULT_PLOT} in the current directory).")
     p.add_argument("--model", default="all", choices=MODELS + ("all",), help="the chain (default: all three)")
+    p.add_argument("--scale", type=float, default=DEFAULT_SCALE, metavar="F",
+                   help=f"batch size as a multiple of the chain's full batch (default {DEFAULT_SCALE:g}: MLP 64, "
+                        "ResNet-like 8, transformer-like 2; 1 for bench/RESULTS.md section 11's sizes)")
     p.add_argument("--budgets", default="0.5,0.25", metavar="F,F",
                    help="planner budgets as fractions of the no-saving peak (default 0.5,0.25); the peak of each "
                         "checkpoint_sequential run is added")
-    p.add_argument("--codecs", default="lossless,fp16,bf16,int8,int4,int2", metavar="A,B",
-                   help="codecs for compressed_activations (default: all)")
+    p.add_argument("--codecs", default="lossless,bf16,int8", metavar="A,B",
+                   help="codecs for compressed_activations (default lossless,bf16,int8; all: "
+                        "lossless,fp16,bf16,int8,int4,int2)")
     p.add_argument("--plan-codecs", default="bf16,int8", metavar="A,B",
                    help="the lossy codecs the second planner variant may use besides lossless (default bf16,int8)")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per method (median; default 5)")
-    p.add_argument("--plan-repeats", type=int, default=3, help="timed runs per stage when planning (default 3)")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's choice)")
-    p.add_argument("--accuracy", action="store_true", help="also train a 16-stage MLP on digits with each lossy method")
-    p.add_argument("--accuracy-epochs", type=int, default=10)
-    p.add_argument("--json", metavar="FILE")
-    p.add_argument("--plot", metavar="FILE.png")
+    p.add_argument("--repeats", type=int, default=3, metavar="N",
+                   help="timed rounds, one step of every method each (median; default 3), after one warm-up step")
+    p.add_argument("--plan-repeats", type=int, default=1, metavar="N",
+                   help="timed runs per stage and mode when the planner measures the chain, once per variant "
+                        "(default 1)")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where the chain runs (default: cuda when available, else cpu)")
+    p.add_argument("--threads", type=int, default=0, metavar="N", help="torch threads (default: torch's choice)")
+    p.add_argument("--accuracy", action="store_true",
+                   help="also train a 16-stage MLP on digits with each codec and a lossy plan (test accuracy)")
+    p.add_argument("--accuracy-epochs", type=int, default=10, metavar="N",
+                   help="epochs of each --accuracy training run (default 10)")
+    p.add_argument("--json", metavar="FILE", help="write the results as JSON, after every round")
+    p.add_argument("--plot", metavar="FILE.png", help="draw the memory-time frontier (needs matplotlib)")
     return p
 
 
 def main(argv: Sequence[str]) -> int:
     args = parser().parse_args(argv)
+    if args.json is None and args.plot is None:  # nothing named: write both beside the caller, as the main job does
+        args.json = DEFAULT_JSON
+        args.plot = DEFAULT_PLOT if importlib.util.find_spec("matplotlib") else None
     try:
         args.budgets = [float(f) for f in args.budgets.split(",") if f]
     except ValueError:
         raise ValueError(f"--budgets {args.budgets!r}: give fractions such as 0.5,0.25") from None
     if not all(0 < f for f in args.budgets):
         raise ValueError("--budgets: every fraction must be > 0")
+    if not args.scale > 0:
+        raise ValueError(f"--scale must be > 0, not {args.scale}")
     args.codecs = [c for c in args.codecs.split(",") if c]
     from gradcomp.memory import get_codec
 
@@ -379,25 +522,46 @@ def main(argv: Sequence[str]) -> int:
         get_codec(c)
     if args.repeats < 1 or args.plan_repeats < 1:
         raise ValueError("--repeats and --plan-repeats must be >= 1")
+    if args.plot:
+        from .plot import _pyplot
+
+        _pyplot()  # no matplotlib: say so before the run, not after it
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device(args.device)
     env = envmod.environment(1, "none (one process)", torch.get_num_threads())
-    print(envmod.header(env, [f"device {device}; {args.repeats} timed steps per method after 1 warm-up, median; "
-                              f"peak saved activations from MemoryMeter"]), flush=True)
+    print(envmod.header(env, [f"device {device}; {args.repeats} timed rounds (one step of every method each, "
+                              f"after a warm-up step), median; peak saved activations from MemoryMeter"]), flush=True)
     models = MODELS if args.model == "all" else (args.model,)
-    results = []
-    for name in models:
-        res = run_model(name, args, device)
-        res["plan_codecs"] = args.plan_codecs
-        results.append(res)
-    st = solve_time(device)
-    print(f"planner  100-stage chain, 2 modes, 500 slots: dynamic programme {1e3 * st['solve_s_max']:.0f} ms "
-          f"(slowest of 3 budgets)", flush=True)
-    acc = accuracy(args, device) if args.accuracy else None
+    results: List[Dict[str, Any]] = []
+    out: Dict[str, Any] = {"env": env, "results": results, "solve": None, "accuracy": None, "complete": False}
+
+    def write(current: Optional[Dict[str, Any]] = None) -> None:
+        if args.json:  # the whole file each time, through a temporary one: a stop leaves the last round's
+            out["results"] = results + ([current] if current is not None else [])
+            tmp = args.json + ".tmp"
+            with open(tmp, "w", encoding="utf-8") as f:
+                json.dump(out, f, indent=1)
+            os.replace(tmp, args.json)
+
+    try:
+        for name in models:
+            res = run_model(name, args, device, write=lambda r: write(dict(r, plan_codecs=args.plan_codecs)))
+            res["plan_codecs"] = args.plan_codecs
+            results.append(res)
+            write()
+        st = solve_time(device)
+        out["solve"] = st
+        print(f"planner  100-stage chain, 2 modes, 500 slots: dynamic programme {1e3 * st['solve_s_max']:.0f} ms "
+              f"(slowest of 3 budgets)", flush=True)
+        out["accuracy"] = accuracy(args, device) if args.accuracy else None
+        out["complete"] = True
+        write()
+    except KeyboardInterrupt:
+        if args.json:
+            print(f"\ninterrupted: {args.json} holds the rounds measured so far", file=sys.stderr)
+        raise
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"env": env, "results": results, "solve": st, "accuracy": acc}, f, indent=1)
         print(f"wrote {args.json}")
     if args.plot:
         frontier_plot(results, args.plot, f"activation memory vs step time ({device}, {env['cpu']})")

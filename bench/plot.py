@@ -1,7 +1,8 @@
 """PNG plots of benchmark results (matplotlib, headless)."""
 from __future__ import annotations
 
-from typing import Any, Dict, List
+import math
+from typing import Any, Dict, List, Optional
 
 
 def _pyplot():
@@ -15,20 +16,54 @@ def _pyplot():
     return plt
 
 
-def collective_plot(records: List[Dict[str, Any]], path: str, title: str = "") -> None:
-    """Left: where each method's time goes (compress, communicate, decompress) beside dense;
-    right: bytes per rank and speed-up over dense ``all_reduce``."""
+# colours of the collective plot: the three phases, then faster/slower than dense (distinct hues)
+_COMPRESS, _COMM, _DECOMP = "#d95f02", "#7570b3", "#e6ab02"
+_FASTER, _SLOWER, _BASE = "#1b9e77", "#e7298a", "#999999"
+
+
+def log_ticks(ax: Any, lo: float, hi: float, axis: str = "x", unit: str = "x") -> None:
+    """Label a log axis at 1-2-5 steps of each decade within ``[lo, hi]`` (finer steps when the
+    range is narrow), so more than ``1x`` carries a number."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    lo, hi = max(lo, 1e-12), max(hi, lo * 1.01)
+    ticks: List[float] = []
+    for subs in ((1, 2, 5), (1, 1.5, 2, 3, 5, 7), (1, 1.2, 1.5, 2, 2.5, 3, 4, 5, 6, 7, 8, 9)):
+        ticks = [m * 10.0 ** e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 1)
+                 for m in subs if lo <= m * 10.0 ** e <= hi]
+        if len(ticks) >= 3:
+            break
+    which = ax.xaxis if axis == "x" else ax.yaxis
+    which.set_major_locator(FixedLocator(ticks))
+    which.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}{unit}"))
+    which.set_minor_locator(NullLocator())
+
+
+def collective_plot(records: List[Dict[str, Any]], path: str, title: str = "",
+                    proj: Optional[Dict[str, Any]] = None) -> Any:
+    """Top left: where each method's time goes (compress, communicate, decompress) beside dense;
+    top right: measured speed-up over dense ``all_reduce``; below, with a projection
+    (``bench/projection.py``): projected speed-up against the link rate per method, the
+    measured points marked -- where compression pays. Returns the (closed) figure."""
     plt = _pyplot()
+    from matplotlib.patches import Patch
+
     rows = [r for r in records if r.get("collective_ms") is not None]
     names = [r["compressor"] for r in rows]
     y = list(range(len(rows)))
     comp = [r["compress_ms"] or 0.0 for r in rows]
     decomp = [r["decompress_ms"] or 0.0 for r in rows]
     comm = [max(r["collective_ms"] - c - d, 0.0) for r, c, d in zip(rows, comp, decomp)]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 0.38 * len(rows) + 2.8), sharey=True)
-    ax1.barh(y, comp, color="#d95f02", label="compress")
-    ax1.barh(y, comm, left=comp, color="#7570b3", label="communicate + rest")
-    ax1.barh(y, decomp, left=[c + m for c, m in zip(comp, comm)], color="#1b9e77", label="decompress")
+    top_h = 0.32 * len(rows) + 1.6
+    with_proj = bool(proj and proj.get("rows") and any("speedup" in v for v in proj["rows"][0]["at"].values()))
+    # constrained layout: it makes room for the outside legends and the spanning panel
+    fig = plt.figure(figsize=(14, top_h + (6.0 if with_proj else 0) + 0.9), layout="constrained")
+    grid = fig.add_gridspec(2 if with_proj else 1, 2, height_ratios=[top_h, 6.0] if with_proj else None)
+    ax1 = fig.add_subplot(grid[0, 0])
+    ax2 = fig.add_subplot(grid[0, 1], sharey=ax1)
+    ax1.barh(y, comp, color=_COMPRESS, label="compress")
+    ax1.barh(y, comm, left=comp, color=_COMM, label="communicate + rest")
+    ax1.barh(y, decomp, left=[c + m for c, m in zip(comp, comm)], color=_DECOMP, label="decompress")
     if rows:
         ax1.axvline(rows[0]["dense_ms"], color="k", ls="--", lw=1, label="dense all_reduce")
     ax1.set_yticks(y, names)
@@ -36,32 +71,157 @@ def collective_plot(records: List[Dict[str, Any]], path: str, title: str = "") -
     ax1.set_xlabel("ms per call (median, slowest rank)")
     longest = max([c + m + d for c, m, d in zip(comp, comm, decomp)] + [rows[0]["dense_ms"] if rows else 0.0])
     ax1.set_xlim(0, longest * 1.08 if longest > 0 else 1.0)  # the longest bar stops short of the frame
-    # below the axes: inside, the legend covered the bottom bars
-    ax1.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=4, fontsize=8, frameon=False)
+    # legends just above each panel: no gap to size, and the bottom bars stay uncovered
+    ax1.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=4, fontsize=8, frameon=False,
+               borderaxespad=0.2, handlelength=1.4, columnspacing=1.0)
     speed = [r["speedup"] or 0.0 for r in rows]
-    ax2.barh(y, speed, color=["#999999" if r["compressor"] == "dense" else "#1b9e77" if s >= 1 else "#e7298a"
+    ax2.barh(y, speed, color=[_BASE if r["compressor"] == "dense" else _FASTER if s >= 1 else _SLOWER
                               for r, s in zip(rows, speed)])
     ax2.axvline(1.0, color="k", lw=1)
-    from matplotlib.patches import Patch
-
-    ax2.legend(handles=[Patch(color="#1b9e77", label="faster than dense"),
-                        Patch(color="#e7298a", label="slower than dense")],
-               loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=2, fontsize=8, frameon=False)
+    ax2.legend(handles=[Patch(color=_FASTER, label="faster than dense"), Patch(color=_SLOWER, label="slower than dense")],
+               loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize=8, frameon=False, borderaxespad=0.2,
+               handlelength=1.4)
+    ax2.tick_params(axis="y", labelleft=False)
     for yi, r in zip(y, rows):
         ax2.text(r["speedup"] or 1.0, yi, " " + _speed_label(r), va="center", fontsize=7)
     if any(s > 0 for s in speed):
+        lo, hi = min(s for s in speed if s > 0), max(max(speed), 1.0)
         ax2.set_xscale("log")
-        ax2.set_xlim(right=max(max(speed), 1.0) * 4)  # room for the labels inside the frame
-        from matplotlib.ticker import FuncFormatter, NullFormatter
-
-        ax2.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
-        ax2.xaxis.set_minor_formatter(NullFormatter())  # a narrow range labels its minor ticks on top of each other
-        ax2.set_xlabel("speed-up over dense all_reduce (log)")
+        ax2.set_xlim(min(lo, 1.0) / 1.3, hi * 4)  # room for the labels inside the frame
+        log_ticks(ax2, min(lo, 1.0) / 1.3, hi * 4)
+        ax2.set_xlabel("measured speed-up over dense all_reduce (log)")
     else:  # one rank: nothing crosses a wire, so there is no speed-up to draw
         ax2.set_xlabel("speed-up over dense all_reduce (none: nothing is sent with one rank)")
+    if with_proj and proj is not None:
+        _projection_panel(fig.add_subplot(grid[1, :]), rows, proj)
     fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return fig
+
+
+def _projection_panel(ax: Any, rows: List[Dict[str, Any]], proj: Dict[str, Any]) -> None:
+    """Projected speed-up over dense against the link rate, one line per method (the methods to
+    train with in colour, the others thin grey), each measured run's point marked where its
+    own link sits on the rate axis."""
+    from . import projection
+
+    by = {r["compressor"]: r for r in rows}
+    first = proj["links"][0]  # the legend ranks the methods by their projection at the first rate
+    lines = sorted((row for row in proj["rows"] if row["compressor"] != "dense"),
+                   key=lambda row: -row["at"][first].get("speedup", 0.0))
+    dense = next((row for row in proj["rows"] if row["compressor"] == "dense"), None)
+    if dense is None or not lines:
+        ax.set_axis_off()
+        return
+    rates = proj["links"]
+    measured_at = proj.get("measured_rate")  # the nominal rate a link would need to reproduce the run
+    lo = min(rates + ([measured_at] if measured_at else [])) / 4
+    hi = max(rates + ([measured_at] if measured_at else [])) * 2
+    xs = [lo * (hi / lo) ** (i / 120) for i in range(121)]
+    eff = proj["efficiency"]
+
+    def at(row: Dict[str, Any], R: float) -> float:
+        return row["compute_ms"] + row["bytes_per_rank"] * 8 / (R * eff) * 1e3
+
+    ax.axhspan(1.0, 1e6, color=_FASTER, alpha=0.06, lw=0)
+    ax.axhline(1.0, color="k", lw=1.2, label="dense all_reduce (1x)")
+    ax.text(0.005, 0.985, "above 1x (shaded): faster than dense, compression pays", transform=ax.transAxes,
+            va="top", fontsize=8, color=_FASTER)
+    palette = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf", "#bcbd22",
+               "#000080", "#808000", "#00a0a0")
+    ys_all, coloured = [], 0
+    for row in lines:
+        ys = [at(dense, R) / at(row, R) for R in xs]
+        ys_all += ys
+        rec = by.get(row["compressor"], {"compressor": row["compressor"]})
+        if projection.trainable(rec):
+            colour = palette[coloured % len(palette)]
+            coloured += 1
+            kw = {"color": colour, "lw": 1.8, "zorder": 3, "label": f"{row['compressor']}  "
+                  f"({row['at'][first].get('speedup', float('nan')):.2f}x at {projection.rate_label(first)})"}
+        else:
+            colour = "#bbbbbb"
+            kw = {"color": colour, "lw": 0.9, "zorder": 2}
+        ax.plot(xs, ys, **kw)
+        if measured_at and rec.get("speedup"):
+            ax.plot([measured_at], [rec["speedup"]], marker="o", ms=6 if kw["zorder"] == 3 else 4, color=colour,
+                    mec="k", mew=0.6, ls="none", zorder=4)
+    ax.plot([], [], color="#bbbbbb", lw=0.9, label="not recommended for training\n(e.g. randomk, biased without EF)")
+    if measured_at:
+        ax.plot([], [], marker="o", color="w", mec="k", ls="none", label="measured in this run")
+        ax.axvline(measured_at, color="k", ls=":", lw=0.8)
+        ax.text(measured_at, 0.02, f" this run (as a {projection.rate_label(int(float(f'{measured_at:.2g}')))} link)",
+                transform=ax.get_xaxis_transform(), fontsize=7, rotation=90, va="bottom")
+    for R in rates:
+        ax.axvline(R, color="#dddddd", lw=0.8, zorder=1)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlim(lo, hi)
+    ymin, ymax = max(min(ys_all), 0.01), max(max(ys_all), 1.5)  # below 0.01x nothing is worth reading
+    ax.set_ylim(ymin / 1.2, ymax * 1.3)
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullLocator
+
+    decades = [10.0 ** e for e in range(math.ceil(math.log10(lo)), math.floor(math.log10(hi)) + 1)]
+    ax.xaxis.set_major_locator(FixedLocator(sorted(set(decades) | set(float(R) for R in rates))))
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: projection.rate_label(int(round(v)))))
+    ax.xaxis.set_minor_locator(NullLocator())
+    log_ticks(ax, ymin / 1.2, ymax * 1.3, "y")
+    ax.set_xlabel("link rate per rank (bit/s, log)")
+    ax.set_ylabel("projected speed-up over dense (log)")
+    ax.set_title("projected with the link model (bench/projection.py), not measured: the measured compute time "
+                 "kept, each method's bytes put on a link of each rate", fontsize=9)
+    ax.grid(alpha=0.25, which="major")
+    ax.legend(loc="center left", bbox_to_anchor=(1.0, 0.5), fontsize=8, frameon=False,
+              title=f"to train with, ranked at {projection.rate_label(first)}", title_fontsize=8)
+
+
+def _byte_unit(n: float) -> "tuple[str, float]":
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= scale:
+            return unit, scale
+    return "B", 1.0
+
+
+def sharded_plot(records: List[Dict[str, Any]], path: str, title: str = "") -> None:
+    """``bench sharded``: per method, optimizer state per rank, parameter + gradient + master
+    bytes, bytes sent per step, step time and test accuracy, side by side (one bar each)."""
+    plt = _pyplot()
+    from matplotlib.patches import Patch
+
+    panels = (("state_bytes", "optimizer state per rank"), ("held_bytes", "param + grad + master per rank"),
+              ("bytes_per_step", "sent per step per rank"), ("step_ms", "step time (ms, median, slowest rank)"),
+              ("test_accuracy", "test accuracy (%)"))
+    names = [r["method"] for r in records]
+    y = list(range(len(records)))
+    fig, axes = plt.subplots(1, len(panels), figsize=(3.1 * len(panels) + 1.6, 0.36 * len(records) + 2.2),
+                             sharey=True, layout="constrained")
+    for ax, (field, label) in zip(axes, panels):
+        raw = [float(r.get(field) or 0.0) for r in records]
+        if field.endswith("bytes") or field == "bytes_per_step":
+            unit, scale = _byte_unit(max(raw))
+            label, spec = f"{label} ({unit})", ".3g"
+        else:
+            scale, spec = (0.01, ".2f") if field == "test_accuracy" else (1.0, ".3g")
+        vals = [v / scale for v in raw]
+        ax.barh(y, vals, color=["#1f77b4" if n.startswith("ours") else "#999999" for n in names])
+        top, low = max(vals + [1e-12]), min(vals) if vals else 0.0
+        for yi, v in zip(y, vals):
+            ax.text(v, yi, " " + format(v, spec), va="center", fontsize=7)
+        if field == "test_accuracy":  # the differences are tenths of a point: zoom in on them
+            ax.set_xlim(max(0.0, low - 2 * (top - low) - 1.0), top + 0.6 * (top - low) + 0.8)
+        else:
+            ax.set_xlim(0, top * 1.35)
+        ax.set_xlabel(label, fontsize=8)
+        ax.tick_params(labelsize=7)
+        ax.grid(axis="x", alpha=0.3)
+    axes[0].set_yticks(y, names, fontsize=8)
+    axes[0].invert_yaxis()
+    fig.legend(handles=[Patch(color="#1f77b4", label="gradcomp's ShardedOptimizer"),
+                        Patch(color="#999999", label="PyTorch (DDP + AdamW, ZeroRedundancyOptimizer)")],
+               loc="outside lower center", ncol=2, fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
 
 

@@ -34,8 +34,9 @@ from __future__ import annotations
 
 import re
 import statistics
+import textwrap
 import time
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -122,7 +123,9 @@ def project(records: List[Dict[str, Any]], links: Sequence[int], rate_bit: Optio
         run_rate, run_eff = float(rate_bit), eff
     one_pass = pass_ms(numel)
     dense = _dense_row(records)
-    out: Dict[str, Any] = {"efficiency": eff, "pass_ms": one_pass, "links": list(links), "rows": []}
+    out: Dict[str, Any] = {"efficiency": eff, "pass_ms": one_pass, "links": list(links), "rows": [],
+                           # the nominal rate at which the model reproduces the run itself
+                           "measured_rate": run_rate * run_eff / eff if run_rate else None}
     for r in records:
         if r.get("error") or r.get("collective_ms") is None:
             continue
@@ -141,16 +144,41 @@ def project(records: List[Dict[str, Any]], links: Sequence[int], rate_bit: Optio
     return out
 
 
+# The methods a user should train with (README.md, "Which compressor"): the family, and whether
+# it needs error feedback to train (biased) or trains as it is (unbiased, or a 16-bit cast).
+# PyTorch's PowerSGD hook carries its own error feedback. Others are measured but never
+# recommended: randomk is unbiased only through its n/k rescale, whose variance grows with n/k;
+# the plain signs, threshold, int8 and dgc are not on the list.
+TRAINABLE: Dict[str, bool] = {"powersgd": True, "topk": True, "onebit": True, "efsignsgd": True,
+                              "qsgd": False, "terngrad": False, "natural": False, "fp16": False, "bf16": False,
+                              "torch-powersgd": False, "torch-fp16": False}
+
+
+def family(label: str) -> str:
+    """``topk:ratio=0.001+ef/node`` -> ``topk``."""
+    return label.split("/")[0].split("+")[0].split(":")[0]
+
+
+def trainable(record: Dict[str, Any]) -> bool:
+    """Whether a record's method is one a user should train with: on the README's list, with
+    error feedback where the compressor is biased."""
+    needs_ef = TRAINABLE.get(family(record["compressor"]))
+    if needs_ef is None:
+        return False
+    return bool(record.get("error_feedback")) or not needs_ef
+
+
 def table(proj: Dict[str, Any], measured_on: str) -> str:
     links = proj["links"]
+    first = rate_label(links[0]).replace(" ", "")
     head = ["method", "compute"] + [f"@{rate_label(R).replace(' ', '')}" for R in links] + \
-        [f"limit@{rate_label(links[0]).replace(' ', '')}", "of limit"]
+        [f"limit@{first}", "of limit"]
     rows = []
     for row in proj["rows"]:
         cells = [row["compressor"], f"{row['compute_ms']:.1f}"]
         cells += [f"{row['at'][R].get('speedup', float('nan')):.2f}x" for R in links]
-        first = row["at"][links[0]]
-        cells += [f"{first['limit_ms']:.1f}", f"{100 * first['of_limit']:.0f} %"]
+        at = row["at"][links[0]]
+        cells += [f"{at['limit_ms']:.1f}", f"{100 * at['of_limit']:.0f} %"]
         rows.append(cells)
     widths = [max(len(head[0]), *(len(r[0]) for r in rows))] + [max(9, len(h)) for h in head[1:]]
 
@@ -161,24 +189,63 @@ def table(proj: Dict[str, Any], measured_on: str) -> str:
     lines = [f"projected (link model, not measured): speed-up over dense allreduce at each link rate, from the "
              f"run above ({measured_on}); link efficiency {proj['efficiency']:.2f}, one pass over the gradient "
              f"{proj['pass_ms']:.1f} ms", line(head), line(units)] + [line(r) for r in rows]
+    lines += ["", *textwrap.wrap(
+        f"compute: the measured time the link rate does not set (compress, decode, sum, message latency). "
+        f"limit@{first}: the fastest this method could be at {rate_label(links[0])} on this machine, its bytes "
+        f"on the wire plus one pass over the gradient; of limit: projected time / that limit (100 % = at the "
+        f"limit, 1000 % = 10x slower than it, time lost to compute).", 100)]
     return "\n".join(lines)
 
 
-def summary(proj: Dict[str, Any], loopback: bool) -> str:
-    """One plain sentence on what the numbers mean and where compression pays."""
+def recommend(proj: Dict[str, Any], records: List[Dict[str, Any]], R: int) -> List[Tuple[str, float]]:
+    """The trainable methods at link rate ``R``, fastest first: ``[(label, speed-up), ...]``."""
+    ok = {r["compressor"] for r in records if trainable(r)}
+    rows = [row for row in proj["rows"] if row["compressor"] in ok and "speedup" in row["at"][R]]
+    return sorted(((row["compressor"], row["at"][R]["speedup"]) for row in rows), key=lambda t: -t[1])
+
+
+def summary(proj: Dict[str, Any], loopback: bool, records: Optional[List[Dict[str, Any]]] = None) -> str:
+    """Plain sentences, one paragraph a line: where compression pays, which trainable method
+    to start with and the runner-up, what the run cannot know."""
     links = proj["links"]
-    best = {}
-    for R in links:
-        rows = [r for r in proj["rows"] if r["compressor"] != "dense"]
-        if rows:
-            top = max(rows, key=lambda r: r["at"][R].get("speedup", 0))
-            best[R] = (top["compressor"], top["at"][R].get("speedup", 0))
-    pays = [R for R in links if best.get(R, ("", 0))[1] > 1.05]
-    where = (f"compression pays up to {rate_label(max(pays))} links here (best there: {best[max(pays)][0]}, "
-             f"{best[max(pays)][1]:.2f}x)" if pays else "no method beats dense allreduce at these rates on this machine")
-    first = ("On loopback the 'link' is memory copies inside this machine, far faster than a network, so most "
-             "methods measure slower than dense above; " if loopback else "")
-    return (f"{first}from the measured compute time and bytes, {where}; at {rate_label(links[0])}, "
-            f"{best.get(links[0], ('-', 0))[0]} projects {best.get(links[0], ('-', 0))[1]:.2f}x. "
-            f"rel.err is ||mean - exact mean|| / ||exact mean|| for one call; error feedback carries what a call "
-            f"drops into the next, so for sparsifiers (randomk, topk) a large value per call is expected.")
+    records = records if records is not None else [
+        {"compressor": row["compressor"], "error_feedback": row["compressor"].endswith("+ef")} for row in proj["rows"]]
+    ranked = {R: recommend(proj, records, R) for R in links}
+    pays = [R for R in links if ranked[R] and ranked[R][0][1] > 1.05]
+    out = []
+    if loopback:
+        out.append("On loopback the 'link' is memory copies inside this machine, far faster than a network, so "
+                   "most methods measure slower than dense above.")
+    if not any(ranked.values()):
+        out.append("None of the methods run is one the README recommends training with (its 'Which compressor' "
+                   "list, with error feedback where biased), so there is no recommendation.")
+    elif not pays:
+        out.append(f"Projected from the measured compute time and bytes, no recommended method beats dense "
+                   f"allreduce at {', '.join(rate_label(R) for R in links)} on this machine: keep dense.")
+    else:
+        slowest_paying = min(pays)
+        top, runner = ranked[slowest_paying][0], ranked[slowest_paying][1:2]
+        second = f"; runner-up {runner[0][0]}, {runner[0][1]:.2f}x" if runner else ""
+        out.append(f"Projected from the measured compute time and bytes, among the methods to train with "
+                   f"(README's 'Which compressor', error feedback where biased): at {rate_label(slowest_paying)} "
+                   f"use {top[0]}, {top[1]:.2f}x over dense{second}.")
+        fastest = max(pays)
+        if fastest != slowest_paying:
+            best = ranked[fastest][0]
+            out.append(f"Compression pays up to {rate_label(fastest)} links here ({best[0]}, {best[1]:.2f}x there)"
+                       + (f"; at {rate_label(min(R for R in links if R > fastest))} dense is as fast or faster."
+                          if any(R > fastest for R in links) else "."))
+        elif any(R > fastest for R in links):
+            out.append(f"At {rate_label(min(R for R in links if R > fastest))} and faster, dense is as fast or faster.")
+    left = sorted({r["compressor"] for r in records if r.get("method") != "dense" and r["compressor"] != "dense"
+                   and not trainable(r)})
+    if left:
+        out.append(f"Not recommended whatever their speed: {', '.join(left)} (not in the README's list, or "
+                   f"biased without error feedback).")
+    out.append("rel.err is ||mean - exact mean|| / ||exact mean|| for one call. A biased compressor's "
+               "(topk, signs, powersgd) is what it drops, which error feedback carries into later calls; an "
+               "unbiased one's (qsgd, terngrad, randomk) is the noise of rescaling what it keeps (randomk scales "
+               "k of n values by n/k), which averages out over steps but slows convergence.")
+    out.append("This run measures time and bytes only: it cannot know the accuracy on your task. Check that "
+               "with `python -m gradcomp.bench train` and on your own model before switching.")
+    return "\n".join(out)

@@ -258,6 +258,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     names = _check(args)
     link = cli.resolve_link(args)
     _data(args.seed)  # fail early, in the parent, if scikit-learn is missing
+    if args.plot:  # and if matplotlib is, before the run rather than after it
+        from . import plot
+
+        plot._pyplot()
     cfg = {"methods": names, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
            "hidden": args.hidden, "seed": args.seed, "bucket_mb": args.bucket_mb}
     env = envmod.environment(args.world_size, cli.link_text(link), args.threads)
@@ -268,5 +272,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"methods  {', '.join(names)}, taking turns epoch by epoch; step time: median over the steps after "
         f"the first {WARMUP} of the slowest rank",
     ]), flush=True)
-    cli.run_and_report("sharded", cfg, args, link, env, table)
+    records = cli.run_and_report("sharded", cfg, args, link, env, table)
+    if args.plot:
+        from . import plot
+
+        plot.sharded_plot(records, args.plot, title=f"ShardedOptimizer and PyTorch's methods, digits MLP, "
+                                                    f"{args.world_size} ranks, {env['link']}")
+        print(f"wrote {args.plot}")
     return 0

@@ -375,13 +375,19 @@ class Plan:
         return rows
 
     def __str__(self) -> str:
-        rows = self.decisions()
-        head = f"{'stage':<28} {'output':>11} {'saves':>11} {'plan':<22} {'stores':>11} {'fwd runs':>8}"
-        lines = [head, "-" * len(head)]
-        for r in rows:
-            plan = r["mode"] if r["forward_runs"] == 1 else f"{r['mode']}, recomputed"
-            lines.append(f"{r['name'][:28]:<28} {_mib(r['out_bytes']):>11} {_mib(r['saved_bytes']):>11} "
-                         f"{plan:<22} {_mib(r['stored_bytes']):>11} {r['forward_runs']:>8}")
+        # column widths from the cells themselves: a long stage name or mode never shifts a column
+        head = ("stage", "output", "saves", "plan", "stores", "fwd runs")
+        cells = [(r["name"], _mib(r["out_bytes"]), _mib(r["saved_bytes"]),
+                  r["mode"] if r["forward_runs"] == 1 else f"{r['mode']}, recomputed", _mib(r["stored_bytes"]),
+                  str(r["forward_runs"])) for r in self.decisions()]
+        least = (28, 11, 11, 22, 11, 8)
+        widths = [max([least[i]] + [len(row[i]) for row in [head, *cells]]) for i in range(len(head))]
+
+        def line(row: Sequence[str]) -> str:
+            return " ".join(c.ljust(w) if i in (0, 3) else c.rjust(w)
+                            for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+
+        lines = [line(head), "-" * len(line(head))] + [line(row) for row in cells]
         lines.append(f"budget {_mib(self.budget)}; predicted peak {_mib(self.predicted_peak)} "
                      f"(no saving: {_mib(self.baseline_peak)}); predicted step {self.predicted_time * 1e3:.1f} ms "
                      f"(no saving: {self.baseline_time * 1e3:.1f} ms, {self.predicted_time / max(self.baseline_time, 1e-12):.2f}x)")
