@@ -1,32 +1,22 @@
 """The pipeline's transport: every boundary message of a step from one thread, in one agreed order.
 
-NCCL runs a pair's point-to-point operations on one stream, in issue order, and ignores tags: a
-receive posted ahead of a send to the same peer holds that send until the receive completes.
-So the two ends of every link must issue their operations in the same order, and no rank may
-post a receive whose message needs something this rank sends later. The transport gets both
-from the schedule, which every rank knows for every rank:
+Invariants (why, and what was measured: docs/pipeline.md, "No deadlock" and "Shapes that change"):
 
-- **The order.** :func:`message_order` runs every rank's actions in
-  :func:`gradcomp.pipeline.schedule.timeline` (unit costs, free links) and sorts the step's
-  messages by the time each is produced (ties by kind, boundary, micro-batch). Each rank issues
-  the operations of its own messages in that order, whoever the peer: a message that depends on
-  another is produced later in any run, so by induction on the order the earliest unfinished
-  message always has its send posted and its receive posted — the step cannot deadlock, whether
-  the backend gives each pair its own stream or one stream to all of a rank's peers.
-- **The frontier.** A rank posts its operations in order as far as it can: a send once this rank
-  has produced it, a receive as soon as everything before it is posted. It stops at a send not
-  yet produced, and at a receive whose first part has not arrived (its header may announce a
-  tail that comes next, below). Every post is one ``torch.distributed.batch_isend_irecv`` call
-  from the calling thread (as ``torch.distributed.pipelining`` does); no tag is relied on.
-- **The message.** One uint8 device tensor: a fixed 64-byte header (magic, the message's
-  identity, the payload length, the boundary compressor's hash, the dtype), then the payload in the wire
-  format (``Payload.to_tensor``: self-describing, so shapes may change at any step). Both ends
-  know the capacity of the next message on each channel (kind and boundary): the length of the
-  previous one, or the header alone for the first of a step. A payload that fits is padded to the
-  capacity and travels in one message; a longer one sends its first ``capacity`` bytes and the
-  rest right after, which the receiver posts once it has read the header. So a step costs one
-  message per boundary tensor plus one per channel, with no size exchange and no state carried
-  between steps.
+- **One order.** :func:`message_order` sorts the step's messages by when
+  :func:`gradcomp.pipeline.schedule.timeline` produces them (ties by kind, boundary,
+  micro-batch), the same list on every rank; each rank issues its own messages' operations in
+  it, whoever the peer, so the two ends of a link agree (NCCL ignores tags and runs a pair's
+  operations in issue order) and the earliest unfinished message always has its send and its
+  receive posted: no deadlock, with a stream per pair or one for all of a rank's peers.
+- **The frontier.** A send is posted once produced, a receive as soon as everything before it
+  is posted; posting stops at a send not yet produced and at a receive whose header is not read
+  (it may announce a tail). Each post is one ``batch_isend_irecv`` from the calling thread;
+  operations are waited in issue order.
+- **One message per tensor.** A uint8 device tensor: a 64-byte header (magic, message code,
+  payload length, the boundary compressor's hash, dtype), then the payload in the wire format
+  (self-describing, so shapes may change at any step). Both ends know each channel's capacity
+  (the previous message's length, the header alone at a step's start); a longer payload sends
+  its rest right after, posted by the receiver once it has read the header.
 
 A failed or timed-out operation is a ``CommunicationError`` and leaves the transport broken: its
 ranks are out of step (``Pipeline`` then refuses further steps).
