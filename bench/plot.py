@@ -116,7 +116,7 @@ def _projection_panel(ax: Any, rows: List[Dict[str, Any]], proj: Dict[str, Any])
         return
     rates = proj["links"]
     measured_at = proj.get("measured_rate")  # the nominal rate a link would need to reproduce the run
-    lo = min(rates + ([measured_at] if measured_at else [])) / 4
+    lo = min(rates + ([measured_at] if measured_at else [])) / 10  # slow links too: where compression pays
     hi = max(rates + ([measured_at] if measured_at else [])) * 2
     xs = [lo * (hi / lo) ** (i / 120) for i in range(121)]
     eff = proj["efficiency"]

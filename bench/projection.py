@@ -32,6 +32,7 @@ method is from it.
 """
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import textwrap
@@ -204,6 +205,27 @@ def recommend(proj: Dict[str, Any], records: List[Dict[str, Any]], R: int) -> Li
     return sorted(((row["compressor"], row["at"][R]["speedup"]) for row in rows), key=lambda t: -t[1])
 
 
+def break_even(proj: Dict[str, Any], row: Dict[str, Any]) -> float:
+    """The link rate (bit/s) below which ``row``'s method beats dense in the link model:
+    ``inf`` when it wins at every rate, 0 when at none."""
+    dense = next((r for r in proj["rows"] if r["compressor"] == "dense"), None)
+    if dense is None:
+        return 0.0
+    saved_bits = (dense["bytes_per_rank"] - row["bytes_per_rank"]) * 8  # what it takes off the wire
+    extra_ms = row["compute_ms"] - dense["compute_ms"]  # what it costs in compute
+    if saved_bits <= 0:
+        return 0.0
+    if extra_ms <= 0:
+        return math.inf
+    return saved_bits / (proj["efficiency"] * extra_ms / 1e3)
+
+
+def _below(rate: float) -> str:
+    if math.isinf(rate):
+        return "at every link rate"
+    return f"on links slower than {rate_label(int(float(f'{rate:.2g}')))}"
+
+
 def summary(proj: Dict[str, Any], loopback: bool, records: Optional[List[Dict[str, Any]]] = None) -> str:
     """Plain sentences, one paragraph a line: where compression pays, which trainable method
     to start with and the runner-up, what the run cannot know."""
@@ -212,36 +234,40 @@ def summary(proj: Dict[str, Any], loopback: bool, records: Optional[List[Dict[st
         {"compressor": row["compressor"], "error_feedback": row["compressor"].endswith("+ef")} for row in proj["rows"]]
     ranked = {R: recommend(proj, records, R) for R in links}
     pays = [R for R in links if ranked[R] and ranked[R][0][1] > 1.05]
+    ok = {r["compressor"] for r in records if trainable(r)}
+    # where each method to train with stops paying: the widest range of links first
+    reach = sorted(((row["compressor"], break_even(proj, row)) for row in proj["rows"] if row["compressor"] in ok),
+                   key=lambda t: -t[1])
+    reach = [t for t in reach if t[1] > 0]
     out = []
     if loopback:
         out.append("On loopback the 'link' is memory copies inside this machine, far faster than a network, so "
                    "most methods measure slower than dense above.")
+    lead = ("Projected from the measured compute time and bytes, among the methods to train with (README's "
+            "'Which compressor', error feedback where biased): ")
     if not any(ranked.values()):
         out.append("None of the methods run is one the README recommends training with (its 'Which compressor' "
                    "list, with error feedback where biased), so there is no recommendation.")
     elif not pays:
-        out.append(f"Projected from the measured compute time and bytes, no recommended method beats dense "
-                   f"allreduce at {', '.join(rate_label(R) for R in links)} on this machine: keep dense.")
+        where = (f"; {reach[0][0]} beats it {_below(reach[0][1])}"
+                 + (f" (runner-up {reach[1][0]}, {_below(reach[1][1])})" if len(reach) > 1 else "")
+                 if reach else "; none pays on any link")
+        out.append(f"{lead}none beats dense allreduce at {rate_label(links[0])} or faster on this machine, so "
+                   f"keep dense there{where}.")
     else:
         slowest_paying = min(pays)
         top, runner = ranked[slowest_paying][0], ranked[slowest_paying][1:2]
         second = f"; runner-up {runner[0][0]}, {runner[0][1]:.2f}x" if runner else ""
-        out.append(f"Projected from the measured compute time and bytes, among the methods to train with "
-                   f"(README's 'Which compressor', error feedback where biased): at {rate_label(slowest_paying)} "
-                   f"use {top[0]}, {top[1]:.2f}x over dense{second}.")
-        fastest = max(pays)
-        if fastest != slowest_paying:
-            best = ranked[fastest][0]
-            out.append(f"Compression pays up to {rate_label(fastest)} links here ({best[0]}, {best[1]:.2f}x there)"
-                       + (f"; at {rate_label(min(R for R in links if R > fastest))} dense is as fast or faster."
-                          if any(R > fastest for R in links) else "."))
-        elif any(R > fastest for R in links):
-            out.append(f"At {rate_label(min(R for R in links if R > fastest))} and faster, dense is as fast or faster.")
+        out.append(f"{lead}at {rate_label(slowest_paying)} use {top[0]}, {top[1]:.2f}x over dense{second}.")
+        if reach:
+            out.append(f"Where compression pays: {reach[0][0]} beats dense {_below(reach[0][1])}"
+                       + (f", {reach[1][0]} {_below(reach[1][1])}" if len(reach) > 1 else "")
+                       + "; on faster links dense allreduce is as fast or faster.")
     left = sorted({r["compressor"] for r in records if r.get("method") != "dense" and r["compressor"] != "dense"
                    and not trainable(r)})
     if left:
-        out.append(f"Not recommended whatever their speed: {', '.join(left)} (not in the README's list, or "
-                   f"biased without error feedback).")
+        out.append(f"Left out of the recommendation whatever their speed (not in the README's list, or biased "
+                   f"without error feedback): {', '.join(left)}.")
     out.append("rel.err is ||mean - exact mean|| / ||exact mean|| for one call. A biased compressor's "
                "(topk, signs, powersgd) is what it drops, which error feedback carries into later calls; an "
                "unbiased one's (qsgd, terngrad, randomk) is the noise of rescaling what it keeps (randomk scales "

@@ -40,7 +40,7 @@ def test_the_recommendation_comes_only_from_methods_to_train_with():
     first = next(line for line in text.splitlines() if "use " in line)
     assert "use topk+ef" in first and "runner-up powersgd+ef" in first, text
     assert "randomk" not in first and "use topk," not in first
-    assert "randomk" in text.split("Not recommended")[1].splitlines()[0]  # named as left out, with why
+    assert "randomk" in text.split("Left out of the recommendation")[1].splitlines()[0]  # named, with why
     assert "n/k" in text  # randomk's error is its rescale, not error feedback's doing
     assert "cannot know the accuracy on your task" in text
     # nothing trainable was run: say so, recommend nothing
@@ -217,3 +217,18 @@ def test_memory_plot_labels_of_neighbouring_points_do_not_overlap(tmp_path):
     plt.close(fig)
     memory.frontier_plot([{"model": "mlp", "records": recs}], str(tmp_path / "f.png"), "t")
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_summary_says_below_which_link_rate_compression_pays():
+    records = _records()
+    proj = projection.project(records, [GBIT, 100 * GBIT], None, 1000)
+    by = {row["compressor"]: row for row in proj["rows"]}
+    rate = projection.break_even(proj, by["topk+ef"])
+    dense, topk = by["dense"], by["topk+ef"]
+
+    def ms(row, R):
+        return row["compute_ms"] + row["bytes_per_rank"] * 8 / (R * proj["efficiency"]) * 1e3
+
+    assert ms(topk, rate) == pytest.approx(ms(dense, rate))  # level with dense exactly there
+    assert ms(topk, rate / 2) < ms(dense, rate / 2) and ms(topk, rate * 2) > ms(dense, rate * 2)
+    assert "Where compression pays: " in projection.summary(proj, True, records)
