@@ -27,8 +27,9 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import Identity, check_device_set, fingerprint, refuse_on_every_rank, worker
+from gradcomp.collectives.shards import piece_key
 
-from ._shards import GroupLayout, bucket_key, piece_key, weight_key
+from ._shards import GroupLayout, bucket_key, weight_key
 from .lowbit import PackedState, as_packed, is_packed, saved
 
 FORMAT = "gradcomp.sharded/1"

@@ -10,7 +10,8 @@ number of ranks, and resharding only re-cuts them. A group smaller than ``world`
 leaves the last ranks without a shard of it (an empty tensor).
 
 Buckets: each group's parameters, last first (the order backward produces them), are packed
-into buckets of at most ``bucket_numel`` elements (a larger parameter is a bucket alone); a
+by gradcomp's one bucket plan (:func:`gradcomp.collectives.plan_buckets`, every element counted
+as 4 bytes) into buckets of at most ``bucket_mb`` (a larger parameter is a bucket alone); a
 bucket is a contiguous range of the group's vector, and its piece for rank ``j`` is the part
 of that range inside rank ``j``'s shard.
 """
@@ -19,6 +20,8 @@ from __future__ import annotations
 from typing import List, NamedTuple, Sequence, Tuple
 
 import torch
+
+from gradcomp.collectives import plan_buckets
 
 from .lowbit import BLOCK, LEGACY_BLOCK
 
@@ -67,20 +70,13 @@ def group_layout(numels: Sequence[int], world: int) -> GroupLayout:
     return GroupLayout(tuple(offsets), tuple(int(n) for n in numels), at, shard_bounds(at, world))
 
 
-def plan_buckets(layout: GroupLayout, group: int, bucket_numel: int) -> List[Bucket]:
-    """The group's buckets in launch order (the last parameters first)."""
-    buckets: List[Bucket] = []
-    members: List[int] = []
-    size = 0
-    for i in reversed(range(len(layout.numels))):
-        if members and size + layout.numels[i] > bucket_numel:
-            buckets.append(_bucket(layout, group, members))
-            members, size = [], 0
-        members.append(i)
-        size += layout.numels[i]
-    if members:
-        buckets.append(_bucket(layout, group, members))
-    return buckets
+def group_buckets(layout: GroupLayout, group: int, params: Sequence[torch.Tensor], bucket_mb: float) -> List[Bucket]:
+    """The buckets of parameter group ``group`` (its trainable ``params``, laid out as
+    ``layout``) in launch order: the last parameters first, at most ``bucket_mb`` of fp32."""
+    last_first = list(reversed(range(len(params))))
+    cap = max(bucket_mb, 4 / 2 ** 20)  # at least one element
+    plan = plan_buckets([(str(i), params[i]) for i in last_first], cap, bytes_per_element=4)
+    return [_bucket(layout, group, [last_first[j] for j in members]) for members in plan]
 
 
 def _bucket(layout: GroupLayout, group: int, members: List[int]) -> Bucket:
@@ -94,12 +90,6 @@ def bucket_key(group: int, k: int) -> str:
     """The error-feedback key of bucket ``k``'s reduce-scatter (``k``: its index over all
     groups' buckets, in launch order; ``group``: its parameter group)."""
     return f"g{group}/b{k}"
-
-
-def piece_key(key: str, j: int) -> str:
-    """The key under which a compressed reduce-scatter of ``key`` keeps the residual of the
-    piece it sends to rank ``j`` (``collectives.shards.reduce_scatter``'s rule)."""
-    return f"{key}/to{j}"
 
 
 def weight_key(group: int) -> str:

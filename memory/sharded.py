@@ -48,7 +48,7 @@ from gradcomp.training.wrapper import Wrapper, broadcast_params
 from gradcomp.collectives.identity import agree, describe_params, fingerprint, names_of
 
 from . import _shardckpt
-from ._shards import Bucket, GroupLayout, bucket_key, flat_of, group_layout, layer_slices, plan_buckets, weight_key
+from ._shards import Bucket, GroupLayout, bucket_key, flat_of, group_buckets, group_layout, layer_slices, weight_key
 from .lowbit import _COMPENSATIONS, BITS, MIN_NUMEL, LowBitState, bits_problem
 
 __all__ = ["ShardedOptimizer"]
@@ -146,8 +146,8 @@ class ShardedOptimizer(Wrapper):
         self._check_dtypes()
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in groups]
         self.layouts: List[GroupLayout] = [group_layout([p.numel() for p in ps], self.world) for ps in self._trainable]
-        bucket_numel = max(1, int(self.bucket_mb * 2 ** 20 // 4))
-        self._buckets: List[Bucket] = [b for g, lay in enumerate(self.layouts) for b in plan_buckets(lay, g, bucket_numel)]
+        self._buckets: List[Bucket] = [b for g, (lay, ps) in enumerate(zip(self.layouts, self._trainable))
+                                       for b in group_buckets(lay, g, ps, self.bucket_mb)]
         self._config = self._describe(hyper, defaults)
         if self.world > 1:
             # the bucket layout too: ranks cutting buckets differently would exchange pieces of

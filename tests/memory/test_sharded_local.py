@@ -87,3 +87,20 @@ def test_bad_parameters():
         opt.add_param_group({"params": [w]})
     with pytest.raises(ValueError, match="not a ShardedOptimizer checkpoint"):
         opt.load_state_dict(torch.optim.AdamW(model.parameters()).state_dict())
+
+
+def test_buckets_are_cut_last_parameter_first_under_the_cap():
+    """The bucket plan (gradcomp's one ``plan_buckets``, elements counted as 4 bytes) is the
+    layout every rank agrees on and every checkpoint's residual keys name: it must not move."""
+    from gradcomp.memory._shards import group_buckets, group_layout
+
+    def plan(numels, cap_elements):
+        params = [torch.zeros(n) for n in numels]
+        got = group_buckets(group_layout(numels, 2), 1, params, cap_elements * 4 / 2 ** 20)
+        return [(b.group, b.members, b.start, b.stop) for b in got]
+
+    # offsets 0, 3, 8, 10, 17: filled from the last, a new bucket when the next would pass 8
+    assert plan([3, 5, 2, 7, 1], 8) == [(1, (3, 4), 10, 18), (1, (1, 2), 3, 10), (1, (0,), 0, 3)]
+    assert plan([20, 1], 8) == [(1, (1,), 20, 21), (1, (0,), 0, 20)]  # a larger parameter is a bucket alone
+    assert plan([4, 0, 4], 8) == [(1, (0, 1, 2), 0, 8)]
+    assert plan([], 8) == []
