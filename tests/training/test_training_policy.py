@@ -73,7 +73,7 @@ def test_one_process_exchange_keeps_the_error_feedback_invariant():
     fresh = Compression(Policy("topk", ratio=0.1, min_numel=0))
     fresh.load_state_dict(state)
     assert torch.equal(fresh.policy.default.codec.residual("w"), res)
-    with pytest.raises(ValueError, match="another compressor, options or policy"):
+    with pytest.raises(ValueError, match="saved with another configuration; resume with the same compressor, options and policy"):
         Compression(Policy("topk", layers={"x": {"ratio": 0.5}})).load_state_dict(state)
     with pytest.raises(ValueError, match="version"):
         fresh.load_state_dict({"iteration": 0})
