@@ -186,8 +186,8 @@ def _cut_state(state: Mapping[str, Any], numel: int, lo: int, hi: int) -> Dict[s
 
 
 # ---- loading -----------------------------------------------------------------------------------
-def _problem(view: ShardView, sd: Any) -> str:
-    """What is wrong with ``sd`` for this rank, or ``""``."""
+def _mismatch(view: ShardView, sd: Any) -> str:
+    """Why ``sd`` does not load on this rank (one sentence naming the fix), or ``""``."""
     if not isinstance(sd, Mapping) or sd.get("format") != FORMAT or sd.get("kind") not in ("sharded", "consolidated"):
         return ("the state_dict is not a ShardedOptimizer checkpoint of this gradcomp version (format "
                 f"{sd.get('format') if isinstance(sd, Mapping) else type(sd).__name__!r}, expected {FORMAT!r})")
@@ -204,7 +204,7 @@ def _problem(view: ShardView, sd: Any) -> str:
                                       fixes=_FIXES)
     if problem:
         return problem
-    unreadable = _packs_problem(sd)
+    unreadable = _unreadable_pack(sd)
     if unreadable:
         return unreadable
     if sd["kind"] == "consolidated":
@@ -234,13 +234,7 @@ def identity(d: Mapping[str, Any]) -> Identity:
                     fields={"frozen parameters": repr(frozen)})
 
 
-def _agree(view: ShardView, problem: str) -> None:
-    """Raise the same ``ValueError`` on every rank when any rank has a ``problem``."""
-    refuse_on_every_rank(problem, view.group, "ShardedOptimizer.load_state_dict",
-                         device=worker.device_of(view.masters))
-
-
-def _packs_problem(sd: Mapping[str, Any]) -> Optional[str]:
+def _unreadable_pack(sd: Mapping[str, Any]) -> Optional[str]:
     """Why a low-bit pack in ``sd`` cannot be read (an unknown format, a missing field), or
     None: found here, every rank refuses, instead of one rank failing inside its inner load."""
     inner = sd.get("inner")
@@ -258,7 +252,9 @@ def _packs_problem(sd: Mapping[str, Any]) -> Optional[str]:
 def load(view: ShardView, sd: Mapping[str, Any]) -> int:
     """Load ``sd`` (either kind) into ``view``'s tensors and optimizers, or raise the same
     ``ValueError`` on every rank; returns the checkpoint's count of skipped steps."""
-    _agree(view, _problem(view, sd))
+    # the same ValueError on every rank when any rank's checkpoint does not fit
+    refuse_on_every_rank(_mismatch(view, sd), view.group, "ShardedOptimizer.load_state_dict",
+                         device=worker.device_of(view.masters))
     if sd["kind"] == "sharded":
         view.optimizer.load_state_dict(sd["inner"])
         for m, saved_master in zip(view.masters, sd["master"]):
