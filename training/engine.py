@@ -212,6 +212,9 @@ class Compression:
 
     def _problem(self, state: Any) -> Optional[str]:
         """What is wrong with ``state`` for this rank (None: it loads); nothing changes."""
+        if state is None:
+            return ("it holds no gradcomp state (a plain optimizer's state_dict?); to start the compression state "
+                    "afresh, load it into the inner optimizer on every rank (opt.optimizer.load_state_dict)")
         if not isinstance(state, Mapping) or state.get("version") != _VERSION:
             return f"it is not a gradcomp training state_dict of version {_VERSION}"
         problem = self._identity().mismatch(state.get("identity"), fixes={

@@ -66,7 +66,7 @@ class HookState:
         return self.compression.state_dict()
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        self.compression.load_state_dict(state)
+        self.compression.load_state_dict(state, "HookState.load_state_dict")
 
 
 # real annotations (no ``from __future__ import annotations``): DDP checks them at registration

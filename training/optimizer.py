@@ -86,9 +86,9 @@ class CompressedOptimizer(Wrapper):
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         self._drain()
         sd = dict(state_dict)
-        ours = sd.pop("gradcomp", None)
-        if ours is not None:  # first: a checkpoint of another rank or model is refused before anything loads
-            self.compression.load_state_dict(ours)
+        # first, on every rank alike: a checkpoint of another rank or model, or one without
+        # gradcomp's state on any rank, is refused before anything loads
+        self.compression.load_state_dict(sd.pop("gradcomp", None), "CompressedOptimizer.load_state_dict")
         self.optimizer.load_state_dict(sd)
 
     # ---- communication --------------------------------------------------------------------

@@ -75,6 +75,9 @@ def _layers(rank, world):
     theirs = rank0s(mine)
     runtime_state = mine["gradcomp"]
     out["CompressedOptimizer"] = _refusal(opt, mine, theirs if rank == 1 else mine, opt.state_dict)
+    # a plain optimizer's state_dict on one rank: before, that rank loaded only the inner optimizer
+    plain = {k: v for k, v in mine.items() if k != "gradcomp"}
+    out["CompressedOptimizer, no gradcomp state"] = _refusal(opt, mine, plain if rank == 1 else mine, opt.state_dict)
 
     hook_state, _ = ddp_comm_hook("topk", model=model, ratio=0.3)
     own = hook_state.state_dict()
@@ -110,9 +113,11 @@ def _layers(rank, world):
     return out
 
 
-LAYERS = ["CompressedOptimizer", "DDP hook state", "OneBitAdam", "OneBitAdam, another kind", "ShardedOptimizer",
+LAYERS = ["CompressedOptimizer", "CompressedOptimizer, no gradcomp state", "DDP hook state", "OneBitAdam", "OneBitAdam, another kind", "ShardedOptimizer",
           "Pipeline"]
-WORDS = {"CompressedOptimizer": "it is rank 0's, loaded on rank 1", "DDP hook state": "it is rank 0's, loaded on rank 1",
+WORDS = {"CompressedOptimizer": "it is rank 0's, loaded on rank 1",
+         "CompressedOptimizer, no gradcomp state": "it holds no gradcomp state",
+         "DDP hook state": "it is rank 0's, loaded on rank 1",
          "OneBitAdam": "it is rank 0's, loaded on rank 1",
          "OneBitAdam, another kind": "it was saved by gradcomp.training, not by OneBitAdam",
          "ShardedOptimizer": "it is rank 0's, loaded on rank 1", "Pipeline": "it is rank 0's, loaded on rank 1"}
