@@ -80,7 +80,7 @@ def allreduce(tensor: torch.Tensor, compressor: Any = "none", key: Optional[str]
     # the job runs under the tensor's device (a worker thread's current device is GPU 0)
     device, inputs = worker.device_of(tensor), [tensor] if isinstance(tensor, torch.Tensor) else []
     if intra_group is not None:
-        return worker.submit(lambda eff: hierarchical_job(tensor, spec, key, eff(intra_group), eff(inter_group)),
+        return worker.submit(lambda twin: hierarchical_job(tensor, spec, key, twin(intra_group), twin(inter_group)),
                              (intra_group, inter_group), async_op, device=device, inputs=inputs)
-    return worker.submit(lambda eff: flat_job(tensor, spec, key, eff(group)), (group,), async_op,
+    return worker.submit(lambda twin: flat_job(tensor, spec, key, twin(group)), (group,), async_op,
                          device=device, inputs=inputs)

@@ -95,13 +95,13 @@ class _PerName:
         return torch.cat([self.fb.combine(n, p.view(s)).reshape(-1) for n, s, p in self._pieces(avg)])
 
 
-def _bucket_job(items: List[Tuple[str, torch.Tensor]], spec, key: str, group, eff) -> Dict[str, torch.Tensor]:
+def _bucket_job(items: List[Tuple[str, torch.Tensor]], spec, key: str, group, twin) -> Dict[str, torch.Tensor]:
     names = [n for n, _ in items]
     shapes = [t.shape for _, t in items]
     flat = torch.cat([t.detach().reshape(-1) for _, t in items])
     if spec.feedback is not None:
         spec = replace(spec, feedback=_PerName(spec.feedback, names, shapes))
-    out = flat_job(flat, spec, key, eff(group))
+    out = flat_job(flat, spec, key, twin(group))
     return {n: piece.view(s) for n, s, piece in zip(names, shapes, out.split([s.numel() for s in shapes]))}
 
 

@@ -64,7 +64,7 @@ def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *
                              f"rounds; use allreduce for multi-round compressors")
         specs.append(spec)
     tensors = [t for _, t, _ in items if isinstance(t, torch.Tensor)]
-    return worker.submit(lambda eff: _fused_job(items, specs, eff(group), algorithm), (group,), async_op,
+    return worker.submit(lambda twin: _fused_job(items, specs, twin(group), algorithm), (group,), async_op,
                          device=worker.device_of(tensors), inputs=tensors)
 
 

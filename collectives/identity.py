@@ -47,7 +47,7 @@ def agree(config: Mapping[str, str], group, when: str, *, device: Optional[torch
     check_device_set(group, device, f"gradcomp: agreeing {when}")  # NCCL's object collectives need set_device
     if device is None:
         device = _object_device(group)
-    worker.submit(lambda eff: _agree(config, eff(group), when), (group,), False, device=device)
+    worker.submit(lambda twin: _agree(config, twin(group), when), (group,), False, device=device)
 
 
 def refuse_on_every_rank(problem: Optional[str], group, what: str, *, device: Optional[torch.device] = None) -> None:
@@ -63,7 +63,7 @@ def refuse_on_every_rank(problem: Optional[str], group, what: str, *, device: Op
     check_device_set(group, device, what)  # NCCL's object collectives need set_device
     if device is None:
         device = _object_device(group)
-    worker.submit(lambda eff: _refuse(problem, eff(group), what), (group,), False, device=device)
+    worker.submit(lambda twin: _refuse(problem, twin(group), what), (group,), False, device=device)
 
 
 def _refusal(what: str, rank: int, problem: str) -> str:

@@ -14,7 +14,7 @@ collectives on that group (DDP's buffer broadcast, a logged loss):
 - ``make_node_groups`` creates twins of the groups it builds, on every rank, in order;
 - any other group is used as it is: don't issue your own collectives on it while jobs run.
 
-A job is ``job(eff)``, where ``eff`` maps a caller's group to the one to use. It runs in the
+A job is ``job(twin)``, where ``twin`` maps a caller's group to the one to use. It runs in the
 submitter's ``contextvars`` context (a state transaction open there covers it).
 
 Devices and streams. Every job is submitted with the device of its tensors (never a thread's
@@ -71,7 +71,7 @@ import torch.distributed as dist
 # test mode refuses object collectives elsewhere)
 from ._comm import CommunicationError, group_timeout, initialized, on_device, resolve
 
-Job = Callable[[Callable[[Any], Any]], Any]  # job(eff): eff maps a caller's group to the one to use
+Job = Callable[[Callable[[Any], Any]], Any]  # job(twin): twin maps a caller's group to the one to use
 Then = Optional[Callable[[torch.futures.Future], Any]]
 Device = Any  # a torch.device or what torch.device() accepts
 
@@ -167,14 +167,14 @@ class Worker:
     def owns(self, group) -> bool:
         return id(resolve(group)) in self._map
 
-    def eff(self, group):
+    def twin(self, group):
         """The group a job uses for the caller's ``group`` (its twin, when it has one)."""
         g = resolve(group)
         return self._map.get(id(g), g)
 
     def submit(self, job: Job, *, device: Device, then: Then = None, inline: bool = False,
                inputs: Sequence[torch.Tensor] = ()) -> torch.futures.Future:
-        """A future of ``job(eff)`` (chained with ``.then(then)``), run after every job submitted
+        """A future of ``job(twin)`` (chained with ``.then(then)``), run after every job submitted
         before it, under ``on_device(device)`` — ``device`` is where the job's tensors are.
         ``inputs``: the tensors made on the caller's stream that the job reads (see the module
         docstring); ``inline``: run it on this thread once the queue is empty."""
@@ -182,11 +182,11 @@ class Worker:
         fut = _future([device])
         out = fut if then is None else fut.then(then)
         if threading.current_thread() is self.thread:  # from a callback on this worker
-            _complete(fut, job, self.eff, device)
+            _complete(fut, job, self.twin, device)
             return out
         if inline:
             self.wait_queued()  # on CUDA this orders the caller's stream after the worker's too
-            _complete(fut, job, self.eff, device)
+            _complete(fut, job, self.twin, device)
             return out
         self._last = out
         ready = None
@@ -236,7 +236,7 @@ class Worker:
     def _run(self, streams: Dict[Any, Any], job: Job, fut: torch.futures.Future, context: contextvars.Context,
              device: torch.device, ready: Optional[Any], inputs: Tuple[torch.Tensor, ...]) -> None:
         if ready is None:
-            context.run(_complete, fut, job, self.eff, device)
+            context.run(_complete, fut, job, self.twin, device)
             return
         stream = streams.get(device.index)
         if stream is None:
@@ -246,13 +246,13 @@ class Worker:
             for t in inputs:  # made on the caller's stream, read on this one until its work is done
                 if isinstance(t, torch.Tensor) and t.device == device:
                     t.record_stream(stream)
-            context.run(_complete, fut, job, self.eff, device)  # set_result records the stream's work
+            context.run(_complete, fut, job, self.twin, device)  # set_result records the stream's work
 
 
-def _complete(fut: torch.futures.Future, job: Job, eff: Callable[[Any], Any], device: torch.device) -> None:
+def _complete(fut: torch.futures.Future, job: Job, twin: Callable[[Any], Any], device: torch.device) -> None:
     try:
         with on_device(device):  # inside the job's context: the strict mode's mark lives there
-            value = job(eff)
+            value = job(twin)
     except Exception as exc:  # reported through the future, raised where it is waited on
         fut.set_exception(exc)
     else:
@@ -300,7 +300,7 @@ def submit(job: Job, groups: Tuple[Any, ...], async_op: bool, *, device: Device,
         return completed(job, device=device) if async_op else _now(job, _direct, device)
     worker = current()
     if worker is not None and threading.current_thread() is worker.thread:
-        return completed(job, eff=worker.eff, device=device) if async_op else _now(job, worker.eff, device)
+        return completed(job, twin=worker.twin, device=device) if async_op else _now(job, worker.twin, device)
     if async_op:
         return worker_for(groups).submit(job, device=device, inputs=inputs)
     if worker is not None:  # after the jobs in flight, never beside them
@@ -308,18 +308,18 @@ def submit(job: Job, groups: Tuple[Any, ...], async_op: bool, *, device: Device,
     return _now(job, _direct, device)
 
 
-def _now(job: Job, eff: Callable[[Any], Any], device: torch.device) -> Any:
+def _now(job: Job, twin: Callable[[Any], Any], device: torch.device) -> Any:
     with on_device(device):
-        return job(eff)
+        return job(twin)
 
 
-def completed(job: Job, then: Then = None, *, eff: Callable[[Any], Any] = _direct,
+def completed(job: Job, then: Then = None, *, twin: Callable[[Any], Any] = _direct,
               device: Device = _CPU) -> torch.futures.Future:
-    """Run ``job(eff)`` now under ``on_device(device)``; its finished future (a CUDA future for
+    """Run ``job(twin)`` now under ``on_device(device)``; its finished future (a CUDA future for
     a CUDA device; chained with ``.then(then)``)."""
     device = _device(device)
     fut = _future([device])
-    _complete(fut, job, eff, device)
+    _complete(fut, job, twin, device)
     return fut if then is None else fut.then(then)
 
 

@@ -68,7 +68,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._range = common.MomentRange()
         self._masks: Optional[List[Optional[torch.Tensor]]] = None
-        if common.live(process_group):
+        if common.is_distributed(process_group):
             common.agree_config({"configuration": self._config(), "learning rates": self._learning_rates(),
                                  "parameters": describe_params(common.named(self._params))}, process_group,
                                 self.who)
@@ -167,11 +167,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
     # ---- gradients ---------------------------------------------------------------------------
     @property
     def world(self) -> int:
-        return world_of(self.process_group) if common.live(self.process_group) else 1
+        return world_of(self.process_group) if common.is_distributed(self.process_group) else 1
 
     @property
     def rank(self) -> int:
-        return rank_of(self.process_group) if common.live(self.process_group) else 0
+        return rank_of(self.process_group) if common.is_distributed(self.process_group) else 0
 
     def _local_grads(self) -> List[torch.Tensor]:
         """Every parameter's gradient (zeros where it has none), as it is on this rank."""
@@ -181,7 +181,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """The gradients of this step: the dense mean over ranks when ``dense`` (done by DDP's
         hook when :meth:`comm_hook` was registered), else this rank's own."""
         grads = self._local_grads()
-        if not dense or self._ddp or not common.live(self.process_group):
+        if not dense or self._ddp or not common.is_distributed(self.process_group):
             return grads
         for dtype, idx in _by_dtype(grads).items():
             flat = common.dense_mean(torch.cat([grads[i].reshape(-1) for i in idx]), self.process_group,

@@ -75,7 +75,7 @@ def trained(params: Sequence[torch.Tensor], who: str) -> List[torch.Tensor]:
 
 
 # ---- the process group -----------------------------------------------------------------------
-def live(group) -> bool:
+def is_distributed(group) -> bool:
     """Whether ``group`` spans more than this process (a process group is started)."""
     return dist.is_available() and dist.is_initialized() and world_of(group) > 1
 
@@ -83,7 +83,7 @@ def live(group) -> bool:
 def dense_mean(flat: torch.Tensor, group, key: str = "dense") -> torch.Tensor:
     """The mean of ``flat`` over ``group``, dense (DDP's bits, counted in telemetry); ``flat``
     itself with one process."""
-    if not live(group):
+    if not is_distributed(group):
         return flat
     return allreduce(flat, "none", key=key, group=group)
 
@@ -91,7 +91,7 @@ def dense_mean(flat: torch.Tensor, group, key: str = "dense") -> torch.Tensor:
 def agree_config(config: Mapping[str, str], group, who: str) -> None:
     """Raise the same ``ValueError`` on every rank unless every rank passed the same
     ``config`` (the training runtime's agreement check)."""
-    if not live(group):
+    if not is_distributed(group):
         return
     agree(config, group, f"when {who} started")
 
@@ -118,7 +118,7 @@ def check_identity(problem: Optional[str], mine: Identity, saved: Any, group, wh
         problem = mine.mismatch(saved, fixes={
             "world": "error-feedback residuals belong to one world size: resume on as many ranks as it was saved on",
             "config": f"resume with the same options (this run's: {config})"})
-    refuse_on_every_rank(problem, group if live(group) else None, f"{who}.load_state_dict")
+    refuse_on_every_rank(problem, group if is_distributed(group) else None, f"{who}.load_state_dict")
 
 
 def run_closure(closure: Optional[Callable[[], Any]]) -> Any:

@@ -84,7 +84,7 @@ class LayerNorms:
         table = table.view(len(rows), self.num_layers)
         if self.layout is not None and dist.is_available() and dist.is_initialized():
             # after gradcomp's jobs in flight, never beside them (one thread per communicator)
-            submit(lambda eff: dist.all_reduce(table, group=eff(self.group)), (self.group,), False,
+            submit(lambda twin: dist.all_reduce(table, group=twin(self.group)), (self.group,), False,
                    device=table.device)
         return table.sqrt()
 

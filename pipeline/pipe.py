@@ -153,7 +153,7 @@ class Pipeline:
         group = self.grid.group
         check_device_set(group, None, "Pipeline")  # NCCL's object collectives need set_device
         found: List[Any] = [None] * self.grid.world
-        worker.submit(lambda eff: dist.all_gather_object(found, (problem, needed), group=eff(group)), (group,),
+        worker.submit(lambda twin: dist.all_gather_object(found, (problem, needed), group=twin(group)), (group,),
                       False, device=_object_device(group))
         message = _construction_verdict(found, self.memory_budget)
         if message:

@@ -10,11 +10,11 @@ streams and your own collectives").
 from gradcomp.collectives import shutdown
 from gradcomp.collectives.worker import wait_all
 from gradcomp.collectives.identity import agree
-from .engine import Compression
+from .engine import Runtime
 from .hooks import HookState, cast_wrapper, compressed_hook, ddp_comm_hook
 from .optimizer import CompressedOptimizer
 from .policy import Policy, Rule
 from .reshard import reshard_states
 
 __all__ = ["agree", "ddp_comm_hook", "CompressedOptimizer", "HookState", "cast_wrapper", "compressed_hook",
-           "Compression", "Policy", "Rule", "reshard_states", "shutdown", "wait_all"]
+           "Runtime", "Policy", "Rule", "reshard_states", "shutdown", "wait_all"]

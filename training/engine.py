@@ -1,6 +1,6 @@
 """The runtime shared by the DDP hook and the optimizer wrapper: route, submit, keep state.
 
-``Compression`` owns the policy (which gradients are compressed, with which codec), the
+``Runtime`` owns the policy (which gradients are compressed, with which codec), the
 iteration counter that drives the warm-up, and the worker that runs bucket exchanges in
 order. Its ``state_dict`` holds everything a resumed run needs to continue bit-identically:
 the iteration and every codec's per-parameter state (residuals, warm starts, step counters).
@@ -26,7 +26,7 @@ OWNER = "gradcomp.training"
 WHAT = "load_state_dict of the compression state"
 
 
-class Compression:
+class Runtime:
     """Averages named gradients over ``group`` as ``policy`` says; see the module docstring."""
 
     def __init__(self, policy: Policy, group=None, local_size: Optional[int] = None) -> None:
@@ -174,13 +174,13 @@ class Compression:
             self._txn = Transaction()
         txn = self._txn
 
-        def job(eff):
-            group = eff(self.group)
+        def job(twin):
+            group = twin(self.group)
             with txn.active():  # every state change of the iteration, kept or undone together
                 try:
                     self._check_bucket(items, group)
                     if nodes is not None:
-                        hier = Hierarchy(eff(nodes.intra), eff(nodes.inter), local_size, nodes.local_rank,
+                        hier = Hierarchy(twin(nodes.intra), twin(nodes.inter), local_size, nodes.local_rank,
                                          world // local_size)
                         out = exchange_bucket_by_owners(items, hier, owners, label=label)
                     else:
@@ -198,7 +198,7 @@ class Compression:
         # the gradients' device, never the thread's: a worker thread's current device is GPU 0
         device = worker.device_of(buffer, grads)
         if world == 1:
-            return worker.completed(job, then, eff=lambda g: None, device=device)
+            return worker.completed(job, then, twin=lambda g: None, device=device)
         inputs = [buffer, *grads] if buffer is not None else list(grads)  # made on the caller's stream
         return self._worker.submit(job, device=device, then=then, inline=inline, inputs=inputs)
 

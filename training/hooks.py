@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .engine import Compression
+from .engine import Runtime
 from .policy import Policy
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -32,7 +32,7 @@ class HookState:
     resumed run.
     """
 
-    def __init__(self, compression: Compression, model: Optional[torch.nn.Module] = None) -> None:
+    def __init__(self, compression: Runtime, model: Optional[torch.nn.Module] = None) -> None:
         self.compression = compression
         if isinstance(model, DistributedDataParallel):
             model = model.module  # name the parameters as the wrapped module does
@@ -110,7 +110,7 @@ def ddp_comm_hook(compressor: Any = "none", *, model: Optional[torch.nn.Module] 
     nodes, each gradient sent by one rank per node. Call it on every rank at the same point:
     it creates the worker's twin of the default group (and the node groups).
     """
-    compression = Compression(Policy(compressor, **options), process_group, local_size)
+    compression = Runtime(Policy(compressor, **options), process_group, local_size)
     state = HookState(compression, model)
     if model is not None:
         module = model.module if isinstance(model, DistributedDataParallel) else model

@@ -25,7 +25,7 @@ from gradcomp.collectives.identity import names_of
 
 from .wrapper import Wrapper, broadcast_params
 from .buckets import BucketLauncher
-from .engine import Compression
+from .engine import Runtime
 from .policy import Policy
 
 
@@ -53,7 +53,7 @@ class CompressedOptimizer(Wrapper):
             raise ValueError(f"bucket_mb={bucket_mb!r} is not allowed; it must be a number > 0")
         self.optimizer = optimizer
         super().__init__()
-        self.compression = Compression(Policy(compressor, **options), process_group, local_size)
+        self.compression = Runtime(Policy(compressor, **options), process_group, local_size)
         self.bucket_mb = float(bucket_mb)
         self._model = model
         self._params: List[torch.Tensor] = []

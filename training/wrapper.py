@@ -53,10 +53,10 @@ def broadcast_params(params: Sequence[torch.Tensor], group=None) -> None:
         return
     src = 0 if group is None else dist.get_global_rank(group, 0)
 
-    def job(eff):
+    def job(twin):
         with torch.no_grad():
             for p in params:
-                dist.broadcast(p.data, src=src, group=eff(group))
+                dist.broadcast(p.data, src=src, group=twin(group))
 
     # after the gradcomp jobs in flight, under the parameters' device (see collectives.worker)
     worker.submit(job, (group,), False, device=worker.device_of(list(params)))

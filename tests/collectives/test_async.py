@@ -63,7 +63,7 @@ def _callback(rank):
     release = threading.Event()
     # hold the worker so that .then() below is attached before the call completes: the
     # callback then runs on the worker thread, on every rank
-    worker.submit(lambda eff: release.wait(30), (None,), True, device=torch.device("cpu"))
+    worker.submit(lambda twin: release.wait(30), (None,), True, device=torch.device("cpu"))
     first = allreduce(torch.full((8,), float(rank)), "fp16", key="first", async_op=True)
 
     def inner(fut):
@@ -133,7 +133,7 @@ def _after_in_flight(log, rank):
     for what, call in calls.items():
         release = threading.Event()
 
-        def held(eff, release=release):
+        def held(twin, release=release):
             # released at once by the caller's first collective (the old code issued it beside
             # this job), else after a while
             release.wait(1.0)
@@ -163,7 +163,7 @@ def _wait_all(rank):
     from gradcomp.collectives import allreduce, worker
 
     timer = threading.Event()
-    held = worker.submit(lambda eff: timer.wait(0.3), (None,), True, device=torch.device("cpu"))
+    held = worker.submit(lambda twin: timer.wait(0.3), (None,), True, device=torch.device("cpu"))
     fut = allreduce(torch.ones(4), "fp16", key="w", async_op=True)
     from gradcomp.training import wait_all
 

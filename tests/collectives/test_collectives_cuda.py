@@ -69,7 +69,7 @@ def _streams(rank, w):
         t.fill_(rank + 1.0)
         out["ready"] = allreduce(t, "none", key="ready", async_op=True).wait().clone()
         # the result is written on the worker's stream after a delay: wait() must order this stream
-        def late(eff):
+        def late(twin):
             x = torch.empty(1 << 14, device=dev).fill_(-1.0)
             torch.cuda._sleep(SLEEP)
             return x.fill_(7.0)

@@ -53,7 +53,7 @@ def _cycles_without_shutdown(rank, w, folder):
         dist.init_process_group("gloo", store=store, rank=rank, world_size=w, timeout=timedelta(seconds=30))
         allreduce(torch.ones(10), "fp16", key="k", async_op=True).wait()  # the collectives' worker and twin
         training = worker.worker_for((None, dist.new_group([0, 1][:w])))  # a training-style worker of two groups
-        training.submit(lambda eff: dist.barrier(group=eff(None)), device=torch.device("cpu")).wait()
+        training.submit(lambda twin: dist.barrier(group=twin(None)), device=torch.device("cpu")).wait()
         del training  # what the program holds it keeps; the library must hold nothing
         dist.destroy_process_group()  # shutdown() forgotten
         deadline = time.monotonic() + 5

@@ -101,10 +101,10 @@ def _errors(me):
 
 def _failure(me):
     """An owner whose compressor refuses its input: every rank of both nodes raises, none hangs."""
-    from gradcomp.training.engine import Compression
+    from gradcomp.training.engine import Runtime
     from gradcomp.training.policy import Policy
 
-    comp = Compression(Policy("int8", min_numel=0, error_feedback="none"), None, 2)
+    comp = Runtime(Policy("int8", min_numel=0, error_feedback="none"), None, 2)
     comp.start()
     grads = [torch.ones(300, dtype=torch.float64), torch.ones(40, 10, dtype=torch.float64)]
     if me == 0:

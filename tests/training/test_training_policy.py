@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from gradcomp.compress import ErrorFeedback, get_compressor
-from gradcomp.training import CompressedOptimizer, Compression, Policy, cast_wrapper
+from gradcomp.training import CompressedOptimizer, Policy, Runtime, cast_wrapper
 
 
 def test_routing_rules():
@@ -62,7 +62,7 @@ def test_policy_errors(kwargs, match):
 
 
 def test_one_process_exchange_keeps_the_error_feedback_invariant():
-    compression = Compression(Policy("topk", ratio=0.1, min_numel=0))
+    compression = Runtime(Policy("topk", ratio=0.1, min_numel=0))
     grads = [torch.randn(32, 8), torch.randn(8)]
     avg = compression.submit(["w", "b"], grads).wait()
     torch.testing.assert_close(avg[1], grads[1], rtol=0, atol=0)  # 1-D: dense, exact
@@ -70,11 +70,11 @@ def test_one_process_exchange_keeps_the_error_feedback_invariant():
     torch.testing.assert_close(avg[0] + res, grads[0])
     assert int((avg[0] != 0).sum()) == 26  # ceil(10% of 256)
     state = compression.state_dict()
-    fresh = Compression(Policy("topk", ratio=0.1, min_numel=0))
+    fresh = Runtime(Policy("topk", ratio=0.1, min_numel=0))
     fresh.load_state_dict(state)
     assert torch.equal(fresh.policy.default.codec.residual("w"), res)
     with pytest.raises(ValueError, match="saved with another configuration; resume with the same compressor, options and policy"):
-        Compression(Policy("topk", layers={"x": {"ratio": 0.5}})).load_state_dict(state)
+        Runtime(Policy("topk", layers={"x": {"ratio": 0.5}})).load_state_dict(state)
     with pytest.raises(ValueError, match="version"):
         fresh.load_state_dict({"iteration": 0})
 

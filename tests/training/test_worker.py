@@ -18,13 +18,13 @@ def _waits_inside_callback(rank, w):
     release = threading.Event()
 
     def mean(value):
-        def job(eff):
+        def job(twin):
             t = torch.full((4,), float(value))
-            dist.all_reduce(t, group=eff(None))
+            dist.all_reduce(t, group=twin(None))
             return t / w
         return job
 
-    worker.submit(lambda eff: release.wait(30), device=cpu)  # .then() is attached before the job runs
+    worker.submit(lambda twin: release.wait(30), device=cpu)  # .then() is attached before the job runs
     first = worker.submit(mean(rank), device=cpu,
                           then=lambda f: worker.submit(mean(f.value()[0] + 1), device=cpu).wait())
     done = threading.Event()
