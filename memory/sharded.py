@@ -347,7 +347,7 @@ class ShardedOptimizer(Wrapper):
                 return reduce_scatter(flat, splits, compressor=comp, key=key, group=group_for(group))
 
         if self._worker is None:
-            return worker.completed(job, eff=lambda g: None)
+            return worker.completed(job, twin=lambda g: None)
         return self._worker.submit(job, device=flat.device, inline=k == len(self._buckets) - 1)
 
     def _drain(self) -> None:
