@@ -45,23 +45,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
     """Base of the optimizers that exchange compressed momentum; see the module docstring."""
 
     #: the name used in messages and in a checkpoint's identity
-    who = "optimizer"
+    display_name = "optimizer"
 
     def __init__(self, params: Any, defaults: Dict[str, Any], *, compressor: Any, compressor_options: Any,
                  process_group: Any, exchanges: Sequence[str]) -> None:
         self._built = False  # torch's __init__ adds the first groups through add_param_group
         super().__init__(params, defaults)
         self.process_group = process_group
-        self._params = common.trained([p for g in self.param_groups for p in g["params"]], self.who)
+        self._params = common.trained([p for g in self.param_groups for p in g["params"]], self.display_name)
         self._group_by_id = {id(p): g for g in self.param_groups for p in g["params"]}
         self._built = True
-        codec = as_codec(compressor, compressor_options, error_feedback="none", wrappers="refuse", what=self.who)
+        codec = as_codec(compressor, compressor_options, error_feedback="none", wrappers="refuse", what=self.display_name)
         self.compressor_name = codec.name
         self._codec_config = repr(codec.config)  # the options too: ranks must code alike
         # one exchange (its own residuals on both sides) per quantity that travels compressed
         self.exchanges: Dict[str, MomentumExchange] = {}
         for name in exchanges:  # one codec: its per-key state is kept apart by the keys
-            self.exchanges[name] = MomentumExchange(codec, process_group, key=f"{self.who}/{name}")
+            self.exchanges[name] = MomentumExchange(codec, process_group, key=f"{self.display_name}/{name}")
         self._ddp = False  # comm_hook() was taken: DDP hands step() the gradients it needs
         self.steps = 0  # completed steps
         #: steps that changed nothing (a gradient not finite or out of the second moment's range)
@@ -71,7 +71,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if common.is_distributed(process_group):
             common.agree_config({"configuration": self._config(), "learning rates": self._learning_rates(),
                                  "parameters": describe_params(common.named(self._params))}, process_group,
-                                self.who)
+                                self.display_name)
             broadcast_params(self._params, process_group)
 
     # ---- what a subclass says ----------------------------------------------------------------
@@ -98,7 +98,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """Every option that must be the same on every rank and in a resumed run."""
         # not the learning rate: schedulers change it, and a resumed run is the same run
         hyper = [{k: v for k, v in g.items() if k not in _SCHEDULED} for g in self.param_groups]
-        return f"{self.who} {self._options()} compressor={self.compressor_name} {self._codec_config} groups={hyper}"
+        return f"{self.display_name} {self._options()} compressor={self.compressor_name} {self._codec_config} groups={hyper}"
 
     def _learning_rates(self) -> str:
         """Every group's learning rate (and a scheduler's ``initial_lr``): the same on every rank
@@ -109,7 +109,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _skip(self, what: str = "on every rank: a gradient on some rank was") -> None:
         """Count and report a step that changed nothing."""
         self.skipped_steps += 1
-        warnings.warn(f"{self.who}: step {self.steps + 1} skipped {what} not finite or too large for Adam's "
+        warnings.warn(f"{self.display_name}: step {self.steps + 1} skipped {what} not finite or too large for Adam's "
                       f"second moment (|g| beyond ~1.8e19 in fp32); nothing changed, training goes on "
                       f"({self.skipped_steps} skipped so far: opt.skipped_steps)", RuntimeWarning, stacklevel=3)
 
@@ -139,7 +139,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         loss = common.run_closure(closure)
-        common.check_dense_grads(self._params, self.who)  # before anything changes
+        common.check_dense_grads(self._params, self.display_name)  # before anything changes
         dense = self.wants_dense()
         grads = self._grads(dense)
         if dense:
@@ -160,7 +160,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         if self._built:
-            raise ValueError(f"{self.who}: parameters cannot be added after construction (the exchanged "
+            raise ValueError(f"{self.display_name}: parameters cannot be added after construction (the exchanged "
                              f"tensor and its residuals are laid out over them); pass every group at once")
         super().add_param_group(param_group)
 
@@ -185,7 +185,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return grads
         for dtype, idx in _by_dtype(grads).items():
             flat = common.dense_mean(torch.cat([grads[i].reshape(-1) for i in idx]), self.process_group,
-                                     key=f"{self.who}/dense/{dtype}")
+                                     key=f"{self.display_name}/dense/{dtype}")
             for i, piece in zip(idx, flat.split([grads[i].numel() for i in idx])):
                 grads[i] = piece.view_as(grads[i])
         return grads
@@ -200,7 +200,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # ---- state -------------------------------------------------------------------------------
     def _identity(self) -> Identity:
-        return common.identity(self.who, self.process_group, self._config(), self._params)
+        return common.identity(self.display_name, self.process_group, self._config(), self._params)
 
     def state_dict(self) -> Dict[str, Any]:
         """torch's optimizer state plus the residuals and counters, with whose they are."""
@@ -217,7 +217,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ours = state_dict.get("gradcomp") if isinstance(state_dict, Mapping) else None
         problem = None if isinstance(ours, Mapping) else "it holds no gradcomp state (saved by another optimizer?)"
         saved = ours.get("identity") if isinstance(ours, Mapping) else None
-        common.check_identity(problem, self._identity(), saved, self.process_group, self.who, self._config())
+        common.check_identity(problem, self._identity(), saved, self.process_group, self.display_name, self._config())
         assert isinstance(ours, Mapping)
         rest = {k: v for k, v in state_dict.items() if k != "gradcomp"}
         super().load_state_dict(rest)

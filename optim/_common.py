@@ -53,24 +53,24 @@ def check_adam_options(lr: Any, betas: Any, eps: Any, weight_decay: Any) -> None
     check_number("weight_decay", weight_decay)
 
 
-def check_dense_grads(params: Sequence[torch.Tensor], who: str) -> None:
+def check_dense_grads(params: Sequence[torch.Tensor], what: str) -> None:
     """``ValueError`` naming the first parameter whose gradient is sparse (``nn.Embedding(sparse=True)``),
     before anything changes: these optimizers keep dense moments and exchange dense tensors."""
     for i, p in enumerate(params):
         g = p.grad
         if g is not None and g.layout != torch.strided:
-            raise ValueError(f"{who}: parameter {i} (shape {tuple(p.shape)}) has a sparse gradient ({g.layout}); "
-                             f"{who} needs dense gradients: build that module with sparse=False (e.g. "
+            raise ValueError(f"{what}: parameter {i} (shape {tuple(p.shape)}) has a sparse gradient ({g.layout}); "
+                             f"{what} needs dense gradients: build that module with sparse=False (e.g. "
                              f"nn.Embedding(..., sparse=False)), or give its parameters to torch.optim.SparseAdam")
 
 
-def trained(params: Sequence[torch.Tensor], who: str) -> List[torch.Tensor]:
+def trained(params: Sequence[torch.Tensor], what: str) -> List[torch.Tensor]:
     """The parameters (every group's, in order), refusing sparse, complex and non-float ones."""
     for p in params:
         if not p.is_floating_point() or p.is_complex():
-            raise ValueError(f"{who}: parameters must be real floating point tensors, got {p.dtype}")
+            raise ValueError(f"{what}: parameters must be real floating point tensors, got {p.dtype}")
         if p.is_sparse:
-            raise ValueError(f"{who}: sparse parameters are not supported")
+            raise ValueError(f"{what}: sparse parameters are not supported")
     return list(params)
 
 
@@ -88,12 +88,12 @@ def dense_mean(flat: torch.Tensor, group, key: str = "dense") -> torch.Tensor:
     return allreduce(flat, "none", key=key, group=group)
 
 
-def agree_config(config: Mapping[str, str], group, who: str) -> None:
+def agree_config(config: Mapping[str, str], group, what: str) -> None:
     """Raise the same ``ValueError`` on every rank unless every rank passed the same
     ``config`` (the training runtime's agreement check)."""
     if not is_distributed(group):
         return
-    agree(config, group, f"when {who} started")
+    agree(config, group, f"when {what} started")
 
 
 def named(params: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
@@ -102,15 +102,15 @@ def named(params: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor]]:
 
 
 # ---- whose a checkpoint is -------------------------------------------------------------------
-def identity(who: str, group, config: str, params: Sequence[torch.Tensor]) -> Identity:
+def identity(what: str, group, config: str, params: Sequence[torch.Tensor]) -> Identity:
     """Rank, world size, configuration and parameters: a checkpoint belongs to one rank of one
-    job (``who``: the optimizer's class name)."""
+    job (``what``: the optimizer's class name)."""
     on = dist.is_available() and dist.is_initialized()
-    return Identity(owner=who, rank=rank_of(group) if on else 0, world=world_of(group) if on else 1,
+    return Identity(owner=what, rank=rank_of(group) if on else 0, world=world_of(group) if on else 1,
                     config=fingerprint(config), params=fingerprint(describe_params(named(params))))
 
 
-def check_identity(problem: Optional[str], mine: Identity, saved: Any, group, who: str, config: str) -> None:
+def check_identity(problem: Optional[str], mine: Identity, saved: Any, group, what: str, config: str) -> None:
     """The same ``ValueError`` on every rank of ``group`` (this process alone without one)
     unless every rank's ``saved`` identity is its ``mine`` and it has no other ``problem``;
     ``config``: this run's configuration, named in the fix."""
@@ -118,7 +118,7 @@ def check_identity(problem: Optional[str], mine: Identity, saved: Any, group, wh
         problem = mine.mismatch(saved, fixes={
             "world": "error-feedback residuals belong to one world size: resume on as many ranks as it was saved on",
             "config": f"resume with the same options (this run's: {config})"})
-    refuse_on_every_rank(problem, group if is_distributed(group) else None, f"{who}.load_state_dict")
+    refuse_on_every_rank(problem, group if is_distributed(group) else None, f"{what}.load_state_dict")
 
 
 def run_closure(closure: Optional[Callable[[], Any]]) -> Any:

@@ -22,7 +22,7 @@ def dense_or_local_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Fu
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)
         return done
-    fut = allreduce(buffer, "none", key=f"{state.who}/ddp/{bucket.index()}", group=state.process_group,
+    fut = allreduce(buffer, "none", key=f"{state.display_name}/ddp/{bucket.index()}", group=state.process_group,
                     async_op=True)
 
     def write(f: torch.futures.Future) -> torch.Tensor:

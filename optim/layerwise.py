@@ -32,9 +32,9 @@ Slices = List[Tuple[int, int, int]]
 class LayerNorms:
     """Norms per layer of ``count`` tensors: each its own layer until :meth:`set_layout`."""
 
-    def __init__(self, count: int, who: str) -> None:
+    def __init__(self, count: int, what: str) -> None:
         self.count = count
-        self.who = who
+        self.what = what
         self.layout: Optional[List[Slices]] = None
         self.num_layers = count
         self.group = None
@@ -44,9 +44,9 @@ class LayerNorms:
         """Take the sharding contract's layout (see the module docstring), checked against the
         shard tensors' sizes ``numels``."""
         if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 1:
-            raise ValueError(f"{self.who}.shard_layout: num_layers={num_layers!r} must be an int >= 1")
+            raise ValueError(f"{self.what}.shard_layout: num_layers={num_layers!r} must be an int >= 1")
         if len(layout) != self.count:
-            raise ValueError(f"{self.who}.shard_layout: layout has {len(layout)} entries, the optimizer holds "
+            raise ValueError(f"{self.what}.shard_layout: layout has {len(layout)} entries, the optimizer holds "
                              f"{self.count} tensors (one entry per tensor, in param_groups order)")
         checked: List[Slices] = []
         for i, (slices, numel) in enumerate(zip(layout, numels)):
@@ -54,7 +54,7 @@ class LayerNorms:
             for entry in slices:
                 layer, start, stop = (int(v) for v in entry)
                 if not (0 <= layer < num_layers and 0 <= start <= stop <= numel):
-                    raise ValueError(f"{self.who}.shard_layout: slice {tuple(entry)} of tensor {i} is out of range "
+                    raise ValueError(f"{self.what}.shard_layout: slice {tuple(entry)} of tensor {i} is out of range "
                                      f"(layers 0..{num_layers - 1}, elements 0..{numel})")
                 row.append((layer, start, stop))
             checked.append(row)

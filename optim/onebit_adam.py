@@ -44,7 +44,7 @@ class OneBitAdam(DistributedOptimizer):
     feedback on both sides. ``process_group``: the data-parallel ranks (default all). Under DDP
     register ``comm_hook()``; see :mod:`gradcomp.optim._base`."""
 
-    who = "OneBitAdam"
+    display_name = "OneBitAdam"
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, freeze_step: int = 100_000, *,

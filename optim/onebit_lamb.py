@@ -37,7 +37,7 @@ _EXACT = ("coeff_freeze", "last_factor")  # fp64 scalars kept exactly across a c
 class OneBitLamb(DistributedOptimizer):
     """1-bit LAMB; see the module docstring. Under DDP register ``comm_hook()``."""
 
-    who = "OneBitLamb"
+    display_name = "OneBitLamb"
     layerwise = False  # see shard_layout
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),

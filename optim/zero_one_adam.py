@@ -39,7 +39,7 @@ from ._base import DistributedOptimizer, flat, unflat_
 class ZeroOneAdam(DistributedOptimizer):
     """0/1 Adam; see the module docstring. Under DDP register ``comm_hook()``."""
 
-    who = "ZeroOneAdam"
+    display_name = "ZeroOneAdam"
 
     def __init__(self, params: Any, lr: float = 1e-3, betas: Tuple[float, float] = (0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, var_freeze_step: int = 100_000,

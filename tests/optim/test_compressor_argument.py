@@ -16,12 +16,12 @@ def _params():
 @pytest.mark.parametrize("opt", [OneBitAdam, ZeroOneAdam])
 def test_wrappers_and_mixed_arguments_are_refused(opt):
     for wrapper in (ErrorFeedback("topk"), EF21("int8")):
-        with pytest.raises(ValueError, match=rf"^{opt.who}: got a {type(wrapper).__name__}, but the caller adds its "
+        with pytest.raises(ValueError, match=rf"^{opt.display_name}: got a {type(wrapper).__name__}, but the caller adds its "
                                              rf"own error feedback; pass the compressor itself"):
             opt(_params(), compressor=wrapper)
-    with pytest.raises(ValueError, match=rf"^{opt.who}: options \['ratio'\] were given with a Compressor instance"):
+    with pytest.raises(ValueError, match=rf"^{opt.display_name}: options \['ratio'\] were given with a Compressor instance"):
         opt(_params(), compressor=get_compressor("topk"), compressor_options={"ratio": 0.1})
-    with pytest.raises(ValueError, match=rf"^{opt.who} must be a registered name or a Compressor, got int"):
+    with pytest.raises(ValueError, match=rf"^{opt.display_name} must be a registered name or a Compressor, got int"):
         opt(_params(), compressor=3)
 
 
