@@ -261,7 +261,11 @@ def load(view: ShardView, sd: Mapping[str, Any]) -> int:
             m.copy_(saved_master)
         for ef, saved_ef in ((view.grad_feedback, sd["grad_feedback"]), (view.weight_feedback, sd["weight_feedback"])):
             if ef is not None:
-                ef.load_state_dict(saved_ef)
+                # whose residuals these are (rank, world size, configuration) is the optimizer's
+                # identity, checked on every rank above; the wrapper's own check would refuse on
+                # this rank only, after the rest had loaded (and older checkpoints hold it in
+                # another form)
+                ef.load_state_dict({k: v for k, v in saved_ef.items() if k != "identity"})
         plan = sd.get("buckets")
         if view.grad_feedback is not None and plan is not None and plan != _bucket_plan(view):
             # saved with another bucket_mb: the residual keys name other buckets; re-key them

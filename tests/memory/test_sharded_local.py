@@ -55,6 +55,26 @@ def test_checkpoints_alone(compensation):
         opt.consolidated_state_dict(to=1)
 
 
+def test_a_shard_whose_error_feedback_identity_is_of_an_older_form_loads_whole():
+    """The optimizer's identity says whose the residuals are; the error feedback's own identity
+    (another form before the Identity value) refused after the inner state had loaded."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 800), nn.Tanh(), nn.Linear(800, 3))
+    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01, compressor="int8",
+                           weight_compressor="bf16", state_bits=8)
+    _steps(model, opt, 2)
+    shard = opt.state_dict()
+    for ef in ("grad_feedback", "weight_feedback"):
+        shard[ef]["identity"] = {"world": 1, "rank": 0, "config": -123456789}  # as gradcomp saved it before
+    opt2 = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=0.01, compressor="int8",
+                            weight_compressor="bf16", state_bits=8)
+    opt2.load_state_dict(shard)
+    again = opt2.state_dict()
+    assert torch.equal(again["master"][0], shard["master"][0]) and again["skipped"] == shard["skipped"]
+    assert again["inner"]["state"][0]["exp_avg"]["codes"].equal(shard["inner"]["state"][0]["exp_avg"]["codes"])
+    assert all(torch.equal(again["grad_feedback"]["state"][k], v) for k, v in shard["grad_feedback"]["state"].items())
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"state_bits": 16}, "state_bits=16 is not allowed; allowed: 32, 8"),
     ({"state_bits": 4}, "state_bits=4 is not allowed \\(4-bit state is not offered"),
