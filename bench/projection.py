@@ -259,10 +259,12 @@ def summary(proj: Dict[str, Any], loopback: bool, records: Optional[List[Dict[st
         top, runner = ranked[slowest_paying][0], ranked[slowest_paying][1:2]
         second = f"; runner-up {runner[0][0]}, {runner[0][1]:.2f}x" if runner else ""
         out.append(f"{lead}at {rate_label(slowest_paying)} use {top[0]}, {top[1]:.2f}x over dense{second}.")
-        if reach:
-            out.append(f"Where compression pays: {reach[0][0]} beats dense {_below(reach[0][1])}"
-                       + (f", {reach[1][0]} {_below(reach[1][1])}" if len(reach) > 1 else "")
-                       + "; on faster links dense allreduce is as fast or faster.")
+        own = dict(reach).get(top[0], 0.0)
+        wider = [t for t in reach if t[1] > own][:2]
+        out.append(f"Where compression pays (the link model's break-even): {top[0]} beats dense {_below(own)}"
+                   + (f"; the widest range: {', '.join(f'{n} ({_below(r)})' for n, r in wider)}" if wider else "")
+                   + ("" if math.isinf(reach[0][1]) else "; on faster links dense allreduce is as fast or faster")
+                   + ".")
     left = sorted({r["compressor"] for r in records if r.get("method") != "dense" and r["compressor"] != "dense"
                    and not trainable(r)})
     if left:

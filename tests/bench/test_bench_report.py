@@ -231,4 +231,5 @@ def test_the_summary_says_below_which_link_rate_compression_pays():
 
     assert ms(topk, rate) == pytest.approx(ms(dense, rate))  # level with dense exactly there
     assert ms(topk, rate / 2) < ms(dense, rate / 2) and ms(topk, rate * 2) > ms(dense, rate * 2)
-    assert "Where compression pays: " in projection.summary(proj, True, records)
+    text = projection.summary(proj, True, records)
+    assert f"topk+ef beats dense on links slower than {projection.rate_label(int(float(f'{rate:.2g}')))}" in text
