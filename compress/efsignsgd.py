@@ -18,4 +18,4 @@ class EFSignSGD(SignCompressor):
     stats = "abs"
 
     def _values(self, x, sums, bits):
-        return [float(sums[0]) / max(x.numel(), 1)]
+        return sums / max(x.numel(), 1)

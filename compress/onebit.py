@@ -8,7 +8,9 @@ make the means, hence the output, non-finite.
 """
 from __future__ import annotations
 
-from gradcomp.kernels.sign import count_set
+import torch
+
+from gradcomp.kernels.sign import count_set_tensor
 
 from .registry import register
 from .sign import SignCompressor
@@ -22,8 +24,7 @@ class OneBit(SignCompressor):
     stats = "split"
 
     def _values(self, x, sums, bits):
-        n_pos = count_set(bits)
-        n_neg = x.numel() - n_pos
-        pos, neg = sums.tolist()
+        counts = count_set_tensor(bits).to(torch.float64)
+        counts = torch.stack([counts, x.numel() - counts])  # elements on each side, on the device
         # an empty side decodes nothing; NaN always lands on the negative side, so never here
-        return [pos / n_pos if n_pos else 0.0, neg / n_neg if n_neg else 0.0]
+        return torch.where(counts > 0, sums / counts, 0.0)

@@ -50,7 +50,7 @@ def positions(numel: int, k: int, seed: int, key: str, step: int, device: torch.
     u = rng.uniform(2 * (k + 1), rng.stream_key(seed, f"randomk/{key}", step), device).double()
     # Two 24-bit draws make one 48-bit uniform, fine enough for strata of up to 2**31 elements.
     w = u[:k + 1] + u[k + 1:] * 2.0**-24
-    shift = min(int(w[0] * numel), numel - 1)
+    shift = torch.clamp((w[0] * numel).long(), max=numel - 1)  # kept on the device: no host read
     j = torch.arange(k + 1, device=device)
     q, r = divmod(numel, k)
     start = j * q + (j * r) // k  # floor(j * numel / k) without overflow

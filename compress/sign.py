@@ -9,14 +9,16 @@ the packing computes and how they become the decode values, and what they are fo
 from __future__ import annotations
 
 import math
-from typing import ClassVar, List, Tuple
+from typing import ClassVar, Tuple
 
 import torch
 
 from gradcomp.kernels.bits import packed_nbytes
-from gradcomp.kernels.sign import sign_pack, sign_unpack
+from gradcomp.kernels.sign import sign_pack, sign_unpack_values
 
 from .base import Capabilities, Compressor, Encoded, tensor_spec
+
+_FP32_BOUNDED = (torch.float32, torch.float16, torch.bfloat16)  # input dtypes whose values fit the fp32 wire
 
 
 class SignCompressor(Compressor):
@@ -32,7 +34,9 @@ class SignCompressor(Compressor):
     stats: ClassVar[str] = "sum"
     capabilities = Capabilities()
 
-    def _values(self, x: torch.Tensor, sums: torch.Tensor, bits: torch.Tensor) -> List[float]:
+    def _values(self, x: torch.Tensor, sums: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+        """The decode values as a float64 tensor of ``n_values`` on ``x``'s device (tensor ops:
+        no host read)."""
         raise NotImplementedError
 
     def _signal(self, flat: torch.Tensor, key: str) -> Tuple[torch.Tensor, bool]:
@@ -42,33 +46,40 @@ class SignCompressor(Compressor):
     def _compress(self, flat, shape, key, step, want_decoded):
         x, nonfinite = self._signal(flat, key)
         bits, sums = sign_pack(x, "none" if nonfinite else self.stats)
-        values = [math.nan] * self.n_values if nonfinite else self._values(x, sums, bits)
-        wire = torch.tensor(values, dtype=torch.float32)
-        if not nonfinite and not bool(torch.isfinite(wire).all()) and bool(torch.isfinite(x).all()):
-            raise ValueError(f"{self.name}: a decode value of this {x.dtype} tensor exceeds the float32 range "
-                             f"of the wire (3.4e38); scale the tensor down")
+        if nonfinite:
+            wire = torch.full((self.n_values,), math.nan, dtype=torch.float32, device=flat.device)
+        else:
+            wire = self._values(x, sums, bits).to(torch.float32)  # on x's device, which is flat's
+            # Every decode value is 1 or a mean of |x| over some elements (the sums are
+            # overflow-safe), so it is at most max|x|: for float32/16-bit input it fits the fp32
+            # wire and no check is needed. Wider input may not; that check stays a host read
+            # (a sync on CUDA) since the error must be raised here.
+            if (x.dtype not in _FP32_BOUNDED and not bool(torch.isfinite(wire).all())
+                    and bool(torch.isfinite(x).all())):
+                raise ValueError(f"{self.name}: a decode value of this {x.dtype} tensor exceeds the float32 range "
+                                 f"of the wire (3.4e38); scale the tensor down")
         decoded = self._unpack(bits, wire, flat.numel(), flat.dtype) if want_decoded else None
-        return Encoded([bits, wire.to(flat.device)], {}, decoded)
+        return Encoded([bits, wire], {}, decoded)
 
     def _compress_residual(self, flat, key, step):
         tensors, meta, _ = self._compress(flat, tuple(flat.shape), key, step, False)
         bits, values = tensors
-        pos, neg = self._pair(values, flat.dtype)
+        pair = self._pair(values, flat.dtype)
         # flat - decoded, as flat + (-decoded): negation is exact, so these are the same bits
-        sign_unpack(bits, flat.numel(), -pos, -neg, out=flat, accumulate=True)
+        sign_unpack_values(bits, flat.numel(), -pair, out=flat, accumulate=True)
         return Encoded(tensors, meta)
 
     @classmethod
-    def _pair(cls, values: torch.Tensor, dtype: torch.dtype) -> Tuple[float, float]:
-        """The decode values ``(bit set, bit clear)`` rounded to ``dtype``, as Python floats."""
-        vals = values.to(dtype).tolist()
-        return (vals[0], -vals[0]) if cls.n_values == 1 else (vals[0], vals[1])
+    def _pair(cls, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The decode values ``[bit set, bit clear]`` rounded to ``dtype``, as a float64 tensor
+        on the values' device (kept there: no host read)."""
+        vals = values.to(dtype).to(torch.float64)
+        return torch.cat([vals, -vals]) if cls.n_values == 1 else vals
 
     @classmethod
     def _unpack(cls, bits: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The decoding of packed ``bits`` with decode ``values``, in ``dtype``."""
-        pos, neg = cls._pair(values, dtype)
-        return sign_unpack(bits, numel, pos, neg, dtype=dtype)
+        return sign_unpack_values(bits, numel, cls._pair(values, dtype), dtype=dtype)
 
     def _decompress(self, payload):
         bits, values = payload.tensors
@@ -76,8 +87,8 @@ class SignCompressor(Compressor):
 
     def _decompress_into(self, payload, out, alpha, accumulate):
         bits, values = payload.tensors
-        pos, neg = self._pair(values, payload.dtype)  # rounded as decompress rounds them
-        sign_unpack(bits, payload.numel, pos * alpha, neg * alpha, out=out, accumulate=accumulate)
+        pair = self._pair(values, payload.dtype)  # rounded as decompress rounds them
+        sign_unpack_values(bits, payload.numel, pair * alpha, out=out, accumulate=accumulate)
 
     def _wire_bytes(self, numel):
         return packed_nbytes(numel, 1) + 4.0 * self.n_values
@@ -85,6 +96,15 @@ class SignCompressor(Compressor):
     @classmethod
     def _check_tensors(cls, payload):
         tensor_spec(payload, [(torch.uint8, packed_nbytes(payload.numel, 1)), (torch.float32, cls.n_values)], cls.name)
+
+
+def finite_flag(total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """A 0-d bool tensor: whether ``x`` is finite, given ``total`` (a 0-d float64 tensor) ==
+    ``sum(x)`` as ``sign_pack`` sums it (overflow-safe). Below float64 a sum of finite values
+    is finite, so the sum settles it on the device; a float64 sum may overflow, so finite
+    values are checked too (a pass, still no host read)."""
+    finite = torch.isfinite(total)
+    return finite if x.dtype in _FP32_BOUNDED else finite | torch.isfinite(x).all()
 
 
 def nonfinite_sum(total: float, x: torch.Tensor) -> bool:

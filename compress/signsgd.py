@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from .registry import register
-from .sign import SignCompressor, nonfinite_sum
+from .sign import SignCompressor, finite_flag
 
 
 @register("signsgd")
@@ -21,4 +23,4 @@ class SignSGD(SignCompressor):
     """Sign of each element, decoded as +1 / -1: 1 bit per element plus one fp32 word."""
 
     def _values(self, x, sums, bits):
-        return [math.nan if nonfinite_sum(float(sums[0]), x) else 1.0]
+        return torch.where(finite_flag(sums[0], x), 1.0, math.nan).to(torch.float64).reshape(1)

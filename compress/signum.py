@@ -46,7 +46,7 @@ class Signum(SignCompressor):
         return buf, False
 
     def _values(self, x, sums, bits):
-        return [1.0]
+        return torch.ones(1, dtype=torch.float64, device=x.device)
 
     def _buffer(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         wd = work_dtype(flat.dtype)

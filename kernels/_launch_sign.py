@@ -54,9 +54,14 @@ def launch_sign_unpack(bits: torch.Tensor, numel: int, pos_value: float, neg_val
 
 def launch_count_set(bits: torch.Tensor) -> int:
     """Number of set bits of a uint8 tensor (reads the count back: one stream-ordered copy)."""
+    return int(launch_count_set_tensor(bits))
+
+
+def launch_count_set_tensor(bits: torch.Tensor) -> torch.Tensor:
+    """Number of set bits of a uint8 tensor, as a 0-d int64 tensor on its device (no read back)."""
     total = torch.zeros(1, dtype=torch.int64, device=bits.device)
     if bits.numel():
         with _cupy.launcher(bits.device) as k:
             k("sign", "count_set_bits", grid(k, bits.numel(), BLOCK), BLOCK, bits.contiguous(),
               np.int64(bits.numel()), total)
-    return int(total[0])
+    return total[0]

@@ -170,7 +170,7 @@ def _round_up(tau: float, dtype: torch.dtype, device: torch.device) -> torch.Ten
     t = torch.tensor(tau, dtype=torch.float64).to(dtype)
     if float(t) < tau:
         t = torch.nextafter(t, torch.tensor(math.inf, dtype=dtype))
-    return t.to(device)
+    return t if t.device == device else t.to(device)
 
 
 def _work(dtype: torch.dtype) -> torch.dtype:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from ._launch import FLOAT_SUFFIX, kernels_apply
-from ._launch_sign import launch_count_set, launch_sign_pack, launch_sign_unpack
+from ._launch_sign import launch_count_set, launch_count_set_tensor, launch_sign_pack, launch_sign_unpack
 from .bits import pack_bits, packed_nbytes, unpack_bits
 from .memory import empty
 
@@ -82,6 +82,34 @@ def sign_unpack(bits: torch.Tensor, numel: int, pos_value: float, neg_value: flo
     return sign_unpack_reference(bits, numel, pos_value, neg_value, out=out, accumulate=accumulate)
 
 
+def sign_unpack_values(bits: torch.Tensor, numel: int, values: torch.Tensor, *,
+                       out: Optional[torch.Tensor] = None, accumulate: bool = False,
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`sign_unpack` with the decode values ``[pos_value, neg_value]`` in a 2-element
+    float tensor on ``bits``' device: the same bits, and no host read of the values on a GPU."""
+    if values.dim() != 1 or values.numel() != 2 or not values.is_floating_point():
+        raise ValueError(f"sign_unpack_values: values must be a 1-D float tensor [pos, neg], "
+                         f"got {values.dtype} {tuple(values.shape)}")
+    if bits.device.type == "cpu" and values.device.type == "cpu" and (out is None or out.device.type == "cpu"):
+        return _unpack_cpu_values(bits, numel, values, out, accumulate, dtype)
+    if bits.dtype != torch.uint8 or bits.dim() != 1 or bits.numel() != packed_nbytes(numel, 1):
+        raise ValueError(f"{numel} sign bits need a 1-D uint8 tensor of {packed_nbytes(numel, 1)} bytes, "
+                         f"got {bits.dtype} {tuple(bits.shape)}")
+    if out is None:
+        if accumulate:
+            raise ValueError("sign_unpack: accumulate=True needs an out tensor to add into")
+        out = empty(numel, dtype, bits.device)
+    elif out.dim() != 1 or not out.is_contiguous() or out.numel() != numel or not out.is_floating_point():
+        raise ValueError(f"sign_unpack: out must be a 1-D contiguous float tensor of {numel} elements, "
+                         f"got {out.dtype} {tuple(out.shape)}")
+    # the reference's ops with the values left on the device (the fused kernel takes them as
+    # host scalars, which would cost a sync per call)
+    mask = unpack_bits(bits, numel).to(out.device)
+    rounded = values.to(torch.float64).to(out.dtype).to(out.device)
+    decoded = torch.where(mask, rounded[0], rounded[1])
+    return out.add_(decoded) if accumulate else out.copy_(decoded)
+
+
 def count_set(bits: torch.Tensor) -> int:
     """Number of set bits in a uint8 tensor (pad bits of :func:`sign_pack` are zero)."""
     if bits.device.type == "cpu":
@@ -89,6 +117,15 @@ def count_set(bits: torch.Tensor) -> int:
     if kernels_apply(bits):
         return launch_count_set(bits)
     return int(unpack_bits(bits, bits.numel() * 8).sum())
+
+
+def count_set_tensor(bits: torch.Tensor) -> torch.Tensor:
+    """:func:`count_set` as a 0-d int64 tensor on ``bits``' device (no host read on a GPU)."""
+    if bits.device.type == "cpu":
+        return _count_set_cpu(bits)
+    if kernels_apply(bits):
+        return launch_count_set_tensor(bits)
+    return unpack_bits(bits, bits.numel() * 8).sum()
 
 
 # ---- torch reference ---------------------------------------------------------------------
@@ -117,6 +154,17 @@ def sign_unpack_reference(bits: torch.Tensor, numel: int, pos_value: float, neg_
 
 
 # ---- CPU: chunked numpy --------------------------------------------------------------------
+# (these run on host tensors only; tests/syncs.py lists them as CPU-only sites)
+def _count_set_cpu(bits: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(int(np.bitwise_count(bits.numpy()).sum(dtype=np.int64)), dtype=torch.int64)
+
+
+def _unpack_cpu_values(bits: torch.Tensor, numel: int, values: torch.Tensor, out: Optional[torch.Tensor],
+                       accumulate: bool, dtype: torch.dtype) -> torch.Tensor:
+    pos, neg = values.to(torch.float64).tolist()  # host memory: no device to wait for
+    return sign_unpack(bits, numel, pos, neg, out=out, accumulate=accumulate, dtype=dtype)
+
+
 def _pack_cpu(x: torch.Tensor, stats: str) -> Tuple[torch.Tensor, torch.Tensor]:
     n = x.numel()
     bits = np.empty(packed_nbytes(n, 1), dtype=np.uint8)

@@ -25,9 +25,10 @@ def check_indices(indices: torch.Tensor, numel: int) -> None:
         raise ValueError(f"indices must be a 1-D int32 or int64 tensor, got {indices.dtype} "
                          f"of shape {tuple(indices.shape)}")
     if indices.numel():
-        lo, hi = torch.aminmax(indices)
-        if int(lo) < 0 or int(hi) >= numel:
-            raise ValueError(f"indices must lie in [0, {numel}), got values from {int(lo)} to {int(hi)}")
+        # one host read for both bounds (a sync on CUDA: the error must be raised here, before the write)
+        lo, hi = torch.stack(torch.aminmax(indices)).tolist()
+        if lo < 0 or hi >= numel:
+            raise ValueError(f"indices must lie in [0, {numel}), got values from {lo} to {hi}")
 
 
 def scatter_add_checked(out_flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -46,7 +47,9 @@ def scatter_add_checked(out_flat: torch.Tensor, indices: torch.Tensor, values: t
             and indices.dtype in INDEX_SUFFIX and indices.dim() == 1):
         return launch_scatter_add_checked(out_flat, indices, values)
     check_indices(indices, out_flat.numel())
-    return out_flat.index_add_(0, indices.to(out_flat.device), values.to(out_flat.dtype))
+    if indices.device != out_flat.device:
+        indices = indices.to(out_flat.device)
+    return out_flat.index_add_(0, indices, values.to(out_flat.dtype))
 
 
 def densify(indices: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:

@@ -12,6 +12,10 @@ tells what the GPU path will pay (issue 24's budget: at most one per training it
 
 ``s.count`` is the total, ``s.sites`` a Counter of ``"op file:line"``; ``s.mark()`` returns
 the count so far, to take the difference over one iteration.
+
+``CPU_ONLY`` lists the only exceptions: sites in branches that run for CPU tensors alone (the
+numpy fast paths), whose CUDA branch reads nothing back; each names why. Their calls are kept
+apart in ``s.cpu_only``, not counted, and shown by ``report``.
 """
 from __future__ import annotations
 
@@ -30,6 +34,28 @@ _OURS = tuple(str(ROOT / p) + "/" for p in _PACKAGES) + tuple(str(ROOT / "gradco
 _METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",
             "unique", "masked_select")
 _FUNCTIONS = ("nonzero", "unique", "masked_select")
+
+
+# (file, function, op or "*") -> why the site runs only on host memory and its CUDA branch has no sync
+CPU_ONLY: Dict[Tuple[str, str, str], str] = {
+    ("kernels/sign.py", "_pack_cpu", "*"): "sign_pack's branch for a CPU x; on CUDA launch_sign_pack reads nothing back",
+    ("kernels/sign.py", "_sum", "*"): "called by _pack_cpu only",
+    ("kernels/sign.py", "_unpack_cpu", "*"): "sign_unpack's branch for CPU bits and out; the CUDA kernel reads nothing back",
+    ("kernels/sign.py", "_patterns", "*"): "called by _unpack_cpu only, on a tensor it builds from Python floats",
+    ("kernels/sign.py", "_unpack_cpu_values", "*"): "sign_unpack_values's branch for CPU tensors; elsewhere the values "
+                                                     "stay on the device",
+    ("kernels/sign.py", "_count_set_cpu", "*"): "count_set_tensor's branch for CPU bits; the CUDA kernel writes a "
+                                                "device tensor",
+    ("kernels/bits.py", "pack_bits", "numpy"): "numpy branch for CPU tensors; other devices use torch ops",
+    ("kernels/bits.py", "unpack_bits", "numpy"): "numpy branch for CPU tensors; other devices use torch ops",
+    ("kernels/bits.py", "pack_codes", "numpy"): "numpy branch for CPU tensors; other devices use torch ops",
+    ("kernels/bits.py", "unpack_codes", "numpy"): "numpy branch for CPU tensors; other devices use torch ops",
+    ("kernels/quant.py", "natural_decode", "numpy"): "np.take branch for CPU codes; CUDA runs a kernel",
+    ("kernels/select.py", "_at_least", "item"): "the integer compare branch, taken for CPU x only",
+    ("kernels/select.py", "_at_least", "__float__"): "the integer compare branch, taken for CPU x only",
+    ("kernels/select.py", "_at_least", "numpy"): "the integer compare branch, taken for CPU x only",
+    ("kernels/select.py", "_round_up", "__float__"): "reads a tensor it built on the host from a Python float",
+}
 
 
 def _is_bool_mask(index: Any) -> bool:
@@ -52,6 +78,7 @@ class HostSyncs:
 
     def __init__(self) -> None:
         self.sites: Counter[str] = collections.Counter()
+        self.cpu_only: Counter[str] = collections.Counter()  # calls at CPU_ONLY sites, not counted
         self._lock = threading.Lock()
         self._saved: List[Tuple[Any, str, Any]] = []
 
@@ -66,9 +93,11 @@ class HostSyncs:
         frame = sys._getframe(2)
         path = frame.f_code.co_filename
         if path.startswith(_OURS):
-            rel = Path(path).resolve().relative_to(ROOT)
+            rel = Path(path).resolve().relative_to(ROOT).as_posix()
+            func = frame.f_code.co_name
+            cpu_only = (rel, func, "*") in CPU_ONLY or (rel, func, op) in CPU_ONLY
             with self._lock:
-                self.sites[f"{op} {rel}:{frame.f_lineno}"] += 1
+                (self.cpu_only if cpu_only else self.sites)[f"{op} {rel}:{frame.f_lineno}"] += 1
 
     def _wrap(self, op: str, fn: Callable, when: Callable[..., bool] = lambda *a, **k: True) -> Callable:
         record = self._record
@@ -101,4 +130,8 @@ class HostSyncs:
         self._saved.clear()
 
     def report(self, top: int = 12) -> str:
-        return "\n".join(f"{n:5d}  {site}" for site, n in self.sites.most_common(top))
+        lines = [f"{n:5d}  {site}" for site, n in self.sites.most_common(top)]
+        if self.cpu_only:
+            lines.append(f"not counted, CPU-only branches (tests/syncs.py CPU_ONLY): {sum(self.cpu_only.values())} "
+                         f"calls at {len(self.cpu_only)} sites")
+        return "\n".join(lines)
