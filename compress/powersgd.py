@@ -239,8 +239,7 @@ def _product(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, out: Optional
 
 def _absmax(t: torch.Tensor) -> float:
     """``max |t|`` in one pass (NaN when ``t`` holds NaN)."""
-    lo_t, hi_t = torch.aminmax(t)
-    lo, hi = float(lo_t), float(hi_t)
+    lo, hi = torch.stack(torch.aminmax(t)).tolist()  # both bounds in one host read
     return math.nan if math.isnan(lo) or math.isnan(hi) else max(hi, -lo)
 
 
