@@ -38,9 +38,11 @@ _FUNCTIONS = ("nonzero", "unique", "masked_select")
 
 # (file, function, op or "*") -> why the site runs only on host memory and its CUDA branch has no sync
 CPU_ONLY: Dict[Tuple[str, str, str], str] = {
-    ("kernels/sign.py", "_pack_cpu", "*"): "sign_pack's branch for a CPU x; on CUDA launch_sign_pack reads nothing back",
+    ("kernels/sign.py", "_pack_cpu", "*"): "sign_pack's branch for a CPU x; on CUDA launch_sign_pack reads "
+                                           "nothing back",
     ("kernels/sign.py", "_sum", "*"): "called by _pack_cpu only",
-    ("kernels/sign.py", "_unpack_cpu", "*"): "sign_unpack's branch for CPU bits and out; the CUDA kernel reads nothing back",
+    ("kernels/sign.py", "_unpack_cpu", "*"): "sign_unpack's branch for CPU bits and out; the CUDA kernel reads "
+                                             "nothing back",
     ("kernels/sign.py", "_patterns", "*"): "called by _unpack_cpu only, on a tensor it builds from Python floats",
     ("kernels/sign.py", "_unpack_cpu_values", "*"): "sign_unpack_values's branch for CPU tensors; elsewhere the values "
                                                      "stay on the device",
