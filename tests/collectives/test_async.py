@@ -108,7 +108,7 @@ def _every_layer(rank, w):
     m(x).sum().backward()
     opt.step()
     for make in [lambda m: ddp_comm_hook("fp16", model=m),
-                 lambda m: (types.SimpleNamespace(wants_dense=lambda: True, who="t", process_group=None),
+                 lambda m: (types.SimpleNamespace(wants_dense=lambda: True, display_name="t", process_group=None),
                             dense_or_local_hook)]:
         m = model()
         ddp = DDP(m, bucket_cap_mb=1e-4)
