@@ -188,9 +188,9 @@ def tiny_safe_div(top: torch.Tensor, divisor: float) -> torch.Tensor:
     if q.dtype != torch.float32:
         return q
     tiny = (q < SMALLEST_NORMAL32) & (top > 0)
-    if bool(tiny.any()):
-        q = torch.where(tiny, fp32_ceil(top.double() / divisor), q)
-    return q
+    # applied to every block rather than only when one is tiny: a pass over the per-block
+    # values costs less than the host read that would decide it (a sync on CUDA)
+    return torch.where(tiny, fp32_ceil(top.double() / divisor), q)
 
 
 def unit_multipliers(x: torch.Tensor, step: torch.Tensor, block_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
