@@ -342,6 +342,11 @@ class Compressor(_ReadsCapabilities, ABC):
             raise ValueError(f"{self.name}: state_dict config {state.get('config')} differs from {config}")
         self._steps = dict(state["steps"])
 
+    def step_count(self, key: str) -> Optional[int]:
+        """``key``'s step counter: its calls that advanced it (None: never compressed). Ranks
+        whose counters agree draw the same randomness at the next call."""
+        return self._steps.get(key)
+
     @classmethod
     def check_contract(cls) -> None:
         """What ``@register`` checks of this class before admitting it (:func:`check_contract`)."""

@@ -150,7 +150,7 @@ class Runtime:
         if self.world == 1:
             return
         # hierarchical: a gradient's codec state lives on its owner only, so counters differ
-        steps = [] if self.local_size else [(n, c.base._steps.get(n)) for n, _, c in items if c is not None]
+        steps = [] if self.local_size else [(n, c.base.step_count(n)) for n, _, c in items if c is not None]
         agree({"bucket": describe_params([(n, g) for n, g, _ in items]),
                "routes (compressed or dense) at this iteration": repr([c is not None for _, _, c in items]),
                "iteration": repr(self.iteration), "step counters": repr(steps)},
