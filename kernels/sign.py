@@ -65,6 +65,17 @@ def sign_unpack(bits: torch.Tensor, numel: int, pos_value: float, neg_value: flo
     With ``out`` (1-D, contiguous, ``numel`` elements) the result is written there, or added
     to it when ``accumulate`` is true; otherwise a new tensor of ``dtype`` is returned.
     """
+    out = _unpack_out(bits, numel, out, accumulate, dtype)
+    if bits.device.type == "cpu" and out.device.type == "cpu":
+        return _unpack_cpu(bits, numel, float(pos_value), float(neg_value), out, accumulate)
+    if kernels_apply(bits, out) and out.dtype in FLOAT_SUFFIX:
+        return launch_sign_unpack(bits, numel, pos_value, neg_value, out, accumulate)
+    return sign_unpack_reference(bits, numel, pos_value, neg_value, out=out, accumulate=accumulate)
+
+
+def _unpack_out(bits: torch.Tensor, numel: int, out: Optional[torch.Tensor], accumulate: bool,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The checked output of an unpack of ``numel`` sign bits: ``out``, or a new tensor."""
     if bits.dtype != torch.uint8 or bits.dim() != 1 or bits.numel() != packed_nbytes(numel, 1):
         raise ValueError(f"{numel} sign bits need a 1-D uint8 tensor of {packed_nbytes(numel, 1)} bytes, "
                          f"got {bits.dtype} {tuple(bits.shape)}")
@@ -75,11 +86,7 @@ def sign_unpack(bits: torch.Tensor, numel: int, pos_value: float, neg_value: flo
     elif out.dim() != 1 or not out.is_contiguous() or out.numel() != numel or not out.is_floating_point():
         raise ValueError(f"sign_unpack: out must be a 1-D contiguous float tensor of {numel} elements, "
                          f"got {out.dtype} {tuple(out.shape)}")
-    if bits.device.type == "cpu" and out.device.type == "cpu":
-        return _unpack_cpu(bits, numel, float(pos_value), float(neg_value), out, accumulate)
-    if kernels_apply(bits, out) and out.dtype in FLOAT_SUFFIX:
-        return launch_sign_unpack(bits, numel, pos_value, neg_value, out, accumulate)
-    return sign_unpack_reference(bits, numel, pos_value, neg_value, out=out, accumulate=accumulate)
+    return out
 
 
 def sign_unpack_values(bits: torch.Tensor, numel: int, values: torch.Tensor, *,
@@ -92,16 +99,7 @@ def sign_unpack_values(bits: torch.Tensor, numel: int, values: torch.Tensor, *,
                          f"got {values.dtype} {tuple(values.shape)}")
     if bits.device.type == "cpu" and values.device.type == "cpu" and (out is None or out.device.type == "cpu"):
         return _unpack_cpu_values(bits, numel, values, out, accumulate, dtype)
-    if bits.dtype != torch.uint8 or bits.dim() != 1 or bits.numel() != packed_nbytes(numel, 1):
-        raise ValueError(f"{numel} sign bits need a 1-D uint8 tensor of {packed_nbytes(numel, 1)} bytes, "
-                         f"got {bits.dtype} {tuple(bits.shape)}")
-    if out is None:
-        if accumulate:
-            raise ValueError("sign_unpack: accumulate=True needs an out tensor to add into")
-        out = empty(numel, dtype, bits.device)
-    elif out.dim() != 1 or not out.is_contiguous() or out.numel() != numel or not out.is_floating_point():
-        raise ValueError(f"sign_unpack: out must be a 1-D contiguous float tensor of {numel} elements, "
-                         f"got {out.dtype} {tuple(out.shape)}")
+    out = _unpack_out(bits, numel, out, accumulate, dtype)
     # the reference's ops with the values left on the device (the fused kernel takes them as
     # host scalars, which would cost a sync per call)
     mask = unpack_bits(bits, numel).to(out.device)
