@@ -85,7 +85,7 @@ def check_pipeline(device: torch.device, rank: int) -> str:
     from gradcomp.pipeline import Pipeline
 
     model = _mlp(device)
-    pipe = Pipeline(model, balance=[3, 2], schedule="1f1b", chunks=4, activation_codec="int8", grad_codec="fp16",
+    pipe = Pipeline(model, balance=[3, 2], schedule="1f1b", microbatches=4, activation_codec="int8", grad_codec="fp16",
                     optimizer=lambda params: torch.optim.SGD(params, lr=0.05))
     try:
         x, y = _batch(device, 0, 0)  # every rank passes the same batch
