@@ -326,6 +326,20 @@ def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[...,
     return (_lm_records if lm else _records)(specs, everyone, cfg, world)
 
 
+def _run_fields(spec, runs, world: int, dense_bytes: int) -> Dict[str, Any]:
+    """What every method's record holds, from its runs on each rank: step time (median over the
+    steps after the first few, slowest rank per step), bytes, the mean loss curve, agreement."""
+    steps = len(runs[0]["times_ms"])
+    skip = min(5, steps - 1)  # the first steps build DDP's buckets and the hooks' state
+    sums = [r["checksum"] for r in runs]
+    return {"method": spec["label"], "source": spec["source"], "error_feedback": spec["ef"], "world_size": world,
+            "steps": steps,
+            "step_ms": statistics.median(max(r["times_ms"][i] for r in runs) for i in range(skip, steps)),
+            "bytes_per_step": max(r["bytes_per_step"] for r in runs), "dense_bytes_per_step": dense_bytes,
+            "loss_curve": [sum(r["losses"][i] for r in runs) / world for i in range(steps)],
+            "ranks_agree": max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0]))}
+
+
 def _lm_records(specs, everyone, cfg, world) -> List[Dict[str, Any]]:
     from . import text
 
@@ -335,22 +349,12 @@ def _lm_records(specs, everyone, cfg, world) -> List[Dict[str, Any]]:
     records = []
     for m, spec in enumerate(specs):
         runs = [r[m] for r in everyone]
-        steps = len(runs[0]["times_ms"])
-        skip = min(5, steps - 1)  # the first steps build DDP's buckets and the hooks' state
-        step_ms = statistics.median(max(r["times_ms"][i] for r in runs) for i in range(skip, steps))
-        loss_curve = [sum(r["losses"][i] for r in runs) / world for i in range(steps)]
+        rec = _run_fields(spec, runs, world, dense_bytes)
         val_curve = [(s, sum(r["val_curve"][i][1] for r in runs) / world)
                      for i, (s, _) in enumerate(runs[0]["val_curve"])]
-        tail = loss_curve[-max(1, steps // 10):]
-        sums = [r["checksum"] for r in runs]
-        records.append({
-            "method": spec["label"], "source": spec["source"], "error_feedback": spec["ef"], "model": "transformer",
-            "world_size": world, "steps": steps, "step_ms": step_ms,
-            "bytes_per_step": max(r["bytes_per_step"] for r in runs), "dense_bytes_per_step": dense_bytes,
-            "val_loss": val_curve[-1][1], "val_curve": val_curve, "unigram_loss": unigram,
-            "final_loss": sum(tail) / len(tail), "loss_curve": loss_curve,
-            "ranks_agree": max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0])),
-        })
+        tail = rec["loss_curve"][-max(1, rec["steps"] // 10):]
+        records.append({**rec, "model": "transformer", "val_loss": val_curve[-1][1], "val_curve": val_curve,
+                        "unigram_loss": unigram, "final_loss": sum(tail) / len(tail)})
     ref = next((r for r in records if r["method"] == REFERENCE), None)
     for r in records:
         r["val_vs_dense"] = None if ref is None else r["val_loss"] - ref["val_loss"]
@@ -363,19 +367,10 @@ def _records(specs, everyone, cfg, world) -> List[Dict[str, Any]]:
     records = []
     for m, spec in enumerate(specs):
         runs = [r[m] for r in everyone]
-        steps = len(runs[0]["times_ms"])
-        skip = min(5, steps - 1)  # the first steps build DDP's buckets and the hooks' state
-        step_ms = statistics.median(max(r["times_ms"][i] for r in runs) for i in range(skip, steps))
-        loss_curve = [sum(r["losses"][i] for r in runs) / world for i in range(steps)]
-        sums = [r["checksum"] for r in runs]
-        records.append({
-            "method": spec["label"], "source": spec["source"], "error_feedback": spec["ef"],
-            "world_size": world, "epochs": cfg["epochs"], "steps": steps,
-            "test_accuracy": runs[0]["accuracy"][-1], "accuracy_curve": runs[0]["accuracy"],
-            "step_ms": step_ms, "bytes_per_step": max(r["bytes_per_step"] for r in runs),
-            "dense_bytes_per_step": dense_bytes, "final_loss": sum(loss_curve[-10:]) / len(loss_curve[-10:]),
-            "loss_curve": loss_curve, "ranks_agree": max(sums) - min(sums) <= 1e-6 * max(1.0, abs(sums[0])),
-        })
+        rec = _run_fields(spec, runs, world, dense_bytes)
+        tail = rec["loss_curve"][-10:]
+        records.append({**rec, "epochs": cfg["epochs"], "test_accuracy": runs[0]["accuracy"][-1],
+                        "accuracy_curve": runs[0]["accuracy"], "final_loss": sum(tail) / len(tail)})
     ref = next((r for r in records if r["method"] == REFERENCE), None)
     for r in records:
         r["accuracy_vs_dense_pp"] = None if ref is None else 100 * (r["test_accuracy"] - ref["test_accuracy"])
