@@ -18,3 +18,5 @@ from .reshard import reshard_states
 
 __all__ = ["agree", "ddp_comm_hook", "CompressedOptimizer", "HookState", "cast_wrapper", "compressed_hook",
            "Runtime", "Policy", "Rule", "reshard_states", "shutdown", "wait_all"]
+from .fsdp import FSDPCompression, compress_fsdp  # noqa: E402  (FSDP2; needs torch >= 2.9 only when called)
+__all__ += ["compress_fsdp", "FSDPCompression"]
