@@ -18,7 +18,7 @@ from . import env as envmod
 DEFAULT_NUMEL = 1 << 22  # 16 MB of fp32: the default run stays well under 3 minutes on 2 cores
 ALGORITHMS = ("auto", *_collectives.ALGORITHMS)
 # python -m gradcomp.bench <subcommand>: the module of bench/ that runs it (each has main(argv) -> int)
-SUBCOMMANDS = {"train": "train", "memory": "memory", "sharded": "sharded", "optim": "optim", "pipeline": "pipeline"}
+SUBCOMMANDS = {"train": "train", "memory": "memory", "sharded": "sharded", "optim": "optim", "pipeline": "pipeline", "fsdp": "fsdp"}
 # one line each for ``python -m gradcomp.bench --help``
 SUBCOMMAND_HELP = {
     "train": "train a model on several ranks with each compressor beside "
@@ -28,6 +28,7 @@ SUBCOMMAND_HELP = {
     "sharded": "ShardedOptimizer (int8 gradients/weights, 8-bit state) against DDP and ZeroRedundancyOptimizer",
     "optim": "1-bit Adam, 0/1 Adam, LAMB and 1-bit LAMB against dense Adam + DDP",
     "pipeline": "pipeline-parallel training with compressed stage boundaries against PyTorch's pipelining",
+    "fsdp": "FSDP2 (fully_shard) with gradcomp's compressed reduce-scatter and all-gather against FSDP's fp32/bf16",
 }
 
 

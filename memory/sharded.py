@@ -64,6 +64,9 @@ def _feedback(compressor: Any, options: Mapping[str, Any], what: str) -> Optiona
     """``None`` for dense, else the compressor with (residual) error feedback."""
     if compressor is None or (isinstance(compressor, str) and compressor == "none"):
         return None
+    if isinstance(compressor, str) and compressor == "auto":
+        raise ValueError(f"ShardedOptimizer: {what}='auto' is not offered here yet (auto chooses per bucket for "
+                         f"ddp_comm_hook and CompressedOptimizer); name a compressor, e.g. {what}='int8'")
     return as_codec(compressor, options, error_feedback="ef", what=what)
 
 

@@ -26,6 +26,17 @@ OWNER = "gradcomp.training"
 WHAT = "load_state_dict of the compression state"
 
 
+def make_runtime(compressor: Any, options: Mapping[str, Any], group=None,
+                 local_size: Optional[int] = None) -> "Runtime":
+    """The runtime for a ``compressor`` argument: :class:`~gradcomp.training.auto.AutoRuntime`
+    for ``"auto"`` (its keywords in ``options``), else a :class:`Runtime` of ``Policy``."""
+    if isinstance(compressor, str) and compressor == "auto":
+        from .auto import AutoRuntime  # it builds on this module
+
+        return AutoRuntime(group, local_size, **options)
+    return Runtime(Policy(compressor, **options), group, local_size)
+
+
 class Runtime:
     """Averages named gradients over ``group`` as ``policy`` says; see the module docstring."""
 
@@ -164,7 +175,7 @@ class Runtime:
         last bucket; once it is done the iteration ends (:meth:`end_iteration`).
         ``buffer``: see :func:`gradcomp.collectives.bucket.exchange_bucket`; ``inline``: see
         :meth:`gradcomp.collectives.worker.Worker.submit`."""
-        items = [(n, g, self.policy.route(n, g, self.iteration)) for n, g in zip(names, grads)]
+        items = self.route(names, grads)
         world, label = self.world, self.label
         if world > 1:
             self.start()
@@ -184,7 +195,7 @@ class Runtime:
                                          world // local_size)
                         out = exchange_bucket_by_owners(items, hier, owners, label=label)
                     else:
-                        out = exchange_bucket(items, group, world, buffer=buffer, label=label)
+                        out = self.exchange(items, group, world, buffer, label)
                     # both exchanges tell txn whether every mean is finite (its cheapest witnesses)
                 except BaseException:
                     txn.failed = True
@@ -201,6 +212,17 @@ class Runtime:
             return worker.completed(job, then, twin=lambda g: None, device=device)
         inputs = [buffer, *grads] if buffer is not None else list(grads)  # made on the caller's stream
         return self._worker.submit(job, device=device, then=then, inline=inline, inputs=inputs)
+
+    def route(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor, Any]]:
+        """Each gradient with its codec (None: dense) at the current iteration, as the policy
+        says; called on the submitting thread, in bucket order (``compressor="auto"``
+        decides here)."""
+        return [(n, g, self.policy.route(n, g, self.iteration)) for n, g in zip(names, grads)]
+
+    def exchange(self, items: Sequence[Any], group, world: int, buffer: Optional[torch.Tensor],
+                 label: str) -> List[torch.Tensor]:
+        """One flat bucket's exchange, inside its job (``compressor="auto"`` times it here)."""
+        return exchange_bucket(items, group, world, buffer=buffer, label=label)
 
     def _identity(self) -> Identity:
         """Whose state this is: rank, world size and a configuration fingerprint (a checkpoint

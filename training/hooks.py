@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .engine import Runtime
+from .engine import Runtime, make_runtime
 from .policy import Policy
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -101,8 +101,9 @@ def ddp_comm_hook(compressor: Any = "none", *, model: Optional[torch.nn.Module] 
                   process_group=None, local_size: Optional[int] = None, **options: Any) -> Tuple[HookState, Hook]:
     """``(state, hook)`` for ``ddp_model.register_comm_hook(state, hook)``.
 
-    ``compressor``: any registered name (its options as keywords), a ``Compressor`` or an
-    error-feedback wrapper. Policy keywords (see :mod:`gradcomp.training.policy`):
+    ``compressor``: any registered name (its options as keywords), a ``Compressor``, an
+    error-feedback wrapper, or ``"auto"`` (per bucket, the fastest method measured; its keywords
+    in :mod:`gradcomp.training.auto`). Policy keywords (see :mod:`gradcomp.training.policy`):
     ``start_iter``, ``min_compression_rate``, ``min_numel``, ``compress_1d``, ``layers``,
     ``error_feedback``, ``ef_options``. ``model`` names the parameters (recommended);
     ``process_group`` as given to DDP. ``local_size``: ranks per node (consecutive global
@@ -110,7 +111,7 @@ def ddp_comm_hook(compressor: Any = "none", *, model: Optional[torch.nn.Module] 
     nodes, each gradient sent by one rank per node. Call it on every rank at the same point:
     it creates the worker's twin of the default group (and the node groups).
     """
-    compression = Runtime(Policy(compressor, **options), process_group, local_size)
+    compression = make_runtime(compressor, options, process_group, local_size)
     state = HookState(compression, model)
     if model is not None:
         module = model.module if isinstance(model, DistributedDataParallel) else model

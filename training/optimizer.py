@@ -25,15 +25,14 @@ from gradcomp.collectives.identity import names_of
 
 from .wrapper import Wrapper, broadcast_params
 from .buckets import BucketLauncher
-from .engine import Runtime
-from .policy import Policy
+from .engine import make_runtime
 
 
 class CompressedOptimizer(Wrapper):
     """Averages gradients over ranks, compressed, then steps the wrapped optimizer.
 
-    ``compressor``: a registered name (options as keywords), a ``Compressor`` or an
-    error-feedback wrapper; policy keywords as for :func:`ddp_comm_hook` (``start_iter``,
+    ``compressor``: a registered name (options as keywords), a ``Compressor``, an
+    error-feedback wrapper, or ``"auto"`` (see :mod:`gradcomp.training.auto`); policy keywords as for :func:`ddp_comm_hook` (``start_iter``,
     ``min_compression_rate``, ``min_numel``, ``compress_1d``, ``layers``, ``error_feedback``,
     ``ef_options``). ``model`` names the parameters (else ``param{i}`` by position);
     ``bucket_mb`` caps a bucket; ``process_group`` defaults to every rank; ``local_size``
@@ -53,7 +52,7 @@ class CompressedOptimizer(Wrapper):
             raise ValueError(f"bucket_mb={bucket_mb!r} is not allowed; it must be a number > 0")
         self.optimizer = optimizer
         super().__init__()
-        self.compression = Runtime(Policy(compressor, **options), process_group, local_size)
+        self.compression = make_runtime(compressor, options, process_group, local_size)
         self.bucket_mb = float(bucket_mb)
         self._model = model
         self._params: List[torch.Tensor] = []

@@ -1,0 +1,275 @@
+"""The FSDP2 benchmark: ``python -m gradcomp.bench fsdp``.
+
+A small transformer encoder reads scikit-learn's digits as sequences (each 8x8 image is 8
+tokens, one per row of 8 pixels) under ``fully_shard`` (each block, the embedding and head,
+then the root) on several gloo ranks, trained with AdamW, once per method, side by side in
+one run:
+
+- ``fsdp-fp32``: FSDP2 as it comes (fp32 reduce-scatter and all-gather);
+- ``fsdp-bf16rs``: FSDP2 with ``MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)``;
+- ``gc-dense``: :func:`gradcomp.training.compress_fsdp` with ``compressor=None`` (gradcomp's
+  dense reduce-scatter, FSDP's all-gather): the cost of the custom comm itself;
+- ``gc-int8``, ``gc-onebit``, ``gc-topk``: gradcomp's compressed reduce-scatter (error
+  feedback per piece), FSDP's exact all-gather;
+- ``gc-int8-bf16ag``, ``gc-onebit-bf16ag``, ``gc-topk-bf16ag``, ``gc-int8-int8ag``: the same
+  with the compressed parameter all-gather (error feedback on the weights).
+
+Every run starts from the same weights and sees the same batches; the methods take turns epoch
+by epoch, so a change in the machine's load slows them alike. Measured: step time (median over
+the steps after warm-up of the slowest rank, forward to optimizer step), bytes sent per step
+and rank (gradcomp's telemetry; FSDP's own collectives counted as they are handed to
+``reduce_scatter_single`` / ``all_gather_single`` by the same convention) and the test accuracy.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import cli
+from . import env as envmod
+from .sharded import _markdown
+from .train import DIGITS_LINE, _data, epoch_batches
+
+METHODS: Dict[str, Dict[str, Any]] = {
+    "fsdp-fp32": {"kind": "fsdp"},
+    "fsdp-bf16rs": {"kind": "fsdp", "reduce_dtype": "bfloat16"},
+    "gc-dense": {"kind": "ours", "compressor": None},
+    "gc-int8": {"kind": "ours", "compressor": "int8"},
+    "gc-onebit": {"kind": "ours", "compressor": "onebit"},
+    "gc-topk": {"kind": "ours", "compressor": "topk"},
+    "gc-int8-bf16ag": {"kind": "ours", "compressor": "int8", "all_gather": "bf16"},
+    "gc-onebit-bf16ag": {"kind": "ours", "compressor": "onebit", "all_gather": "bf16"},
+    "gc-topk-bf16ag": {"kind": "ours", "compressor": "topk", "all_gather": "bf16"},
+    "gc-int8-int8ag": {"kind": "ours", "compressor": "int8", "all_gather": "int8"},
+}
+DEFAULT_METHODS = ("fsdp-fp32", "fsdp-bf16rs", "gc-dense", "gc-int8", "gc-int8-bf16ag", "gc-onebit-bf16ag",
+                   "gc-topk-bf16ag", "gc-int8-int8ag")
+REFERENCE = "fsdp-fp32"
+SPEED_REFERENCES = ("fsdp-fp32", "fsdp-bf16rs")
+WARMUP = 3  # steps not timed: FSDP's lazy init and gradcomp's first exchanges
+
+
+class Encoder(torch.nn.Module):
+    """Rows of an 8x8 digit as 8 tokens: a linear embedding, learned positions, ``layers``
+    pre-norm encoder blocks, mean pooling, a linear head."""
+
+    def __init__(self, width: int, layers: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Linear(8, width)
+        self.pos = torch.nn.Parameter(torch.randn(8, width) * 0.02)
+        self.blocks = torch.nn.ModuleList(
+            torch.nn.TransformerEncoderLayer(width, 4, 4 * width, dropout=0.0, batch_first=True, norm_first=True)
+            for _ in range(layers))
+        self.head = torch.nn.Linear(width, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x.view(-1, 8, 8)) + self.pos
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h.mean(dim=1))
+
+
+def build(width: int, layers: int, seed: int, reshard: bool, reduce_dtype: Optional[torch.dtype] = None
+          ) -> Encoder:
+    """The model, the same weights on every rank and for every method, under ``fully_shard``."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    torch.manual_seed(seed)
+    model = Encoder(width, layers)
+    kw: Dict[str, Any] = {"reshard_after_forward": reshard}
+    if reduce_dtype is not None:
+        kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    for part in (model.embed, *model.blocks, model.head):
+        fully_shard(part, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+class CountingFSDP:
+    """Counts what FSDP2's own comms hand to ``reduce_scatter_single`` / ``all_gather_single``
+    (FSDP keeps no telemetry) with the collectives' convention: a reduce-scatter of ``n`` bytes
+    sends the ``w-1`` pieces of the others, an all-gather sends this rank's block to ``w-1``."""
+
+    NAMES = ("reduce_scatter_single", "all_gather_single")
+
+    def __init__(self, world: int) -> None:
+        self.nbytes, self.world = 0, world
+        self._orig = {n: getattr(dist, n) for n in self.NAMES}
+
+    def __enter__(self) -> "CountingFSDP":
+        rs, ag = self._orig["reduce_scatter_single"], self._orig["all_gather_single"]
+
+        def counted_rs(output, input, *args, **kwargs):
+            self.nbytes += input.numel() * input.element_size() * (self.world - 1) // self.world
+            return rs(output, input, *args, **kwargs)
+
+        def counted_ag(output, input, *args, **kwargs):
+            self.nbytes += input.numel() * input.element_size() * (self.world - 1)
+            return ag(output, input, *args, **kwargs)
+
+        dist.reduce_scatter_single, dist.all_gather_single = counted_rs, counted_ag  # FSDP calls them via the module
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for n, f in self._orig.items():
+            setattr(dist, n, f)
+
+
+class _Run:
+    """One method's model, optimizer and measurements, trained an epoch at a time."""
+
+    def __init__(self, spec: Dict[str, Any], rank: int, world: int, cfg: Dict[str, Any]) -> None:
+        from gradcomp.training import compress_fsdp
+
+        self.spec, self.rank, self.world, self.cfg = spec, rank, world, cfg
+        reduce = getattr(torch, spec["reduce_dtype"]) if spec.get("reduce_dtype") else None
+        self.model = build(cfg["width"], cfg["layers"], cfg["seed"], cfg["reshard"], reduce)
+        self.handle = None if spec["kind"] == "fsdp" else compress_fsdp(
+            self.model, spec["compressor"], all_gather=spec.get("all_gather"))
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"])
+        self.times: List[float] = []
+        self.sent = 0
+        self.phases: Dict[str, Dict[str, float]] = {}
+
+    def epoch(self, epoch: int, xtr: torch.Tensor, ytr: torch.Tensor) -> None:
+        from gradcomp.collectives import reset_telemetry, telemetry
+
+        counting = CountingFSDP(self.world)
+        reset_telemetry()
+        with counting:
+            for idx in epoch_batches(len(ytr), self.rank, self.world, self.cfg["batch_size"], self.cfg["seed"], epoch):
+                t0 = time.perf_counter()
+                torch.nn.functional.cross_entropy(self.model(xtr[idx]), ytr[idx]).backward()
+                if self.handle is not None:
+                    self.handle.step(self.opt)
+                else:
+                    self.opt.step()
+                self.opt.zero_grad()
+                self.times.append((time.perf_counter() - t0) * 1e3)
+        tel = telemetry()
+        self.sent += counting.nbytes + tel["total"]["bytes_sent"]
+        for op, v in tel["by_op"].items():
+            mine = self.phases.setdefault(op, {"compress": 0.0, "comm": 0.0, "decompress": 0.0})
+            for k in mine:
+                mine[k] += v[f"{k}_s"]
+
+    def result(self, xte: torch.Tensor, yte: torch.Tensor) -> Dict[str, Any]:
+        steps = max(len(self.times), 1)
+        with torch.no_grad():
+            accuracy = float((self.model(xte).argmax(1) == yte).float().mean())
+        local = sum(float(p.to_local().double().sum()) for p in self.model.parameters())
+        return {"times_ms": self.times, "accuracy": accuracy, "bytes_per_step": self.sent / steps,
+                "phases": {op: {k: 1e3 * v / steps for k, v in ph.items()} for op, ph in self.phases.items()},
+                "checksum": local, "skipped": 0 if self.handle is None else self.handle.skipped}
+
+
+def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[..., None]) -> Any:
+    xtr, ytr, xte, yte = _data(cfg["seed"])
+    names = cfg["methods"]
+    runs = [_Run(METHODS[name], rank, world, cfg) for name in names]
+    total = len(names) * cfg["epochs"]
+    for epoch in range(cfg["epochs"]):
+        for m, (name, run) in enumerate(zip(names, runs)):
+            dist.barrier()  # every rank starts the method's epoch together
+            run.epoch(epoch, xtr, ytr)
+            progress(done=epoch * len(names) + m + 1, total=total, label=name)
+    everyone: List[Any] = [None] * world
+    dist.all_gather_object(everyone, [run.result(xte, yte) for run in runs])
+    return _records(names, everyone, cfg, world) if rank == 0 else None
+
+
+def _records(names: List[str], everyone: List[Any], cfg: Dict[str, Any], world: int) -> List[Dict[str, Any]]:
+    records = []
+    for m, name in enumerate(names):
+        runs = [r[m] for r in everyone]
+        steps = len(runs[0]["times_ms"])
+        skip = min(WARMUP, steps - 1)
+        records.append({
+            "method": name, "world_size": world, "epochs": cfg["epochs"], "steps": steps,
+            "test_accuracy": runs[0]["accuracy"],
+            "step_ms": statistics.median(max(r["times_ms"][i] for r in runs) for i in range(skip, steps)),
+            "bytes_per_step": max(r["bytes_per_step"] for r in runs), "skipped": runs[0]["skipped"],
+            "phases_ms_rank0": runs[0]["phases"],
+        })
+    by_name = {r["method"]: r for r in records}
+    ref = by_name.get(REFERENCE)
+    for r in records:
+        r["accuracy_vs_dense_pp"] = None if ref is None else 100 * (r["test_accuracy"] - ref["test_accuracy"])
+        r["bytes_vs_dense"] = None if ref is None or not ref["bytes_per_step"] else (
+            r["bytes_per_step"] / ref["bytes_per_step"])
+        for base in SPEED_REFERENCES:
+            r[f"speedup_vs_{base}"] = by_name[base]["step_ms"] / r["step_ms"] if base in by_name else None
+    return records
+
+
+def table(records: List[Dict[str, Any]]) -> str:
+    head = ("method", "step ms", "vs fsdp-fp32", "vs fsdp-bf16rs", "bytes/step", "vs fp32", "test acc",
+            "vs fp32 ", "skipped")
+    rows = [(r["method"], f"{r['step_ms']:.1f}", cli.fmt(r["speedup_vs_fsdp-fp32"], ".2f") + "x",
+             cli.fmt(r["speedup_vs_fsdp-bf16rs"], ".2f") + "x", cli.fmt_bytes(r["bytes_per_step"]),
+             cli.fmt(r["bytes_vs_dense"], ".3f") + "x", f"{100 * r['test_accuracy']:.2f}%",
+             cli.fmt(r["accuracy_vs_dense_pp"], "+.2f") + " pp", str(r["skipped"])) for r in records]
+    out = _markdown([head, *rows])
+    phases = [(r["method"], op, *(f"{ms[k]:.2f}" for k in ("compress", "comm", "decompress")))
+              for r in records for op, ms in sorted(r["phases_ms_rank0"].items())]
+    if phases:
+        out += "\n\nwhere gradcomp's time goes (rank 0, ms per step):\n\n" + _markdown(
+            [("method", "collective", "compress", "communicate", "decompress"), *phases])
+    return out
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m gradcomp.bench fsdp",
+        description="Train a small transformer encoder on the digits under FSDP2 (fully_shard): FSDP's own fp32 and "
+                    "bf16 reductions against gradcomp's compressed reduce-scatter and all-gather (compress_fsdp); "
+                    "compare step time, bytes per step and accuracy.")
+    p.add_argument("--methods", default=",".join(DEFAULT_METHODS), metavar="A,B",
+                   help=f"methods to run (default {', '.join(DEFAULT_METHODS)}; all: {', '.join(METHODS)})")
+    p.add_argument("--epochs", type=int, default=3, metavar="N", help="epochs per run (default 3)")
+    p.add_argument("--batch-size", type=int, default=32, metavar="N", help="batch size per rank (default 32)")
+    p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
+    p.add_argument("--width", type=int, default=256, metavar="D", help="model width (default 256)")
+    p.add_argument("--layers", type=int, default=4, metavar="N", help="encoder blocks (default 4: 3.2M parameters)")
+    p.add_argument("--reshard-after-forward", choices=("true", "false"), default="true",
+                   help="fully_shard's reshard_after_forward for every module (default true, FSDP2's)")
+    cli.common_options(p)
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = parser().parse_args(list(argv or []))
+    cli.check_sizes(args)
+    for name in ("epochs", "batch_size", "width", "layers"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, not {getattr(args, name)}")
+    if args.width % 4:
+        raise ValueError(f"--width must be a multiple of 4 (the heads), not {args.width}")
+    if not args.lr > 0:
+        raise ValueError(f"--lr must be > 0, not {args.lr}")
+    names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    unknown = [n for n in names if n not in METHODS]
+    if unknown or not names:
+        raise ValueError(f"--methods: unknown {unknown or 'none given'}; allowed: {', '.join(METHODS)}")
+    link = cli.resolve_link(args)
+    _data(args.seed)  # fail early, in the parent, if scikit-learn is missing
+    reshard = args.reshard_after_forward == "true"
+    cfg = {"methods": names, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
+           "width": args.width, "layers": args.layers, "seed": args.seed, "reshard": reshard}
+    nparams = sum(p.numel() for p in Encoder(args.width, args.layers).parameters())
+    env = envmod.environment(args.world_size, cli.link_text(link), args.threads)
+    print(envmod.header(env, [
+        DIGITS_LINE,
+        f"model    transformer encoder, 8 tokens of 8 pixels, width {args.width}, {args.layers} blocks "
+        f"({nparams:,} parameters), fully_shard per block (reshard_after_forward={reshard}), AdamW lr {args.lr}, "
+        f"batch {args.batch_size} per rank, {args.epochs} epochs, seed {args.seed}",
+        f"methods  {', '.join(names)}, taking turns epoch by epoch; step time: median over the steps after "
+        f"the first {WARMUP} of the slowest rank",
+    ]), flush=True)
+    cli.run_and_report("fsdp", cfg, args, link, env, table)
+    return 0

@@ -1,0 +1,242 @@
+"""``compressor="auto"`` on real gloo ranks: identical decisions, no mass lost, resume, training.
+
+One 4-rank spawn checks:
+
+- with real measurements (conv_bn model, ``CompressedOptimizer``), every rank makes the same
+  decision for every bucket, and training stays correct (replicas identical);
+- with an injected link (transformer shapes through the runtime itself): a slow link picks
+  top-k (scatter-reduce on four ranks: client and server residuals); switching to a fast link
+  mid-run re-decides dense at the next check, and the error-feedback invariant
+  ``sum over ranks of g == w * sum of averages + sum of owed`` holds before and after: the
+  residuals left behind are carried into the next dense gradient, none is lost;
+- resume keeps the decisions (no new trials), and another rank's checkpoint, or a fixed
+  compressor's, is refused on every rank.
+
+One 2-rank spawn: a fast injected link keeps a tiny conv_bn / transformer dense through DDP's
+hook and ``CompressedOptimizer`` (training equal to plain DDP), a slow one compresses and
+still trains; argument errors are checked in-process.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from models import data, model
+from ranks import run_ranks
+
+
+def _gather(obj):
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, obj)
+    return out
+
+
+def _decisions(rt):
+    return sorted((list(k), c) for k, c in rt.decisions().items())
+
+
+def _real_decisions(rank, world):
+    """conv_bn trained with auto on real measurements: decisions and final parameters."""
+    from gradcomp.training import CompressedOptimizer
+
+    torch.manual_seed(0)
+    net = model("conv_bn")
+    x, y = data("conv_bn", 64, seed=rank)
+    opt = CompressedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), "auto", model=net, bucket_mb=0.01,
+                              trial_steps=2, recheck_every=None, min_numel=0,
+                              candidates=("dense", "fp16", "powersgd:rank=2", "topk"))
+    for step in range(4):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(net(x[step * 16:(step + 1) * 16]), y[step * 16:(step + 1) * 16]).backward()
+        opt.step()
+    rt = opt.compression
+    flat = torch.cat([p.detach().reshape(-1) for p in net.parameters()])
+    return {"decisions": _decisions(rt), "params": flat, "syncs": rt.syncs, "described": rt.describe()}
+
+
+def _mass_and_resume(rank, world, tmp):
+    from gradcomp.training.auto import AutoRuntime, Link
+    from gradcomp.training.engine import make_runtime
+
+    shapes = [(n, p.shape) for n, p in model("transformer").named_parameters()]
+    names = [n for n, _ in shapes]
+    # two buckets, as a launcher would cut them
+    cut = len(names) // 2
+    buckets = [list(range(cut)), list(range(cut, len(names)))]
+    opts = dict(candidates=("dense", "topk"), trial_steps=1, recheck_every=3, min_numel=0,
+                link=Link.of(0.0, 0.001))  # 1 Mbit/s: compression pays
+    rt = make_runtime("auto", opts)
+    assert isinstance(rt, AutoRuntime)
+    rt.names = list(names)
+    rt.start([(n, torch.zeros(s)) for n, s in shapes])
+    gen = torch.Generator().manual_seed(100 + rank)
+    local = {n: torch.zeros(s, dtype=torch.float64) for n, s in shapes}
+    sent = {n: torch.zeros(s, dtype=torch.float64) for n, s in shapes}
+
+    def step():
+        grads = {n: torch.randn(s, generator=gen) for n, s in shapes}
+        for n in names:
+            local[n] += grads[n].double()
+        futs = [rt.submit([names[i] for i in b], [grads[names[i]] for i in b], advance=j == len(buckets) - 1,
+                          inline=j == len(buckets) - 1) for j, b in enumerate(buckets)]
+        for b, f in zip(buckets, futs):
+            for i, avg in zip(b, f.wait()):
+                sent[names[i]] += avg.double()
+
+    def gap():
+        """max |sum_r g - w * sum avg - sum_r owed| over every element (0 when no mass is lost)."""
+        worst = 0.0
+        for n, s in shapes:
+            lhs = local[n] - rt.owed(n, s)
+            dist.all_reduce(lhs)
+            worst = max(worst, float((lhs - world * sent[n]).abs().max()))
+        return worst
+
+    for _ in range(4):  # 1 trial, then top-k from iteration 1
+        step()
+    chose = _decisions(rt)
+    gap_before = gap()
+    owed_before = max(float(rt.owed(n, s).abs().max()) for n, s in shapes)
+    rt.set_link(Link.of(0.0, 1e6))  # a fast link: dense now wins
+    for _ in range(3):  # the check after iteration 3 re-decides: dense from iteration 4
+        step()
+    after = _decisions(rt)
+    gap_after = gap()
+    owed_after = max(float(rt.owed(n, s).abs().max()) for n, s in shapes)
+    history = [(h["from"], h["to"], h["reason"]) for h in rt.history]
+    # resume: a new runtime of the same configuration keeps the decisions, with no trials
+    torch.save(rt.state_dict(), os.path.join(tmp, f"auto{rank}.pt"))
+    fresh = make_runtime("auto", opts)
+    fresh.names = list(names)
+    fresh.load_state_dict(torch.load(os.path.join(tmp, f"auto{rank}.pt")))
+    resumed = _decisions(fresh)
+    routes = [c is None for _, _, c in fresh.route([names[i] for i in buckets[0]], [torch.zeros(shapes[i][1]) for i in
+                                                                                  buckets[0]])]
+    modes = set(fresh._mode.values())
+    refusals = []
+    for path, rt2 in ((f"auto{(rank + 1) % world}.pt", make_runtime("auto", opts)),
+                      (f"auto{rank}.pt", make_runtime("topk", {}))):
+        rt2.names = list(names)
+        try:
+            rt2.load_state_dict(torch.load(os.path.join(tmp, path)))
+            refusals.append(None)
+        except ValueError as e:
+            refusals.append(str(e))
+    return {"chose": chose, "after": after, "gap_before": gap_before, "gap_after": gap_after,
+            "owed_before": owed_before, "owed_after": owed_after, "history": history, "resumed": resumed,
+            "dense_routes": routes, "modes": modes, "refusals": refusals}
+
+
+def _four(rank, world, tmp):
+    return {"real": _real_decisions(rank, world), "mass": _mass_and_resume(rank, world, tmp)}
+
+
+def test_auto_four_ranks(tmp_path):
+    res = run_ranks(_four, 4, tmp_path, str(tmp_path), timeout_s=120.0)
+    real = [r["real"] for r in res]
+    assert all(r["decisions"] == real[0]["decisions"] for r in real), [r["decisions"] for r in real]
+    assert real[0]["decisions"] and all(c is not None for _, c in real[0]["decisions"])
+    assert all(torch.equal(r["params"], real[0]["params"]) for r in real)
+    assert torch.isfinite(real[0]["params"]).all()
+    assert "predicted ms" in real[0]["described"]
+
+    mass = [r["mass"] for r in res]
+    m = mass[0]
+    assert all(x["chose"] == m["chose"] and x["after"] == m["after"] for x in mass)
+    assert {c for _, c in m["chose"]} == {"topk"}  # the slow link compresses
+    assert {c for _, c in m["after"]} == {"dense"}  # the fast one does not
+    assert ("topk", "dense", "re-decision") in m["history"]
+    assert m["owed_before"] > 1e-3  # top-k left residuals (client and server)...
+    for x in mass:  # ...and no mass is lost, neither while compressing nor across the change
+        assert x["gap_before"] < 1e-3 and x["gap_after"] < 1e-3, (x["gap_before"], x["gap_after"])
+        assert x["owed_after"] < 1e-6  # everything owed went out with the first dense exchange
+    assert m["resumed"] == m["after"] and all(m["dense_routes"]) and m["modes"] == {"run"}
+    for x in mass:
+        other, fixed = x["refusals"]
+        assert other is not None and "refused the checkpoint" in other and "nothing was loaded" in other
+        assert fixed is not None and "refused the checkpoint" in fixed
+
+
+def _two(rank, world, tmp):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradcomp.training import CompressedOptimizer, ddp_comm_hook
+    from gradcomp.training.auto import Link
+
+    fast, slow = Link.of(0.0, 1e6), Link.of(0.0, 0.001)
+    out = {}
+    for kind in ("conv_bn", "transformer"):
+        x, y = data(kind, 96, seed=rank)
+        runs = {}
+        for label, link in (("plain", None), ("fast", fast), ("slow", slow)):
+            torch.manual_seed(1)
+            net = model(kind)
+            if label == "plain":
+                ddp = DDP(net)
+                opt = torch.optim.SGD(net.parameters(), lr=0.05)
+            elif kind == "conv_bn":  # the DDP hook
+                ddp = DDP(net)
+                state, hook = ddp_comm_hook("auto", model=net, trial_steps=1, link=link,
+                                            candidates=("dense", "bf16", "onebit"))
+                ddp.register_comm_hook(state, hook)
+                opt = torch.optim.SGD(net.parameters(), lr=0.05)
+            else:
+                ddp = net
+                opt = CompressedOptimizer(torch.optim.SGD(net.parameters(), lr=0.05), "auto", model=net,
+                                          bucket_mb=0.05, trial_steps=1, link=link, min_numel=256,
+                                          candidates=("dense", "int8", "powersgd:rank=2"))
+            losses = []
+            for step in range(6):
+                opt.zero_grad()
+                sl = slice(16 * step, 16 * (step + 1))
+                loss = torch.nn.functional.cross_entropy(ddp(x[sl]), y[sl])
+                loss.backward()
+                opt.step()
+                losses.append(float(loss))
+            rt = None if label == "plain" else (state.compression if kind == "conv_bn" else opt.compression)
+            runs[label] = {"params": torch.cat([p.detach().reshape(-1) for p in net.parameters()]),
+                           "choices": None if rt is None else {c for _, c in _decisions(rt)},
+                           "losses": losses}
+        out[kind] = runs
+    return out
+
+
+def test_auto_two_ranks_train(tmp_path):
+    res = run_ranks(_two, 2, tmp_path, str(tmp_path), timeout_s=120.0)
+    for kind in ("conv_bn", "transformer"):
+        runs = [r[kind] for r in res]
+        for label in ("plain", "fast", "slow"):
+            assert torch.equal(runs[0][label]["params"], runs[1][label]["params"]), (kind, label)
+        assert runs[0]["fast"]["choices"] == {"dense"}, kind
+        assert "dense" != runs[0]["slow"]["choices"] and runs[0]["slow"]["choices"] - {"dense"}, kind
+        # dense decisions (and dense trials) train as plain DDP does
+        torch.testing.assert_close(runs[0]["fast"]["params"], runs[0]["plain"]["params"], rtol=1e-5, atol=1e-6)
+        slow = runs[0]["slow"]["losses"]
+        assert all(map(torch.isfinite, map(torch.tensor, slow))) and min(slow[3:]) < slow[0], (kind, slow)
+
+
+def test_auto_arguments():
+    from gradcomp.compress import as_codec
+    from gradcomp.memory import ShardedOptimizer
+    from gradcomp.training.auto import AutoRuntime
+    from gradcomp.training.engine import make_runtime
+
+    with pytest.raises(ValueError, match="unknown compressor 'auto'"):
+        as_codec("auto")
+    with pytest.raises(ValueError, match="biased and runs without error feedback"):
+        make_runtime("auto", {"candidates": ("dense", "signsgd")})
+    with pytest.raises(ValueError, match="must include 'dense'"):
+        make_runtime("auto", {"candidates": ("topk",)})
+    with pytest.raises(ValueError, match="trial_steps=0"):
+        make_runtime("auto", {"trial_steps": 0})
+    with pytest.raises(ValueError, match="layers= and error_feedback= need a fixed compressor"):
+        make_runtime("auto", {"layers": {"*": "dense"}})
+    with pytest.raises(ValueError, match="local_size"):
+        make_runtime("auto", {}, local_size=2)
+    with pytest.raises(ValueError, match="not offered"):
+        ShardedOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, compressor="auto", lr=0.1)
+    rt = make_runtime("auto", {})
+    assert isinstance(rt, AutoRuntime) and "powersgd:rank=4" in rt.policy.describe()
