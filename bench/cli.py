@@ -217,6 +217,10 @@ def run_collective(argv: Sequence[str]) -> int:
     ]), flush=True)
     links = None if (args.links or "").lower() == "none" else projection.parse_links(args.links or projection.DEFAULT_LINKS)
     records = run_and_report("collective", cfg, args, link, env, collective_table)
+    for r in records:  # compressor="auto": what it chose, per bucket
+        if r.get("auto_choices"):
+            print(f"{r['compressor']} chose per bucket: {r['auto_choices']} (after {r['compressor']}'s trial calls, "
+                  f"untimed like torch-powersgd's start)")
     ok = [r for r in records if not r.get("error") and r.get("collective_ms")]
     proj = None
     if links and ok and args.world_size > 1 and args.local_size == 1:

@@ -39,6 +39,7 @@ from . import hooks, shapes
 # 2.576 sigma), like topk's default ratio; the default tau is meant for real gradient scales.
 BENCH_OPTIONS: Dict[str, Dict[str, Any]] = {"powersgd": {"rank": 4}, "threshold": {"tau": 2.576}}
 TORCH_METHODS = ("torch-fp16", "torch-powersgd")
+AUTO = "auto"  # gradcomp's compressor="auto": a method per bucket, chosen from measurements
 FIELDS = ("compressor", "world_size", "numel", "bytes_per_rank", "dense_bytes_per_rank", "ratio", "rel_error",
           "compress_ms", "decompress_ms", "collective_ms", "dense_ms", "speedup")
 
@@ -55,7 +56,8 @@ def parse_methods(text: Optional[str], error_feedback: str = "auto") -> List[Dic
     if error_feedback not in ("auto", "on", "off", "both"):
         raise ValueError(f"error feedback must be auto, on, off or both, not {error_feedback!r}")
     if text is None:
-        entries: List[Tuple[str, Dict[str, Any]]] = [(n, {}) for n in (*available_compressors(), *TORCH_METHODS)]
+        entries: List[Tuple[str, Dict[str, Any]]] = [(n, {}) for n in (*available_compressors(), *TORCH_METHODS,
+                                                                        AUTO)]
     else:
         entries = [parse_entry(e) for e in text.split(",") if e.strip()]
         if not entries:
@@ -64,6 +66,10 @@ def parse_methods(text: Optional[str], error_feedback: str = "auto") -> List[Dic
     for name, opts in entries:
         if name in TORCH_METHODS:
             specs.append(_torch_spec(name, opts))
+            continue
+        if name == AUTO:  # its own error feedback per candidate; options such as trial_steps=2
+            specs.append({"label": AUTO + "".join(f":{k}={v}" for k, v in opts.items()), "kind": AUTO,
+                          "options": opts, "ef": True})
             continue
         options = {k: v for k, v in BENCH_OPTIONS.get(name, {}).items() if k in _option_names(name)}
         options.update(opts)
@@ -156,7 +162,19 @@ def _method(spec: Dict[str, Any], world: int, layout, algorithm: Optional[str], 
     from gradcomp.collectives import allreduce, reset_telemetry, telemetry
     from gradcomp.compress import ErrorFeedback, get_compressor
 
-    if model:  # realistic layers: gradcomp's DDP hook, which compresses parameter by parameter
+    auto = None
+    if kind == AUTO:  # gradcomp's DDP hook deciding per bucket, on one tensor or model shapes alike
+        from gradcomp.training import ddp_comm_hook
+
+        state, hook = ddp_comm_hook(AUTO, **spec["options"])
+        auto = state.compression
+
+        def exchange(bufs):
+            # every bucket in flight at once, as DDP launches them (the ordered worker keeps the
+            # ranks in step): there is no backward here to hide an exchange behind
+            futures = [hook(state, hooks.Bucket(i, b, params[i], i == len(bufs) - 1)) for i, b in enumerate(bufs)]
+            return [f.wait() for f in futures]
+    elif model:  # realistic layers: gradcomp's DDP hook, which compresses parameter by parameter
         state, hook = hooks.gradcomp_hook(spec, local_size=local_size if spec.get("hierarchical") else None)
 
         def exchange(bufs):
@@ -173,9 +191,14 @@ def _method(spec: Dict[str, Any], world: int, layout, algorithm: Optional[str], 
         reset_telemetry()
         outs = exchange(bufs)
         total = telemetry()["total"]
-        return outs, {"bytes": total["bytes_sent"], "bytes_recv": total["bytes_recv"],
-                      "payload_bytes": total["payload_bytes"], "compress_ms": 1e3 * total["compress_s"],
-                      "decompress_ms": 1e3 * total["decompress_s"], "comm_ms": 1e3 * total["comm_s"]}
+        stats = {"bytes": total["bytes_sent"], "bytes_recv": total["bytes_recv"],
+                 "payload_bytes": total["payload_bytes"], "compress_ms": 1e3 * total["compress_s"],
+                 "decompress_ms": 1e3 * total["decompress_s"], "comm_ms": 1e3 * total["comm_s"]}
+        if auto is not None:
+            stats["auto"], stats["auto_describe"] = auto.summary(), auto.describe()
+        return outs, stats
+    if auto is not None:  # its trials (dense exchanges, codecs timed) are setup, as PyTorch PowerSGD's start
+        ours.setup_calls = auto.trial_steps + auto.verify_steps  # type: ignore[attr-defined]
     return ours
 
 
@@ -285,6 +308,9 @@ def _records(methods, everyone, cfg, world, numel) -> List[Dict[str, Any]]:
                     "compress_ms": timing("compress_ms"), "decompress_ms": timing("decompress_ms"),
                     "collective_ms": coll, "speedup": dense_ms / coll if coll else None,
                     "collective_ms_repeats": [max(v) for v in zip(*[r["times_ms"] for r in results])]})
+        if spec["kind"] == AUTO:  # what it chose per bucket (the same on every rank)
+            rec["auto_choices"] = results[0]["stats"][-1].get("auto")
+            rec["auto_describe"] = results[0]["stats"][-1].get("auto_describe")
         records.append(rec)
     return records
 

@@ -127,11 +127,17 @@ class _Bucket:
     sizes: Dict[str, Tuple[List[float], float]] = field(default_factory=dict)  # (bytes per round, gathered bytes)
     choice: Optional[str] = None
     predicted: Dict[str, float] = field(default_factory=dict)  # ms per candidate at the last decision
-    measured: Optional[float] = None  # EWMA of the chosen method's real exchanges, ms
-    seen: int = 0  # exchanges timed since the last decision
+    runs: List[float] = field(default_factory=list)  # the chosen method's last real exchanges, ms
+    real: Dict[str, float] = field(default_factory=dict)  # per method, its real exchange (fastest rank), ms
+    verify_at: Optional[int] = None  # the iteration that checks a new choice against its real exchanges
+    failed: bool = False  # a choice measured slower than predicted: only measured methods from now on
     norm: Optional[torch.Tensor] = None  # gradient norm at the last trial or check (Accordion)
     last_norm: Optional[float] = None
     critical: bool = False
+
+    @property
+    def measured(self) -> Optional[float]:
+        return min(self.runs) if self.runs else None
 
 
 def parse_candidate(spec: Any) -> Tuple[str, str, Dict[str, Any]]:
@@ -204,7 +210,7 @@ class AutoRuntime(Runtime):
     """The training runtime of ``compressor="auto"`` (see the module docstring)."""
 
     def __init__(self, group=None, local_size: Optional[int] = None, *, candidates: Sequence[Any] = CANDIDATES,
-                 trial_steps: int = 3, margin: float = 0.1, tolerance: float = 0.02,
+                 trial_steps: int = 3, verify_steps: int = 2, margin: float = 0.1, tolerance: float = 0.02,
                  recheck_every: Optional[int] = 200, accordion: bool = False, accordion_threshold: float = 0.5,
                  link: Optional[Link] = None, **settings: Any) -> None:
         if local_size is not None:
@@ -212,6 +218,7 @@ class AutoRuntime(Runtime):
                              "fixed compressor with local_size, or drop local_size")
         for key, value, ok, rule in (
                 ("trial_steps", trial_steps, isinstance(trial_steps, int) and trial_steps >= 1, "an int >= 1"),
+                ("verify_steps", verify_steps, isinstance(verify_steps, int) and verify_steps >= 0, "an int >= 0"),
                 ("margin", margin, isinstance(margin, (int, float)) and 0 <= margin < 1, "a number in [0, 1)"),
                 ("tolerance", tolerance, isinstance(tolerance, (int, float)) and 0 <= tolerance < 1,
                  "a number in [0, 1)"),
@@ -223,12 +230,13 @@ class AutoRuntime(Runtime):
                 ("link", link, link is None or isinstance(link, Link), "None or a gradcomp.training.auto.Link")):
             if isinstance(value, bool) and key != "accordion" or not ok:
                 raise ValueError(f"compressor='auto': {key}={value!r} is not allowed; {key} must be {rule}")
-        self._settings_text = (f" trial_steps={trial_steps} margin={margin} tolerance={tolerance} "
+        self._settings_text = (f" trial_steps={trial_steps} verify_steps={verify_steps} margin={margin} tolerance={tolerance} "
                                f"recheck_every={recheck_every} accordion={accordion}:{accordion_threshold}")
         super().__init__(AutoPolicy(candidates, **settings), group, None)
         self.policy: AutoPolicy
         self.label = "auto"
         self.trial_steps, self.margin, self.tolerance = trial_steps, float(margin), float(tolerance)
+        self.verify_steps = verify_steps
         self.recheck_every, self.accordion, self.accordion_threshold = recheck_every, accordion, accordion_threshold
         self.link: Optional[Link] = link
         self._fixed_link = link is not None
@@ -279,7 +287,7 @@ class AutoRuntime(Runtime):
             mode = "trial" if self.iteration >= self.policy.default.start_iter else "run"
             bucket.trials += mode == "trial"
         else:
-            mode = "check" if self._checking() else "run"
+            mode = "check" if bucket.verify_at is not None or self._checking() else "run"
         self._mode[key] = mode
         if cand is None or cand.policy is None:
             return [(n, g, None) for n, g in zip(names, grads)]
@@ -299,8 +307,9 @@ class AutoRuntime(Runtime):
         due = [k for k in dict.fromkeys(previous) if self._buckets[k].choice is None
                and self._buckets[k].trials >= self.trial_steps and self._buckets[k].dense_ms]
         recheck = self._checking_due()
-        if (due or recheck) and previous:  # nothing seen yet (a resumed run's first bucket): nothing to decide
-            self._decide(list(dict.fromkeys(previous)), due, recheck, worker.device_of(grads))
+        verify = [k for k in dict.fromkeys(previous) if self.iteration >= (self._buckets[k].verify_at or math.inf)]
+        if (due or recheck or verify) and previous:  # nothing seen yet (a resumed run's first bucket): nothing to do
+            self._decide(list(dict.fromkeys(previous)), due, recheck, verify, worker.device_of(grads))
 
     def _checking_due(self) -> bool:
         """The iteration after a check step: its measurements are in."""
@@ -333,8 +342,7 @@ class AutoRuntime(Runtime):
                 bucket.dense_ms.append(ms)
                 self._time_codecs(bucket, copies or grads, device)
             else:
-                bucket.measured = ms if bucket.measured is None else 0.8 * bucket.measured + 0.2 * ms
-                bucket.seen += 1
+                bucket.runs = (bucket.runs + [ms])[-5:]
         return out
 
     def _clock(self, device: torch.device) -> float:
@@ -420,7 +428,7 @@ class AutoRuntime(Runtime):
 
     # ---- deciding -------------------------------------------------------------------------
     def _decide(self, order: List[Tuple[str, ...]], due: List[Tuple[str, ...]], recheck: bool,
-                device: torch.device) -> None:
+                verify: List[Tuple[str, ...]], device: torch.device) -> None:
         """Every rank: MAX-reduce the measurements (one allreduce), plan, agree, apply."""
         cands = self.policy.candidates
         rows = []
@@ -447,9 +455,15 @@ class AutoRuntime(Runtime):
             row[1], row[2] = -row[1], -row[2]  # back to times (negative: none)
         if recheck:
             self._last_check = self.iteration - 1
-        if not self._fixed_link:
-            self._refit(table)
         before = {k: self._buckets[k].choice for k in order}
+        if not self._fixed_link:  # real exchanges are believed over the model (the fastest rank's time)
+            self._refit(table)
+            for k in order:
+                b, row = self._buckets[k], table[k]
+                if row[1] > 0:
+                    b.real[DENSE] = row[1]
+                if b.choice is not None and row[2] >= 0:
+                    b.real[b.choice] = row[2]
         costs = {k: self._costs(k, table[k]) for k in order}
         for k in order:
             b, row = self._buckets[k], table[k]
@@ -457,9 +471,13 @@ class AutoRuntime(Runtime):
                 b.critical = b.last_norm is not None and abs(row[3] - b.last_norm) > self.accordion_threshold * max(
                     b.last_norm, 1e-30)
                 b.last_norm = row[3]
-            if b.choice is not None and row[2] >= 0 and row[2] > 1.5 * costs[k].get(b.choice, math.inf):
-                costs[k][b.choice] = row[2]  # the model was wrong for this one: believe the exchange
         open_ = set(due) | ({k for k in order if self._buckets[k].choice is not None} if recheck else set())
+        for k in verify:  # a new choice that its real exchanges do not confirm: dense, or another measured one
+            b = self._buckets[k]
+            b.verify_at = None
+            if b.choice is not None and costs[k].get(b.choice, math.inf) > (1 - self.margin / 2) * costs[k][DENSE]:
+                b.failed = True
+                open_.add(k)
         if recheck:  # buckets that were never timed (a resumed run) keep their choice
             open_ = {k for k in open_ if k in due or self._buckets[k].codec_ms}
         plan = self._plan(order, costs, open_, {k: table[k][0] for k in order})
@@ -473,8 +491,10 @@ class AutoRuntime(Runtime):
             b.predicted = costs[k]
             if k in changed:
                 self._switch(b, before[k], changed[k])
+                if not self._fixed_link and self.verify_steps and b.choice not in b.real:
+                    b.verify_at = self.iteration + self.verify_steps
             if k in open_:
-                b.measured, b.seen = None, 0
+                b.runs = []
 
     def _refit(self, table: Mapping[Tuple[str, ...], List[float]]) -> None:
         """The rate from the real dense exchanges (every rank the same: MAX-reduced times)."""
@@ -496,8 +516,11 @@ class AutoRuntime(Runtime):
         out: Dict[str, float] = {}
         dense_bytes = b.nbytes
         for i, cand in enumerate(self.policy.candidates):
+            if cand.label in b.real and not self._fixed_link:
+                out[cand.label] = b.real[cand.label]
+                continue
             if cand.policy is None:
-                out[cand.label] = row[1] if (row[1] > 0 and not self._fixed_link) else link.ms(ring * dense_bytes, 1)
+                out[cand.label] = link.ms(ring * dense_bytes, 1)
                 continue
             ms, sizes = row[4 + i], b.sizes.get(cand.label)
             if ms < 0 or sizes is None:  # not timed here (a resumed run): the saved prediction
@@ -524,8 +547,9 @@ class AutoRuntime(Runtime):
             return f - (ready[-1] if ready else 0.0)
 
         def allowed(k) -> List[str]:
-            light = self._buckets[k].critical
-            return [c.label for c in self.policy.candidates if c.label in costs[k] and (not light or c.light)]
+            b = self._buckets[k]
+            return [c.label for c in self.policy.candidates if c.label in costs[k] and (not b.critical or c.light)
+                    and (not b.failed or c.label in b.real)]
 
         choice: List[Optional[str]] = []
         for k in order:
@@ -669,7 +693,8 @@ class AutoRuntime(Runtime):
         state = super().state_dict()
         state["auto"] = {"version": _STATE_VERSION,
                          "buckets": [{"names": list(k), "choice": b.choice, "predicted": dict(b.predicted),
-                                      "measured": b.measured} for k, b in self._buckets.items() if b.choice],
+                                      "real": dict(b.real), "failed": b.failed}
+                                     for k, b in self._buckets.items() if b.choice],
                          "link": None if self.link is None else [self.link.alpha_ms, self.link.rate],
                          "carry": {n: t.detach().cpu().clone() for n, t in self._carry.items()},
                          "history": [dict(h) for h in self.history]}
@@ -695,7 +720,7 @@ class AutoRuntime(Runtime):
         for b in auto["buckets"]:
             key = tuple(b["names"])
             self._buckets[key] = _Bucket(key, choice=b["choice"], predicted=dict(b["predicted"]),
-                                         measured=b["measured"], trials=self.trial_steps)
+                                         real=dict(b["real"]), failed=bool(b["failed"]), trials=self.trial_steps)
         self.link = None if auto["link"] is None else Link(*auto["link"]) if not self._fixed_link else self.link
         self._carry = {n: t.clone() for n, t in auto["carry"].items()}
         self.history = [dict(h) for h in auto["history"]]
