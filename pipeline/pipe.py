@@ -20,6 +20,7 @@ Invariants (the reasons, and what each costs, in docs/pipeline.md):
 """
 from __future__ import annotations
 
+import contextlib
 import time
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence, Tuple, Union
 
@@ -37,7 +38,8 @@ from gradcomp.collectives.identity import Identity, agree, describe_params, fing
 from .delta import DeltaFeedback
 from .grid import Grid
 from .stages import StagesOverBudget, over_budget_message, split
-from .schedule import Action, build, check_shape
+from .backward import WeightGrad, input_grad
+from .schedule import PASSES, Action, build, check_shape
 from .transport import Message, Transport, message_order
 
 CHECKPOINTS = (None, "never", "except_last", "always")
@@ -48,13 +50,25 @@ BoundarySpec = Union[None, str, Compressor]  # what activation_codec= / grad_cod
 class Event(NamedTuple):
     """One interval of a step on one rank (seconds since the step began, wall clock)."""
 
-    # "F", "B" (training passes), "E" (an eval_step forward), "send" (compressing and posting a
-    # message), "wait" (for a message)
+    # "F", "B", "I", "W" (training passes: schedule.PASSES), "E" (an eval_step forward), "send"
+    # (compressing and posting a message), "wait" (for a message)
     kind: str
     stage: int  # the stage (virtual stage id, 0 .. p * v - 1)
     mb: int
     start: float
     end: float
+
+
+class _Step:
+    """One training step's state between its passes on this rank."""
+
+    __slots__ = ("mbs", "loss_fn", "losses", "saved", "weights")
+
+    def __init__(self, mbs: Dict[str, List[Any]], loss_fn: Callable) -> None:
+        self.mbs, self.loss_fn = mbs, loss_fn
+        self.losses: List[torch.Tensor] = []
+        self.saved: Dict[Tuple[int, int], Tuple[Any, torch.Tensor]] = {}  # (vstage, mb) -> forward's (input, output)
+        self.weights: Dict[Tuple[int, int], WeightGrad] = {}  # (vstage, mb) -> its W pass, after its I
 
 
 class Pipeline:
@@ -245,7 +259,7 @@ class Pipeline:
         if finite:
             txn.commit()
             if self.optimizer is not None:
-                # with replicas, the data-parallel exchange starts here: see _backward_pass
+                # with replicas, the data-parallel exchange starts here: see _accumulating
                 self.optimizer.step()
         else:
             txn.rollback()
@@ -389,26 +403,86 @@ class Pipeline:
         self.events = []
         self.started_at = time.time()
         self._ids = mbs.get("sample_ids", [])
-        saved: Dict[Tuple[int, int], Tuple[Any, torch.Tensor]] = {}
-        losses: List[torch.Tensor] = []
+        step = _Step(mbs, loss_fn)
         self._transport.begin(self._order)
         live = peak = 0
         for a in self.actions:
-            if a.kind == "F":
-                x, y = self._forward_pass(a.vstage, a.mb, mbs, record=True)
-                if self._stage(a.vstage) == self.n_stages - 1:
-                    y = loss_fn(y, mbs["targets"][a.mb])
-                    losses.append(y.detach())
-                saved[(a.vstage, a.mb)] = (x, y)
-                live += 1
-                peak = max(peak, live)
-            else:
-                x, y = saved.pop((a.vstage, a.mb))
-                self._backward_pass(a.vstage, a.mb, x, y)
-                live -= 1
+            kind = PASSES[a.kind]
+            getattr(self, "_pass_" + kind.run)(a.vstage, a.mb, step)
+            live += kind.holds
+            peak = max(peak, live)
         self.peak_in_flight = peak
         self._transport.finish()
-        return torch.stack(losses).mean() if losses else None
+        return torch.stack(step.losses).mean() if step.losses else None
+
+    # ---- the passes (schedule.PASSES' "run" names them) ----------------------------------
+    def _pass_forward(self, c: int, mb: int, step: "_Step") -> None:
+        x, y = self._forward_pass(c, mb, step.mbs, record=True)
+        if self._stage(c) == self.n_stages - 1:
+            y = step.loss_fn(y, step.mbs["targets"][mb])
+            step.losses.append(y.detach())
+        step.saved[(c, mb)] = (x, y)
+
+    def _pass_backward(self, c: int, mb: int, step: "_Step") -> None:
+        x, y = step.saved.pop((c, mb))
+        out, grad, t = self._backward_inputs(c, mb, y)
+        with self._accumulating():
+            torch.autograd.backward(out, grad)
+        self._event("B", self._stage(c), mb, t)
+        if self._stage(c) > 0:
+            self._send(c, mb, "grad", x.grad)
+
+    def _pass_input(self, c: int, mb: int, step: "_Step") -> None:
+        """The input's gradient only (sent at once); the weights' part waits for the W pass."""
+        x, y = step.saved.pop((c, mb))
+        out, grad, t = self._backward_inputs(c, mb, y)
+        with self._accumulating():
+            dx, step.weights[(c, mb)] = input_grad(out, grad, x, list(self.modules[c].parameters()))
+        self._event("I", self._stage(c), mb, t)
+        if self._stage(c) > 0:
+            if dx is None:
+                raise ValueError(f"pipeline: stage {self._stage(c)}'s input (micro-batch {mb}) has no gradient to send "
+                                 f"back: a stage after the first must take a floating-point input its output "
+                                 f"depends on")
+            self._send(c, mb, "grad", dx)
+
+    def _pass_weight(self, c: int, mb: int, step: "_Step") -> None:
+        t = time.time()
+        w = step.weights.pop((c, mb))
+        # a torch checkpoint recomputes its region again in this pass (autograd keys its
+        # recomputation by backward call): its BatchNorm statistics must move once, as under B
+        kept = [(b, b.clone()) for b in self.modules[c].buffers()] if self._recomputes(mb) else []
+        with self._accumulating():
+            w.run()
+        for b, before in kept:
+            b.copy_(before)
+        self._event("W", self._stage(c), mb, t)
+
+    def _backward_inputs(self, c: int, mb: int, y: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor], float]:
+        """``(what to backpropagate, its gradient, when the pass began)``: the last stage's loss
+        over the micro-batches, or the output and its gradient from the next stage."""
+        if self._stage(c) == self.n_stages - 1:
+            return y / self.microbatches, None, time.time()
+        grad = self._recv(c, mb, "grad")
+        return y, grad, time.time()
+
+    def _accumulating(self) -> Any:
+        """Where a pass accumulates gradients. With replicas every pass only accumulates; the
+        data-parallel exchange starts in step(), after the end-of-step all-reduce, so after this
+        rank's last B or W. Started at the last W it would overlap the cool-down, but its worker
+        would drive the replica group from another thread while this one still issues the
+        step's point-to-point operations, in an order that differs between replicas (each
+        reaches its last backward at another point of its messages), and NCCL gives no progress
+        guarantee between communicators whose operations ranks issue in different orders.
+        Every rank enters that all-reduce only after all its messages are done, and reads its
+        result before step(): so no exchange runs beside a message of the step, and the next
+        step's first message follows step(), which waits for the exchange."""
+        if isinstance(self.optimizer, CompressedOptimizer):
+            return self.optimizer.no_sync()
+        return contextlib.nullcontext()
+
+    def _recomputes(self, mb: int) -> bool:
+        return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < self.microbatches - 1)
 
     def _forward_pass(self, c: int, mb: int, mbs: Dict[str, List[Any]], record: bool) -> Any:
         s = self._stage(c)
@@ -420,38 +494,11 @@ class Pipeline:
                 x.requires_grad_(True)
         t = time.time()
         module = self.modules[c]
-        recompute = record and (self.checkpoint == "always" or (self.checkpoint == "except_last"
-                                                                 and mb < self.microbatches - 1))
-        y = _checkpoint(module, x, use_reentrant=False) if recompute else module(x)
+        y = _checkpoint(module, x, use_reentrant=False) if record and self._recomputes(mb) else module(x)
         self._event("F" if record else "E", s, mb, t)
         if s < self.n_stages - 1:
             self._send(c, mb, "act", y.detach(), delta=record)
         return (x, y) if record else y
-
-    def _backward_pass(self, c: int, mb: int, x: Any, y: torch.Tensor) -> None:
-        s = self._stage(c)
-        if s == self.n_stages - 1:
-            out, grad = y / self.microbatches, None
-        else:
-            out, grad = y, self._recv(c, mb, "grad")
-        t = time.time()
-        if isinstance(self.optimizer, CompressedOptimizer):
-            # Every pass only accumulates; the data-parallel exchange starts in step(), after the
-            # end-of-step all-reduce. Started here it would overlap the cool-down, but its worker
-            # would drive the replica group from another thread while this one still issues the
-            # step's point-to-point operations, in an order that differs between replicas (each
-            # reaches its last backward at another point of its messages), and NCCL gives no
-            # progress guarantee between communicators whose operations ranks issue in different
-            # orders. Every rank enters that all-reduce only after all its messages are done, and
-            # reads its result before step(): so no exchange runs beside a message of the step, and
-            # the next step's first message follows step(), which waits for the exchange.
-            with self.optimizer.no_sync():
-                torch.autograd.backward(out, grad)
-        else:
-            torch.autograd.backward(out, grad)
-        self._event("B", s, mb, t)
-        if s > 0:
-            self._send(c, mb, "grad", x.grad)
 
     # ---- messages ------------------------------------------------------------------------
     def _message(self, c: int, mb: int, kind: str, outgoing: bool) -> Message:

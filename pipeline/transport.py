@@ -34,6 +34,8 @@ from gradcomp.compress.payload import memory_bytes
 
 from .schedule import Action, timeline
 
+MESSAGES = ("act", "grad")  # the message kinds of schedule.PASSES' sends
+
 MAGIC = 0x67706970650001  # "gpipe" + version 1
 HEADER = 8  # int64 fields: magic, message code, payload length, compressor hash, dtype, 3 spare
 HEADER_BYTES = HEADER * 8
@@ -72,13 +74,7 @@ def message_order(plans: Sequence[Sequence[Action]], p: int) -> List[Message]:
     """Every message of one step of ``plans`` (each rank's actions), in the order every rank
     issues its operations (see the module docstring)."""
     done = timeline(plans, p)
-    n_stages = p * (1 + max((a.vstage for plan in plans for a in plan), default=0))
-    out: List[Tuple[float, int, int, int, Message]] = []
-    for (kind, s, mb), t in done.items():
-        if kind == "F" and s < n_stages - 1:
-            out.append((t, 0, s, mb, Message("act", s, mb)))
-        elif kind == "B" and s > 0:
-            out.append((t, 1, s - 1, mb, Message("grad", s - 1, mb)))
+    out = [(t, kind == "grad", b, mb, Message(kind, b, mb)) for (kind, b, mb), t in done.items() if kind in MESSAGES]
     return [m for *_, m in sorted(out)]
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _pipeline_helpers import LOSS, chain, data, gathered_params, micro_step, pieces_of, reference, sgd  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
-BALANCE = {"gpipe": [2, 2, 2, 2], "1f1b": [2, 2, 2, 2], "interleaved": [1] * 8}
+BALANCE = {"gpipe": [2, 2, 2, 2], "1f1b": [2, 2, 2, 2], "interleaved": [1] * 8, "zb-h1": [2, 2, 2, 2]}
 DP = [("none", {}), ("topk", {"ratio": 0.5, "min_numel": 0})]
 STEPS = 3
 
@@ -37,11 +37,11 @@ def _four_stages(schedule):
     return losses, gathered_params(pipe)
 
 
-def _grid(rank, compressor, options):
+def _grid(rank, compressor, options, schedule="1f1b"):
     from gradcomp.pipeline import Pipeline
 
-    pipe = Pipeline(chain(), balance=[4, 3], microbatches=4, replicas=2, dp_compressor=compressor, dp_options=options,
-                    optimizer=sgd, activation_codec="int8", grad_codec="fp16")
+    pipe = Pipeline(chain(), balance=[4, 3], schedule=schedule, microbatches=4, replicas=2, dp_compressor=compressor,
+                    dp_options=options, optimizer=sgd, activation_codec="int8", grad_codec="fp16")
     replica = pipe.grid.replica
     launched = []  # whether the step's messages were all done when each data-parallel bucket left
     launch = pipe.optimizer._launch
@@ -66,6 +66,7 @@ def _rank(rank, world):
         res[("exact", schedule)] = _four_stages(schedule)
     for name, options in DP:
         res[("grid", name)] = _grid(rank, name, options)
+    res[("grid", "zb-h1")] = _grid(rank, "none", {}, "zb-h1")  # the exchange after the last W
     res["mismatch"] = _mismatch(rank)
     return res
 
@@ -112,6 +113,18 @@ def test_pp_x_dp_replicas_stay_identical(results, name):
         ref_losses, ref_params = _dp_reference()
         assert losses == pytest.approx(ref_losses, abs=1e-6)
         assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(replica0, ref_params))
+
+
+def test_pp_x_dp_under_zero_bubble_exchanges_after_the_last_w(results):
+    """Issue 27: with the B/W split the replicas' exchange starts after every W (no bucket
+    leaves while messages are in flight) and gives 1F1B's result."""
+    losses, _, replica0, replica1, _ = results[0][("grid", "zb-h1")]
+    assert losses == results[0][("grid", "none")][0]
+    assert all(torch.equal(a, b) for a, b in zip(replica0, results[0][("grid", "none")][2]))
+    assert all(torch.equal(a, b) for a, b in zip(replica0, replica1))
+    for r in range(4):
+        launched = results[r][("grid", "zb-h1")][4]
+        assert launched and all(launched), f"rank {r}: a data-parallel bucket left while messages were in flight"
 
 
 def _dp_reference():

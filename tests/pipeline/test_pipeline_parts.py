@@ -4,6 +4,8 @@ inputs; the delta feedback's round trip; bad options get an error naming what is
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 
 import pytest
 import torch
@@ -11,24 +13,95 @@ from torch import nn
 
 from gradcomp.compress import get_compressor
 from gradcomp.pipeline import DeltaFeedback, LayerCost, auto_balance, build, ideal_bubble, partition, simulate
-from gradcomp.pipeline.schedule import SCHEDULES, check_shape
+from gradcomp.pipeline.schedule import PASSES, SCHEDULES, check_shape
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # tests/models.py
 
 
 def _shapes():
     for schedule, p, m in itertools.product(SCHEDULES, (2, 3, 4, 8), (1, 2, 3, 4, 8, 12)):
-        for v in ((2, 3) if schedule == "interleaved" else (1,)):
-            if schedule != "interleaved" or m % p == 0:
+        for v in ((2, 3) if SCHEDULES[schedule].virtual else (1,)):
+            if not SCHEDULES[schedule].virtual or m % p == 0:
                 yield schedule, p, m, v
 
 
 @pytest.mark.parametrize("schedule,p,m,v", list(_shapes()))
 def test_schedule_never_deadlocks_and_has_the_textbook_bubble(schedule, p, m, v):
     sim = simulate(schedule, p, m, v)  # raises on a deadlock or a missing pass
+    if schedule == "zb-h1":  # between the paper's bound (reached on 2 ranks, m even) and 1F1B's bubble
+        assert ideal_bubble(p, m, v, schedule) - 1e-12 <= sim.bubble < simulate("1f1b", p, m).bubble
+        if p == 2 and m % 2 == 0:
+            assert sim.bubble == pytest.approx(ideal_bubble(p, m, v, schedule))
+        assert sim.peak_in_flight == [min(p, p - r + 1, m) for r in range(p)]
+        return
     assert sim.bubble == pytest.approx(ideal_bubble(p, m, v))
     if schedule == "1f1b":
         assert sim.peak_in_flight == [min(p - r, m) for r in range(p)]
     if schedule == "gpipe":
         assert sim.peak_in_flight == [m] * p
+
+
+@pytest.mark.parametrize("plan,message", [
+    ([("F", 0), ("W", 0), ("I", 0)], "before I"),
+    ([("F", 0), ("I", 0)], "it must run F, then B or I and W"),
+    ([("F", 0), ("B", 0), ("B", 0)], "runs again"),
+    ([("F", 0), ("F", 1), ("I", 0), ("I", 1), ("W", 1), ("W", 0)], "micro-batch order"),
+    ([("F", 0), ("X", 0)], "'X' is not one of F, B, I, W"),
+])
+def test_a_plan_the_pass_table_refuses_says_why(plan, message):
+    from gradcomp.pipeline.schedule import Action, check_plan
+
+    with pytest.raises(ValueError, match=message):
+        check_plan([[Action(k, 0, mb) for k, mb in plan]], 1, 1 + max(mb for _, mb in plan))
+
+
+def _split_cases():
+    from models import KINDS
+
+    return [(kind, ck) for kind in ("chain", "shared") + KINDS for ck in (False, True)]
+
+
+@pytest.mark.parametrize("kind,recompute", _split_cases())
+def test_input_then_weight_gradients_equal_the_whole_backward(kind, recompute):
+    """Issue 27: I (the input's gradient) then W (the weights') accumulate the bits of one
+    backward, over two micro-batches, on every test model cut in the middle, with torch's
+    recompute; a weight used twice (no split possible) runs the whole backward in I."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint
+
+    from gradcomp.pipeline.backward import input_grad
+    from models import data as model_data, sequential
+
+    torch.manual_seed(0)
+    if kind in ("chain", "shared"):
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Tanh()) for _ in range(4)])
+        if kind == "shared":
+            model[3][0].weight = model[2][0].weight
+        x = torch.randn(6, 8)
+    else:
+        model = sequential(kind)
+        x = model_data(kind, 6)[0]
+    cut = max(1, len(model) // 2)
+    runs = []
+    for split in (False, True):
+        m = copy.deepcopy(model)
+        h = m[:cut](x).detach().requires_grad_(True)
+        tail = m[cut:]
+        grads = []
+        for mb in range(2):
+            out = checkpoint(tail, h, use_reentrant=False) if recompute else tail(h)
+            g = torch.full_like(out, 0.25 + mb)
+            if split:
+                dx, w = input_grad(out, g, h, list(tail.parameters()))
+                w.run()
+            else:
+                h.grad = None
+                torch.autograd.backward(out, g)
+                dx = h.grad
+            grads.append(dx.clone())
+        runs.append(grads + [p.grad for p in tail.parameters()])
+    assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(*runs))
 
 
 def test_every_rank_runs_each_pass_once_in_micro_batch_order():
@@ -44,6 +117,7 @@ def test_every_rank_runs_each_pass_once_in_micro_batch_order():
     (("interleaved", 2, 4, 1), "at least 2 virtual stages"),
     (("interleaved", 4, 6, 2), "multiple of the 4"),
     (("gpipe", 2, 4, 2), "one virtual stage"),
+    (("zb-h1", 2, 4, 2), "one virtual stage"),
 ])
 def test_bad_schedule_shape_says_what_is_allowed(args, message):
     with pytest.raises(ValueError, match=message):
@@ -165,13 +239,13 @@ def _nccl_run(plans, p, queues):
             while pos[r] < len(plans[r]):
                 a = plans[r][pos[r]]
                 s = a.vstage * p + r
-                fwd = a.kind == "F"
-                need = (Message("act", s - 1, a.mb) if fwd and s > 0 else
-                        Message("grad", s, a.mb) if not fwd and s < n - 1 else None)
+                row = PASSES[a.kind]
+                need = (Message("act", s - 1, a.mb) if row.receives == "act" and s > 0 else
+                        Message("grad", s, a.mb) if row.receives == "grad" and s < n - 1 else None)
                 if need is not None and need not in delivered:
                     break
-                out = (Message("act", s, a.mb) if fwd and s < n - 1 else
-                       Message("grad", s - 1, a.mb) if not fwd and s > 0 else None)
+                out = (Message("act", s, a.mb) if row.sends == "act" and s < n - 1 else
+                       Message("grad", s - 1, a.mb) if row.sends == "grad" and s > 0 else None)
                 if out is not None:
                     produced.add(out)
                 pos[r] += 1

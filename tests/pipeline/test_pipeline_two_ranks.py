@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _pipeline_helpers import LOSS, chain, data, gathered_params, reference, seq_loss, sgd  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
-BALANCE = {"gpipe": [4, 3], "1f1b": [4, 3], "interleaved": [2, 2, 2, 1]}
+BALANCE = {"gpipe": [4, 3], "1f1b": [4, 3], "interleaved": [2, 2, 2, 1], "zb-h1": [4, 3]}
 CODECS = [("fp16", {}), ("bf16", {}), ("int8", {}), ("qsgd", {}), ("topk", {"ratio": 0.25})]
 STEPS = 3
 MODEL_BALANCE = {"conv_bn": [5, 6], "cnn1d": [4, 4], "transformer": [2, 3], "many_small": [14, 13]}
@@ -263,10 +263,13 @@ def _rank(rank, world):
     res[("codec", "int8+fp16")] = _train("1f1b", act="int8", grad="fp16")
     for codec in (None, "int8"):
         res[("tokens", codec)] = _train("1f1b", act=codec, tokens=[5, 9, 3], loss_fn=seq_loss)
-    for schedule in ("gpipe", "1f1b"):
+    for schedule in ("gpipe", "1f1b", "zb-h1"):
         res[("memory", schedule)] = _memory(schedule)
     res[("memory", "except_last")] = _memory("1f1b", "except_last")
     res[("memory", "plan")] = _memory("1f1b", budget=20480)
+    res[("memory", "zb-h1 except_last")] = _memory("zb-h1", "except_last")  # recompute under the B/W split
+    res[("memory", "zb-h1 plan")] = _memory("zb-h1", budget=20480)
+    res[("codec", "zb-h1 int8+fp16")] = _train("zb-h1", act="int8", grad="fp16")
     res["delta"] = _delta(rank)
     res["state"] = _state(rank, world)
     res["mismatch"] = _mismatch(rank)
@@ -356,6 +359,23 @@ def test_memory_plan_inside_stages_changes_no_bit_and_saves_memory(results):
     _, bytes_, params = results[0][("memory", "plan")]
     assert all(torch.equal(a, b) for a, b in zip(params, plain)), "a lossless plan must not change a bit"
     assert bytes_ < plain_bytes, (bytes_, plain_bytes)
+
+
+def test_zero_bubble_split_backward_changes_no_bit_with_recompute_plans_and_codecs(results):
+    """Issue 27: ZB-H1's I and W passes give 1F1B's bits, at 1F1B's stage-0 memory, with
+    torch's recompute, with a memory plan and through compressed boundaries."""
+    _, plain_bytes, plain = results[0][("memory", "1f1b")]
+    for rank in range(2):
+        live, _, params = results[rank][("memory", "zb-h1")]
+        assert live == 2, f"rank {rank}: ZB-H1 holds {live} micro-batches, 1F1B's stage 0 holds 2"
+        assert all(torch.equal(a, b) for a, b in zip(params, plain))
+    for case in ("zb-h1 except_last", "zb-h1 plan"):
+        _, bytes_, params = results[0][("memory", case)]
+        assert all(torch.equal(a, b) for a, b in zip(params, plain)), case
+        assert bytes_ < results[0][("memory", "zb-h1")][1], case
+    assert results[0][("codec", "zb-h1 int8+fp16")][0] == results[0][("codec", "int8+fp16")][0]
+    assert all(torch.equal(a, b) for a, b in zip(results[0][("codec", "zb-h1 int8+fp16")][1],
+                                                 results[0][("codec", "int8+fp16")][1]))
 
 
 def test_delta_mode_keeps_both_caches_equal(results):
