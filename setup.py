@@ -49,9 +49,10 @@ setup(
     package_data={"gradcomp": ["py.typed"], "gradcomp.kernels": ["cuda/*.cu", "cuda/*.cuh"]},
     cmdclass={"build_py": _BuildPy},
     # numpy 2: np.bitwise_count (onebit, bit counting); torch 2.6: group_dst/group_src in
-    # torch.distributed's point-to-point and gather/scatter calls. README, "Tests", says how
-    # each floor is checked.
-    install_requires=["torch>=2.6", "numpy>=2.0"],
+    # torch.distributed's point-to-point and gather/scatter calls; numba 0.60: the first for
+    # numpy 2 (kernels/cpu.py's fused CPU loops; without it the numpy paths run). README,
+    # "Tests", says how each floor is checked.
+    install_requires=["torch>=2.6", "numpy>=2.0", "numba>=0.60"],
     extras_require={
         # CuPy built for the CUDA major version of torch (torch.version.cuda): 12 or 13
         "cuda": ["cupy-cuda12x"],

@@ -13,7 +13,9 @@ from typing import ClassVar, Tuple
 
 import torch
 
+from gradcomp.kernels import cpu
 from gradcomp.kernels.bits import packed_nbytes
+from gradcomp.kernels.memory import empty
 from gradcomp.kernels.sign import sign_pack, sign_unpack_values
 
 from .base import Capabilities, Compressor, Encoded, tensor_spec
@@ -45,7 +47,8 @@ class SignCompressor(Compressor):
 
     def _compress(self, flat, shape, key, step, want_decoded):
         x, nonfinite = self._signal(flat, key)
-        bits, sums = sign_pack(x, "none" if nonfinite else self.stats)
+        stats = "none" if nonfinite else self.stats
+        bits, sums = cpu.sign_pack(x, stats) if cpu.applies(x.numel(), x) else sign_pack(x, stats)
         if nonfinite:
             wire = torch.full((self.n_values,), math.nan, dtype=torch.float32, device=flat.device)
         else:
@@ -66,7 +69,7 @@ class SignCompressor(Compressor):
         bits, values = tensors
         pair = self._pair(values, flat.dtype)
         # flat - decoded, as flat + (-decoded): negation is exact, so these are the same bits
-        sign_unpack_values(bits, flat.numel(), -pair, out=flat, accumulate=True)
+        _decode_into(bits, flat.numel(), -pair, flat, True)
         return Encoded(tensors, meta)
 
     @classmethod
@@ -79,7 +82,7 @@ class SignCompressor(Compressor):
     @classmethod
     def _unpack(cls, bits: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The decoding of packed ``bits`` with decode ``values``, in ``dtype``."""
-        return sign_unpack_values(bits, numel, cls._pair(values, dtype), dtype=dtype)
+        return _decode_into(bits, numel, cls._pair(values, dtype), empty(numel, dtype, bits.device), False)
 
     def _decompress(self, payload):
         bits, values = payload.tensors
@@ -88,7 +91,7 @@ class SignCompressor(Compressor):
     def _decompress_into(self, payload, out, alpha, accumulate):
         bits, values = payload.tensors
         pair = self._pair(values, payload.dtype)  # rounded as decompress rounds them
-        sign_unpack_values(bits, payload.numel, pair * alpha, out=out, accumulate=accumulate)
+        _decode_into(bits, payload.numel, pair * alpha, out, accumulate)
 
     def _wire_bytes(self, numel):
         return packed_nbytes(numel, 1) + 4.0 * self.n_values
@@ -96,6 +99,14 @@ class SignCompressor(Compressor):
     @classmethod
     def _check_tensors(cls, payload):
         tensor_spec(payload, [(torch.uint8, packed_nbytes(payload.numel, 1)), (torch.float32, cls.n_values)], cls.name)
+
+
+def _decode_into(bits: torch.Tensor, numel: int, values: torch.Tensor, out: torch.Tensor,
+                 accumulate: bool) -> torch.Tensor:
+    """``sign_unpack_values`` into ``out``: the fused loop on large CPU tensors (the same bits)."""
+    if cpu.applies(numel, bits, values, out):
+        return cpu.sign_decode(bits, values, out, accumulate)
+    return sign_unpack_values(bits, numel, values, out=out, accumulate=accumulate)
 
 
 def finite_flag(total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

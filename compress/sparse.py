@@ -13,6 +13,7 @@ from typing import List, Optional, Tuple
 
 import torch
 
+from gradcomp.kernels import cpu
 from gradcomp.kernels.memory import empty
 from gradcomp.kernels.sparse import densify, index_dtype, scatter_add_checked
 
@@ -39,8 +40,11 @@ def sparse_payload(flat: torch.Tensor, idx: torch.Tensor,
 def sparse_residual(flat: torch.Tensor, idx: torch.Tensor) -> List[torch.Tensor]:
     """``[values, indices]`` for the positions ``idx``; ``flat`` becomes ``flat - decoded``
     in place. Only the sent positions change: to ``x - x``, which is 0 (NaN for NaN or Inf)."""
-    values = flat.index_select(0, idx)
-    flat.index_copy_(0, idx, values - values)
+    if cpu.applies(flat.numel(), flat, idx):
+        values = cpu.take_and_clear(flat, idx)  # the same bits in one loop over the k positions
+    else:
+        values = flat.index_select(0, idx)
+        flat.index_copy_(0, idx, values - values)
     return [values, idx.to(index_dtype(flat.numel()))]
 
 

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gradcomp.kernels import cpu
 from gradcomp.kernels.select import topk_abs_indices
 from gradcomp.kernels.sparse import index_dtype
 
@@ -38,6 +39,8 @@ class TopK(Compressor):
 
     def _select(self, flat: torch.Tensor, k: int, key: str, step: int) -> torch.Tensor:
         """Positions of the ``k`` largest magnitudes of ``flat`` (signed values)."""
+        if 0 < 4 * k < flat.numel() and cpu.applies(flat.numel(), flat):
+            return cpu.topk_abs_indices(flat, k)  # the same indices, the candidate pass fused
         return topk_abs_indices(flat, k)
 
     def _compress(self, flat, shape, key, step, want_decoded):

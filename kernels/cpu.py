@@ -1,0 +1,146 @@
+"""Fused CPU loops of the codecs: each reads its input once and writes its output once.
+
+The rule of use (:func:`applies`): every tensor on the CPU, float32/float64 data, at least
+:data:`FUSED_MIN` elements, numba importable, and ``GRADCOMP_FUSED_CPU`` not ``0``. Everything
+else (small tensors, fp16/bf16, other devices, no numba) takes the torch/numpy paths of
+``kernels.sign``, ``kernels.select`` and ``compress.sparse``, which stay the oracle: the fused
+loops give the same bits (sign bits, decodings, residuals, indices), except the sign sums,
+which are float64 sums in a fixed order of 8 lanes (the reference's are float64 too, in
+another order: equal up to float64 rounding, the same decode values in practice).
+
+The threshold keeps numba out of processes that only ever see small tensors: importing it
+costs ~0.5 s and loading the compiled loops from the on-disk cache (``cache=True``, beside this
+file or in numba's cache directory) a few tens of ms more; the first compile on a machine,
+~0.5 s per loop and dtype, is paid once. Below 2**18 elements the numpy path is one chunk and
+costs about as much as the fused loop (measured: R24 notes).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import os
+from typing import Any, Iterator, Optional, Tuple
+
+import numpy as np
+import torch
+
+from .select import _exact, topk_abs_indices as topk_abs_indices_reference
+
+FUSED_MIN = 1 << 18  # elements: below, the reference paths are as fast and numba is never imported
+_FLOATS = (torch.float32, torch.float64)
+_SAMPLE = 1 << 17  # elements of the strided sample that estimates the top-k threshold
+_STATS = {"none": 0, "sum": 1, "abs": 2, "split": 3}
+_enabled = os.environ.get("GRADCOMP_FUSED_CPU", "1") != "0"
+_loops: Any = None  # the compiled loops (a namespace), False once numba failed to import
+
+
+def applies(numel: int, *tensors: torch.Tensor) -> bool:
+    """Whether the fused loops run for ``numel`` elements held in ``tensors``: see the module
+    docstring. Integer tensors (bits, indices) only need to be on the CPU."""
+    if not _enabled or numel < FUSED_MIN:
+        return False
+    for t in tensors:
+        if t.device.type != "cpu" or (t.is_floating_point() and t.dtype not in _FLOATS):
+            return False
+    return _get() is not None
+
+
+@contextlib.contextmanager
+def threshold(numel: int) -> Iterator[None]:
+    """Within this block the fused loops run from ``numel`` elements on (tests compare them
+    with the reference on small tensors; ``numel`` beyond any size switches them off)."""
+    global FUSED_MIN
+    before, FUSED_MIN = FUSED_MIN, numel
+    try:
+        yield
+    finally:
+        FUSED_MIN = before
+
+
+def _get() -> Any:
+    global _loops
+    if _loops is None:
+        try:
+            _loops = importlib.import_module("gradcomp.kernels._cpu_loops")
+        except Exception:  # numba not installed, or built for another numpy: the reference paths run
+            _loops = False
+    return _loops or None
+
+
+# ---- entry points (tensors in, tensors out; callers check applies() first) --------------------
+def sign_pack(x: torch.Tensor, stats: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``kernels.sign.sign_pack`` of a 1-D contiguous float32/float64 CPU tensor, in one pass."""
+    n = x.numel()
+    bits = np.empty((n + 7) // 8, dtype=np.uint8)
+    s0, s1 = _get().pack(x.numpy(), bits, _STATS[stats])
+    count = (0, 1, 1, 2)[_STATS[stats]]
+    return torch.from_numpy(bits), torch.tensor([s0, s1][:count], dtype=torch.float64)
+
+
+def sign_decode(bits: torch.Tensor, values: torch.Tensor, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
+    """``out = where(bit, values[0], values[1])`` (``out += ...`` with ``accumulate``), the two
+    values (a float CPU tensor) rounded to ``out``'s dtype once, as
+    ``kernels.sign.sign_unpack_values`` does; one pass over ``out``."""
+    pair = values.to(torch.float64).to(out.dtype).numpy()
+    codes = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(np.bool_)
+    table = np.where(codes, pair[0], pair[1]).astype(pair.dtype)  # row b: the 8 values of byte b
+    _get().decode(bits.numpy(), table, out.numpy(), bool(accumulate))
+    return out
+
+
+def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``kernels.select.topk_abs_indices(x, k)`` (the same indices: the exact top-k by magnitude,
+    ties to the lowest positions) with the candidate pass fused into one loop; ``x``: 1-D
+    contiguous, ``0 < k``, ``4 k < numel``."""
+    n = x.numel()
+    stride = max(16, n // _SAMPLE)
+    sample = x[stride // 2::stride].abs()
+    s = sample.numel()
+    # the sample element used as threshold: as kernels.select chooses it, a little low
+    mean = s * k / n
+    rank = math.ceil(1.05 * mean + 4.0 * math.sqrt(mean) + 1.0)
+    while rank < s:
+        t = float(torch.kthvalue(sample, s - rank + 1).values)
+        if math.isnan(t):
+            break
+        idx = _at_least(x, t, n * rank // s)
+        if idx.numel() >= k:
+            return _exact(x.index_select(0, idx).abs(), idx, k)
+        rank *= 4
+    return topk_abs_indices_reference(x, k)
+
+
+def _at_least(x: torch.Tensor, t: float, expect: int) -> torch.Tensor:
+    """Ascending int64 positions where ``|x| >= t`` or ``x`` is NaN (``t``: a value of ``x``'s
+    dtype), compared as integers: the bits without the sign bit; ``expect``: the likely count."""
+    itype = np.int32 if x.dtype == torch.float32 else np.int64
+    mask = itype(np.iinfo(itype).max)
+    key = np.array(t if t > 0 else 0, dtype=x.numpy().dtype).view(itype)[()]
+    bits = x.numpy().view(itype)
+    cap = expect + (expect >> 3) + 1024
+    out = np.empty(cap, dtype=np.int64)
+    found = _get().at_least(bits, key, mask, out)
+    if found > cap:  # the estimate was low: once more with room for all
+        out = np.empty(found, dtype=np.int64)
+        _get().at_least(bits, key, mask, out)
+    return torch.from_numpy(out[:found])
+
+
+def take_and_clear(flat: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``values = flat[idx]`` and then ``flat[idx] = values - values`` (0, NaN for NaN/Inf), for
+    distinct int64 ``idx`` in range: ``compress.sparse.sparse_residual`` in one loop."""
+    values = np.empty(idx.numel(), dtype=flat.numpy().dtype)
+    _get().take_and_clear(flat.numpy(), idx.numpy(), values)
+    return torch.from_numpy(values)
+
+
+def warm(dtype: Optional[torch.dtype] = None) -> bool:
+    """Compile (or load) the loops for ``dtype`` (float32 by default) now rather than at the
+    first large tensor; False where they are not available."""
+    if _get() is None:
+        return False
+    x = torch.zeros(64, dtype=dtype or torch.float32)
+    bits, _ = sign_pack(x, "split")
+    sign_decode(bits, torch.tensor([1.0, -1.0]), x, True)
+    return True

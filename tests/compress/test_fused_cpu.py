@@ -1,0 +1,128 @@
+"""The fused CPU loops (gradcomp.kernels.cpu) against the torch/numpy reference paths.
+
+The loops run from ``FUSED_MIN`` elements on; here ``cpu.threshold(1)`` forces them on small
+tensors of awkward sizes (word and byte tails), and ``cpu.threshold(NEVER)`` forces the
+reference. Bits, decodings, residuals and indices must be identical; the sign sums are float64
+in another order than the reference's, so they agree to float64 rounding and the wire values
+(rounded to fp32) are compared exactly on these seeds.
+"""
+import pytest
+import torch
+
+from gradcomp.compress import ErrorFeedback, get_compressor
+from gradcomp.compress import sign as sign_compressor
+from gradcomp.kernels import cpu, select, sign
+from gradcomp.kernels.sign import sign_pack_reference
+
+NEVER = 1 << 62
+SIZES = [1, 7, 8, 63, 64, 65, 1000, 4099]
+SIGN_FAMILY = ["onebit", "efsignsgd", "signsgd", "signum"]
+
+if not cpu.warm():
+    pytest.skip("numba is not importable here: the fused loops do not run (the reference paths do)",
+                allow_module_level=True)
+
+
+def _data(n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g, dtype=torch.float64).to(dtype)
+    if n >= 8:  # zeros of both signs and repeats: the edges of x >= 0 and of the tie rule
+        x[1], x[3], x[5:7] = 0.0, -0.0, x[4]
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_sign_pack_and_decode_match_the_reference(dtype):
+    for n in SIZES:
+        x = _data(n, dtype, n)
+        for stats in sign.STATS:
+            bits, sums = cpu.sign_pack(x, stats)
+            rbits, rsums = sign_pack_reference(x, stats)
+            assert torch.equal(bits, rbits), (n, stats)
+            torch.testing.assert_close(sums, rsums, rtol=1e-13, atol=1e-13)
+        values = torch.tensor([0.7, -1.3], dtype=torch.float64)
+        for accumulate in (False, True):
+            out, ref = x.clone(), x.clone()
+            cpu.sign_decode(bits, values, out, accumulate)
+            sign.sign_unpack_values(bits, n, values, out=ref, accumulate=accumulate)
+            assert torch.equal(out, ref), (n, accumulate)
+
+
+def test_nan_and_inf_reach_every_sum_the_reference_makes_non_finite():
+    x = torch.randn(130)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        y = x.clone()
+        y[77] = bad
+        for stats in ("sum", "abs", "split"):
+            sums, rsums = cpu.sign_pack(y, stats)[1], sign_pack_reference(y, stats)[1]
+            assert torch.equal(torch.isfinite(sums), torch.isfinite(rsums)), (bad, stats)
+            assert torch.equal(torch.isnan(sums), torch.isnan(rsums)), (bad, stats)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_topk_selection_is_the_exact_topk(dtype):
+    for n, k in [(4099, 1), (4099, 40), (100_000, 1000), (65, 16)]:
+        x = _data(n, dtype, k)
+        x[::7] = x[2]  # many ties at one magnitude
+        assert torch.equal(cpu.topk_abs_indices(x, k), select.topk_abs_indices(x, k)), (n, k)
+    x = _data(50_000, dtype)
+    x[10], x[20_000] = float("nan"), float("inf")
+    assert torch.equal(cpu.topk_abs_indices(x, 30), select.topk_abs_indices(x, 30))
+    # a constant tensor: every element ties, and an estimate too low to find them at once
+    assert torch.equal(cpu.topk_abs_indices(torch.ones(40_000, dtype=dtype), 900), torch.arange(900))
+
+
+def test_candidate_pass_grows_its_buffer():
+    x = _data(10_000, torch.float32)
+    ref = select._at_least(x, torch.tensor(0.5), True)
+    assert torch.equal(cpu._at_least(x, 0.5, expect=0), ref)  # room for 1024, ~6000 found
+    assert torch.equal(cpu._at_least(x, 0.0, expect=0), torch.arange(10_000))
+
+
+def _run(name, x):
+    """What a step gives on ``x``: payload tensors, decoding, decompress_into both ways, the
+    in-place residual and an error-feedback step's residual (a fresh compressor each time)."""
+    c = get_compressor(name)
+    payload, decoded = c.compress_decoded(x, "k")
+    into = torch.ones(x.numel(), dtype=torch.float32)
+    c.decompress_into(payload, into, alpha=0.5)
+    res = [] if not c.compresses_in_place or x.dtype not in (torch.float32, torch.float64) else [x.clone(memory_format=torch.contiguous_format)]
+    if res:
+        res += c.compress_residual(res[0], "r").tensors
+    fb = ErrorFeedback(get_compressor(name))
+    sent = fb.compress(x, "e")
+    fb.compress(x.flip(0), "e")
+    return [*payload.tensors, decoded, into, *res, *sent.tensors, fb.residual("e")], payload
+
+
+@pytest.mark.parametrize("name", SIGN_FAMILY + ["topk"])
+def test_compressors_fused_and_reference_agree(name, monkeypatch):
+    # the oracle: the torch reference with float64 sums (the numpy path below the threshold
+    # sums chunks in their own dtype, so its decode values may differ in the last fp32 bit)
+    monkeypatch.setattr(sign_compressor, "sign_pack", sign_pack_reference)
+    shapes = [(4099,), (65, 63), (1,), (0,), (64, 130)]
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for shape in shapes:
+            x = _data(int(torch.Size(shape).numel()), dtype, len(shape)).reshape(shape)
+            if len(shape) == 2:
+                x = x.t()  # non-contiguous input
+            with cpu.threshold(1):
+                fused, payload = _run(name, x)
+                # the reference decode of the fused payload: the fused decode's bits
+                with cpu.threshold(NEVER):
+                    assert torch.equal(get_compressor(name).decompress(payload), fused[2])
+            with cpu.threshold(NEVER):
+                ref, _ = _run(name, x)
+            assert len(fused) == len(ref)
+            for i, (a, b) in enumerate(zip(fused, ref)):
+                assert torch.equal(a, b), (name, dtype, shape, i)
+
+
+def test_the_rule_of_use():
+    x = torch.randn(16)
+    with cpu.threshold(16):
+        assert cpu.applies(16, x) and not cpu.applies(15, x)
+        assert not cpu.applies(16, x.half()) and not cpu.applies(16, x.bfloat16())
+        assert not cpu.applies(16, torch.empty(16, device="meta"))
+        assert cpu.applies(16, x, torch.zeros(2, dtype=torch.uint8))
+    assert cpu.FUSED_MIN == 1 << 18 and not cpu.applies(1 << 17, x)
