@@ -117,6 +117,8 @@ def _compressed_run(rank, world):
     import torch.distributed as dist
     from models import data
 
+    from syncs import HostSyncs
+
     from gradcomp.collectives.shards import piece_key
     from gradcomp.training import compress_fsdp
 
@@ -139,8 +141,10 @@ def _compressed_run(rank, world):
         loss = _loss(model, xb[4:], yb[4:], rank)
         if step == 1 and rank == 1:
             loss = loss * float("inf")
-        loss.backward()
-        out["stepped"].append(h.step(opt))
+        with HostSyncs() as syncs:
+            loss.backward()
+            out["stepped"].append(h.step(opt))
+        out["syncs"] = syncs.sites  # the last step's
         opt.zero_grad()
         if not out["stepped"][-1]:  # rolled back: its exchanges owe nothing
             for calls in seen.values():
@@ -264,6 +268,8 @@ def test_compress_fsdp_on_two_ranks(tmp_path):
         assert c["skip_kept_state"] and c["skip_kept_weights"], "a skipped step changed the state or weights"
         assert c["ef_calls"] > 0 and c["ef_worst"] < 1e-5, f"error feedback lost mass: {c['ef_worst']}"
         assert c["resume_identical"], "resuming from the checkpoint did not continue bit for bit"
+        ours = {site: n for site, n in c["syncs"].items() if "training/fsdp.py" in site}
+        assert sum(ours.values()) == 1, f"compress_fsdp's own host syncs per step (the decision only): {ours}"
         stepped, scales, kept = r["scaler"]
         assert stepped == [True, False, True] and kept
         assert scales[1] == scales[0] * 0.5, scales
