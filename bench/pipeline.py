@@ -4,7 +4,8 @@ On ``--world-size`` ranks (one pipeline stage each), loopback or ``--netem RATE`
 
 - throughput: samples/s of gradcomp's ``Pipeline`` under each schedule (``--schedules``) and
   pair of boundary compressors (``--codecs``, ``ACT+GRAD``), and of ``torch.distributed.pipelining``
-  (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) on the same model, ranks,
+  (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, and beside ``zb-h1``
+  ``ScheduleInterleavedZeroBubble`` on one chunk per rank and ``ScheduleZBVZeroBubble``) on the same model, ranks,
   link and batch; median step time over ``--repeats`` steps after ``--warmup`` (each step
   starts at a barrier; a step's time is its slowest rank's); the measured bubble (the share
   of each rank's step spent outside its forward and backward passes, averaged over ranks)
@@ -38,8 +39,14 @@ from . import cli
 from . import env as envmod
 from .train import _data
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
-TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B"}
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
+         "zb-h1": "ScheduleInterleavedZeroBubble"}
+# torch's schedules without a gradcomp row of their own, measured beside the one named: ZBV
+# (zero bubble on two model chunks per rank in a V: rank r holds stages r and 2p - 1 - r)
+TORCH_BESIDE = {"zb-h1": "ScheduleZBVZeroBubble"}
+VIRTUAL = {"interleaved": 2, "ScheduleInterleaved1F1B": 2, "ScheduleZBVZeroBubble": 2}  # chunks per rank
+BUSY = ("F", "B", "I", "W")  # the event kinds that are a rank's own passes
 DEFAULT_CODECS = "none+none,int8+fp16"
 ACCURACY_CODECS = ("none+none", "fp16+fp16", "bf16+bf16", "int8+fp16", "int8~delta+fp16", "qsgd+fp16",
                    "topk:ratio=0.1+fp16")
@@ -50,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m gradcomp.bench pipeline",
                                 description="Pipeline-parallel training with compressed stage boundaries against "
                                             "torch.distributed.pipelining, on loopback or an emulated link.")
-    p.add_argument("--schedules", default=",".join(SCHEDULES), metavar="A,B", help="gpipe,1f1b,interleaved")
+    p.add_argument("--schedules", default=",".join(SCHEDULES), metavar="A,B", help=",".join(SCHEDULES))
     p.add_argument("--codecs", default=DEFAULT_CODECS, metavar="ACT+GRAD,...",
                    help=f"pairs of boundary compressors, activation+gradient (default {DEFAULT_CODECS})")
     p.add_argument("--microbatches", "--chunks", type=int, default=8, metavar="M",
@@ -114,8 +121,9 @@ class _Method:
     """One throughput method on this rank: ``step()`` runs a training step; ``measure()``
     notes what it measured after a timed one; ``result()`` is what the report needs."""
 
-    def __init__(self, step: Callable[[], Any], vstages: int, pipe: Any = None) -> None:
+    def __init__(self, step: Callable[[], Any], vstages: int, pipe: Any = None, schedule: str = "1f1b") -> None:
         self.step, self.vstages, self.pipe = step, vstages, pipe  # vstages: virtual stages per rank
+        self.schedule = schedule
         self.times: List[float] = []
         self.bubbles: List[float] = []
         self.sent: List[float] = []
@@ -124,17 +132,18 @@ class _Method:
         self.times.append(seconds)
         if self.pipe is not None:  # the share of the step outside this rank's passes
             events = self.pipe.events
-            busy = sum(e.end - e.start for e in events if e.kind in ("F", "B"))
+            busy = sum(e.end - e.start for e in events if e.kind in BUSY)
             self.bubbles.append(1 - busy / max(e.end for e in events))
             self.sent.append(sent)
 
     def result(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {"times": self.times, "vstages": self.vstages, "bubble": None, "bytes": None}
+        out: Dict[str, Any] = {"times": self.times, "vstages": self.vstages, "bubble": None, "bytes": None,
+                               "schedule": self.schedule, "peak_in_flight": None}
         if self.pipe is not None:
             self.step()  # one more, for the timeline
             out.update(bubble=statistics.median(self.bubbles), bytes=statistics.median(self.sent),
                        events=[list(e) for e in self.pipe.events], started_at=self.pipe.started_at,
-                       balance=self.pipe.balance)
+                       balance=self.pipe.balance, peak_in_flight=self.pipe.peak_in_flight)
             self.pipe.close()
         return out
 
@@ -162,29 +171,31 @@ def _ours(cfg: Dict[str, Any], schedule: str, codecs: str, world: int, make: Cal
 
     act, grad, delta = _pair(codecs)
     model = make()
-    v = 2 if schedule == "interleaved" else 1
+    v = VIRTUAL.get(schedule, 1)
     layers = len(model)
     balance = balance or [layers // (world * v)] * (world * v)
     balance[-1] += layers - sum(balance)
     pipe = Pipeline(model, balance=balance, schedule=schedule, microbatches=cfg["microbatches"], activation_codec=act,
                     grad_codec=grad, delta=delta, optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
     x, y = cfg["x"], cfg["y"]
-    return _Method(lambda: pipe.step(x, y, nn.functional.cross_entropy), v, pipe)
+    return _Method(lambda: pipe.step(x, y, nn.functional.cross_entropy), v, pipe, schedule)
 
 
-def _torch(cfg: Dict[str, Any], schedule: str, rank: int, world: int, make: Callable[[], nn.Sequential]
+def _torch(cfg: Dict[str, Any], name: str, rank: int, world: int, make: Callable[[], nn.Sequential]
            ) -> _Method:
+    """torch.distributed.pipelining's schedule ``name`` (a class of it) on the same model."""
     from torch.distributed import pipelining
 
     model = make()
-    v = 2 if schedule == "interleaved" else 1
+    v = VIRTUAL.get(name, 1)
     n = world * v
     per = len(model) // n
     pieces = [model[s * per:(s + 1) * per] if s < n - 1 else model[s * per:] for s in range(n)]
-    mine = [s for s in range(n) if s % world == rank]
+    mine = [rank, n - 1 - rank] if name == "ScheduleZBVZeroBubble" else [s for s in range(n) if s % world == rank]
     stages = [pipelining.PipelineStage(pieces[s], s, n, torch.device("cpu")) for s in mine]
-    cls = getattr(pipelining, TORCH[schedule])
-    sched = cls(stages if v > 1 else stages[0], cfg["microbatches"], loss_fn=nn.functional.cross_entropy)
+    cls = getattr(pipelining, name)
+    multi = issubclass(cls, pipelining.schedules.PipelineScheduleMulti)
+    sched = cls(stages if multi else stages[0], cfg["microbatches"], loss_fn=nn.functional.cross_entropy)
     opt = torch.optim.SGD([p for s in mine for p in pieces[s].parameters()], lr=1e-3)
     x, y = cfg["x"], cfg["y"]
 
@@ -194,7 +205,7 @@ def _torch(cfg: Dict[str, Any], schedule: str, rank: int, world: int, make: Call
         sched.step(x, **kwargs) if 0 in mine else sched.step(**kwargs)
         opt.step()
 
-    return _Method(step, v)
+    return _Method(step, v, schedule=name)
 
 
 def _accuracy(cfg: Dict[str, Any], codecs: str, world: int, data: Any) -> Dict[str, Any]:
@@ -236,8 +247,9 @@ def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[...,
             labels.append(f"gradcomp {schedule} {codecs}")
             methods.append(_ours(cfg, schedule, codecs, world, model))
         if cfg["torch"]:
-            labels.append(f"torch {TORCH[schedule]}")
-            methods.append(_torch(cfg, schedule, rank, world, model))
+            for name in [TORCH[schedule]] + ([TORCH_BESIDE[schedule]] if schedule in TORCH_BESIDE else []):
+                labels.append(f"torch {name}")
+                methods.append(_torch(cfg, name, rank, world, model))
     if cfg["balance"]:
         for label, method in _balance_methods(cfg, world):
             labels.append(label)
@@ -288,7 +300,9 @@ def _records(everyone: List[Any], cfg: Dict[str, Any], world: int) -> List[Dict[
             bubbles = [x["bubble"] for x in runs if x["bubble"] is not None]
             r.update(step_ms=1e3 * step, samples_per_s=cfg["batch_size"] / step,
                      bubble=statistics.mean(bubbles) if bubbles else None,
-                     ideal_bubble=ideal_bubble(world, cfg["microbatches"], mine["vstages"]),
+                     ideal_bubble=ideal_bubble(world, cfg["microbatches"], mine["vstages"],
+                                               "zb-h1" if "Zero" in mine["schedule"] else mine["schedule"]),
+                     peak_in_flight=[x["peak_in_flight"] for x in runs] if mine["peak_in_flight"] is not None else None,
                      bytes_per_step=max(x["bytes"] for x in runs) if mine["bytes"] is not None else None)
             if "events" in mine:
                 r["timeline"] = [[(e[0], e[1], e[2], e[3] + x["started_at"], e[4] + x["started_at"])
@@ -322,8 +336,8 @@ def _ratios(records: List[Dict[str, Any]]) -> None:
 # ---- report ------------------------------------------------------------------------------------------
 def table(records: List[Dict[str, Any]]) -> str:
     fmt = cli.fmt
-    lines = ["| method | samples/s | step ms | vs uncompressed | vs torch | bubble (ideal) | bytes/step/rank |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | samples/s | step ms | vs uncompressed | vs torch | bubble (ideal) | bytes/step/rank | "
+             "held per rank |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for r in records:
         if "samples_per_s" not in r:
             continue
@@ -335,7 +349,7 @@ def table(records: List[Dict[str, Any]]) -> str:
             f"- ({r['ideal_bubble']:.2f})"
         lines.append(f"| {r['method']} | {r['samples_per_s']:.0f} | {r['step_ms']:.1f} | {extra} | "
                      f"{fmt(r.get('vs_torch'), '.2f')}{'x' if r.get('vs_torch') else ''} | {bubble} | "
-                     f"{cli.fmt_bytes(r['bytes_per_step'])} |")
+                     f"{cli.fmt_bytes(r['bytes_per_step'])} | {_held(r.get('peak_in_flight'))} |")
     acc = [r for r in records if "test_accuracy" in r]
     if acc:
         lines += ["", "| codecs (activation+gradient) | test accuracy | vs exact | delta cache |",
@@ -345,6 +359,11 @@ def table(records: List[Dict[str, Any]]) -> str:
                          f"{fmt(r.get('vs_exact_pp'), '+.2f')} pp | "
                          f"{cli.fmt_bytes(r['delta_cache_bytes']) if r['delta_cache_bytes'] else '-'} |")
     return "\n".join(lines)
+
+
+def _held(peaks: Optional[List[int]]) -> str:
+    """Micro-batches each rank held at once (``Pipeline.peak_in_flight``), or "-"."""
+    return "-" if not peaks else "/".join(map(str, peaks))
 
 
 def timeline_plot(records: List[Dict[str, Any]], path: str, title: str) -> None:
@@ -360,7 +379,7 @@ def timeline_plot(records: List[Dict[str, Any]], path: str, title: str) -> None:
         if schedule not in seen:
             seen.add(schedule)
             panels.append(r)
-    colors = {"F": "#4c72b0", "B": "#55a868", "send": "#dd8452"}
+    colors = {"F": "#4c72b0", "B": "#55a868", "I": "#8fd19e", "W": "#2d6a3e", "send": "#dd8452"}
     fig, axes = plt.subplots(len(panels), 1, figsize=(14, 1.0 + 0.75 * len(panels) * len(panels[0]["timeline"])),
                              squeeze=False)
     for ax, r in zip(axes[:, 0], panels):
@@ -382,8 +401,9 @@ def timeline_plot(records: List[Dict[str, Any]], path: str, title: str) -> None:
                      f"{r['ideal_bubble']:.2f}); drawn: one more step, {_span(r):.0f} ms", fontsize=9, loc="left")
         ax.set_xlabel("ms since the step began (wall clock, one step)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
-    fig.legend(handles, ["forward", "backward", "send (its wait for earlier messages included)"], loc="upper right",
-               ncol=3, fontsize=8, frameon=False)
+    fig.legend(handles, ["forward", "backward", "input gradient (I)", "weight gradient (W)",
+                         "send (its wait for earlier messages included)"], loc="upper right", ncol=5, fontsize=8,
+               frameon=False)
     fig.suptitle(title, fontsize=10, x=0.01, ha="left")
     fig.tight_layout(rect=(0, 0, 1, 0.95))
     fig.savefig(path, dpi=130)
