@@ -76,18 +76,23 @@ class Algorithm:
 
     @classmethod
     def exchange(cls, comm: Comm, items: list, specs: list, started: list, error: Optional[BaseException], *,
-                 shared: bool = False, part: int = 0, parts: int = 1) -> list:
+                 shared: bool = False, part: int = 0, parts: int = 1, layouts: Optional[dict] = None) -> list:
         """The exchange phase of ``reduction.reduce_many``: the call header and this
         algorithm's communication for ``items`` (``started``: each tensor after its local phase;
         ``error``: this rank's local failure, reported to every rank through the header).
         Returns ``(average, sent)`` per tensor (None for an empty one). ``shared``: the set
         shares each exchange (:meth:`exchange_many`, ``allreduce_fused``'s wire, whatever the
-        number of tensors); otherwise one tensor travels alone (its header, then :meth:`run`)."""
+        number of tensors); otherwise one tensor travels alone (its header, then :meth:`run`).
+        ``layouts``: see ``collectives/_shared.py`` (agreed layouts; shared exchanges only)."""
         if shared:
+            if layouts is not None:
+                return cls.exchange_many(comm, items, specs, [s.algo for s in started], error, layouts=layouts)
             return cls.exchange_many(comm, items, specs, [s.algo for s in started], error)
         if len(items) != 1:
             raise ValueError(f"{len(items)} tensors must share their exchanges (shared=True)")
         (key, tensor, _), spec, (algo, _, (check, sizes)) = items[0], specs[0], started[0]
+        if sizes is None:  # made only when the header needs them (AllGather encodes then)
+            sizes = algo.sizes() if algo is not None else []
         table = comm.exchange(build(comm.size, op="allreduce", algorithm=cls.name, tensor=tensor, compressor=spec.desc,
                                     key=key, part=part, parts=parts, measure=spec.measure, error=error is not None,
                                     check=check, sizes=sizes))
@@ -95,12 +100,14 @@ class Algorithm:
         return [None if algo is None or tensor.numel() == 0 else algo.run(table)]
 
     @classmethod
-    def exchange_many(cls, comm: Comm, items: list, specs: list, algos: list, error: Optional[BaseException]) -> list:
+    def exchange_many(cls, comm: Comm, items: list, specs: list, algos: list, error: Optional[BaseException],
+                      layouts: Optional[dict] = None) -> list:
         """Many tensors at once, each exchange shared by the set (``algos``: each tensor's
         instance after ``local``, None for an empty one; ``error``: this rank's local failure,
         reported through the shared header). Returns ``(average, sent)`` per tensor (None for an
         empty one). An algorithm that implements it is available to ``allreduce_fused`` (see
-        ``collectives/_shared.py``)."""
+        ``collectives/_shared.py``). ``layouts``: the caller's agreed layouts, which an
+        algorithm may use to skip the header after a layout's first exchange (or ignore)."""
         raise NotImplementedError(f"algorithm {cls.name!r} cannot share its exchanges among tensors")
 
     @classmethod
@@ -115,10 +122,15 @@ class Algorithm:
         (which the compressor then declares)."""
         return cls.needs is not None
 
-    def local(self, acc: torch.Tensor, dtype: torch.dtype) -> Tuple[int, List[int]]:
+    def local(self, acc: torch.Tensor, dtype: torch.dtype) -> Tuple[int, Optional[List[int]]]:
         """Compress ``acc`` (the input's shape; fp32 under error feedback) as a tensor of the
         input's ``dtype``, so payloads are what the compressor sends without feedback and the
-        cast's rounding lands in the residual. Returns (check hash, sizes for the header)."""
+        cast's rounding lands in the residual. Returns (check hash, sizes for the header, or
+        None when :meth:`sizes` makes them on demand)."""
+        raise NotImplementedError
+
+    def sizes(self) -> List[int]:
+        """The header's sizes, for an algorithm whose ``local`` returned None for them."""
         raise NotImplementedError
 
     def run(self, table: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:

@@ -257,7 +257,7 @@ class Comm:
         moved = _nbytes(t) * (self.size - 1)
         self.record.bytes_sent += moved
         self.record.bytes_recv += moved
-        return out.to(t.device)
+        return out if out.device == t.device else out.to(t.device)
 
     def all_to_all(self, inp: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int]) -> torch.Tensor:
         """Block ``j`` of the 1-D ``inp`` goes to rank ``j``; the result holds, in rank order,
@@ -271,7 +271,7 @@ class Comm:
         item = inp.element_size()
         self.record.bytes_sent += item * (int(sum(in_splits)) - int(in_splits[self.rank]))
         self.record.bytes_recv += item * (int(sum(out_splits)) - int(out_splits[self.rank]))
-        return out.to(inp.device)
+        return out if out.device == inp.device else out.to(inp.device)
 
     def send(self, t: torch.Tensor, dst: int, tag: int = 0) -> None:
         buf = self._wire(t)

@@ -14,6 +14,8 @@ from typing import Any, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 
+from gradcomp.compress import Payload
+
 from ._header import IDX, build, check_same_call, h64, verify
 
 Item = Tuple[str, torch.Tensor, Any]  # (key, tensor, compressor)
@@ -77,3 +79,134 @@ def split(buf: torch.Tensor, n: int, rank: int) -> List[torch.Tensor]:
         raise ValueError(f"allreduce_fused: the bytes from rank {rank} do not hold {n} payloads as announced; "
                          f"ranks run different gradcomp versions or the data was corrupted")
     return list(buf[head:].split([int(x) for x in lengths]))
+
+
+# ---- agreed layouts: payloads as raw tensors, no per-call header ---------------------------
+# A caller that has made every rank agree on the set (keys, shapes, dtypes, compressors: the
+# training runtime checks it when a bucket layout is first seen) passes a ``layouts`` dict.
+# The first exchange of a layout runs the self-describing, validated path above; every rank
+# then keeps each payload's structure (a :class:`Template`: its tensors' dtypes and shapes and
+# its meta, which for a fixed-size compressor depend only on the tensor and configuration) and
+# later exchanges of that layout send the payload tensors as they are, back to back in one
+# flat device buffer behind an 8-byte status word: no header, no host copy, no host read.
+# The receiver cuts each rank's buffer by its own templates; what only the data can show (a
+# peer that failed locally, sparse indices out of range) is flagged on the device and read
+# with the step's finiteness, when the transaction ends (``Transaction.flag``).
+_ALIGN = 8  # each tensor starts at a multiple of 8 bytes, so it can be viewed where it lies
+OK, FAILED, CHANGED = 0, 1, 2  # the status word
+
+
+class Template:
+    """The structure of one payload: compressor, shape, dtype, meta and each tensor's dtype,
+    shape and byte offset in the agreed buffer."""
+
+    def __init__(self, payload: Any, offset: int) -> None:
+        self.compressor, self.shape, self.dtype = payload.compressor, tuple(payload.shape), payload.dtype
+        self.meta = dict(payload.meta)
+        self.tensors = [(t.dtype, tuple(t.shape), t.numel() * t.element_size()) for t in payload.tensors]
+        self.offsets = []
+        for _, _, size in self.tensors:
+            self.offsets.append(offset)
+            offset += -(-size // _ALIGN) * _ALIGN
+        self.end = offset
+
+    def matches(self, payload: Any) -> bool:
+        """Whether ``payload`` has this structure (host metadata only, nothing is read)."""
+        return (payload.compressor == self.compressor and tuple(payload.shape) == self.shape
+                and payload.dtype == self.dtype and payload.meta == self.meta
+                and [(t.dtype, tuple(t.shape)) for t in payload.tensors] == [(d, s) for d, s, _ in self.tensors])
+
+    def write(self, payload: Any, buf: torch.Tensor) -> None:
+        for t, off, (_, _, size) in zip(payload.tensors, self.offsets, self.tensors):
+            if size:
+                buf[off:off + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+
+    def read(self, row: torch.Tensor) -> Payload:
+        """The payload a peer's buffer holds at this template's place (views of ``row``)."""
+        tensors = [row[off:off + size].view(dtype).reshape(shape)
+                   for off, (dtype, shape, size) in zip(self.offsets, self.tensors)]
+        return Payload(self.compressor, self.shape, self.dtype, tensors, dict(self.meta))
+
+
+class Layout:
+    """One agreed set: a template per tensor (None for an empty one) and the buffer's size."""
+
+    def __init__(self, payloads: Sequence[Any]) -> None:
+        self.templates: List[Optional[Template]] = []
+        offset = _ALIGN  # the status word
+        for p in payloads:
+            t = None if p is None else Template(p, offset)
+            self.templates.append(t)
+            offset = offset if t is None else t.end
+        self.nbytes = offset
+
+
+def signature(algorithm: str, size: int, items: List[Item], specs: list) -> tuple:
+    """What an agreed layout is known by: algorithm, group size and every tensor's key, shape,
+    dtype and compressor configuration, in order."""
+    return (algorithm, size, tuple((k, tuple(t.shape), t.dtype, s.desc) if isinstance(t, torch.Tensor) else (k,)
+                                   for (k, t, _), s in zip(items, specs)))
+
+
+def agreed_buffer(layout: Layout, payloads: Sequence[Any], device: torch.device, error) -> Tuple[torch.Tensor, int]:
+    """This rank's buffer for an agreed exchange, and its status: the payloads at their places
+    (zeros when this rank failed locally, or its payloads no longer fit the layout)."""
+    status = FAILED if error is not None else OK
+    if status == OK and any((p is None) != (t is None) or (t is not None and not t.matches(p))
+                            for p, t in zip(payloads, layout.templates)):
+        status = CHANGED
+    buf = torch.zeros(layout.nbytes, dtype=torch.uint8, device=device) if status != OK else \
+        torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
+    buf[:_ALIGN].view(torch.int64).fill_(status)
+    if status == OK:
+        for p, t in zip(payloads, layout.templates):
+            if t is not None:
+                t.write(p, buf)
+                end = t.offsets[-1] + t.tensors[-1][2] if t.tensors else t.end
+                buf[end:t.end].zero_()  # the alignment bytes: the same bits on the wire every time
+    return buf, status
+
+
+def statuses(rows: torch.Tensor) -> torch.Tensor:
+    """Every rank's status word (a device tensor, not read here)."""
+    return rows[:, :_ALIGN].contiguous().view(torch.int64).reshape(-1)
+
+
+def status_problem(values: List[int]) -> str:
+    failed = [r for r, v in enumerate(values) if v == FAILED]
+    changed = [r for r, v in enumerate(values) if v == CHANGED]
+    parts = []
+    if failed:
+        parts.append(f"rank(s) {failed} failed to compress their gradients (the error is raised there)")
+    if changed:
+        parts.append(f"the payloads of rank(s) {changed} no longer fit the layout agreed at the bucket's first "
+                     f"exchange (a compressor whose payload structure changes between steps must declare "
+                     f"fixed_size=False)")
+    return "; ".join(parts) or "an agreed exchange failed"
+
+
+class Flags:
+    """The device flags of one agreed exchange: handed to the open transaction, which reads
+    them with the step's finiteness; with none open, read at :meth:`settle` (one host read)."""
+
+    def __init__(self, txn: Any) -> None:
+        self.txn = txn
+        self.pending: List[Tuple[torch.Tensor, Any]] = []
+
+    def add(self, bad: torch.Tensor, problem) -> None:
+        if self.txn is not None:
+            self.txn.flag(bad, problem)
+        else:
+            self.pending.append((bad.reshape(-1), problem))
+
+    def settle(self) -> None:
+        if not self.pending:
+            return
+        values = torch.cat([b.long() for b, _ in self.pending]).tolist()
+        problems = []
+        for b, problem in self.pending:
+            mine, values = values[:b.numel()], values[b.numel():]
+            if any(mine):
+                problems.append(problem(mine))
+        if problems:
+            raise ValueError("; ".join(problems))

@@ -14,11 +14,13 @@ payload is never decoded twice.
 """
 from __future__ import annotations
 
+from gradcomp.compress import transaction
 from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, register_algorithm, wdtype
 from ._header import sizes as header_sizes
-from ._shared import device_of, exact_sizes, header, pack, split, verify_many
+from ._shared import (OK, Flags, Layout, agreed_buffer, device_of, exact_sizes, header, pack, signature, split,
+                      status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
 
 
@@ -42,21 +44,66 @@ class AllGather(Algorithm):
             payload = self.comp.compress(as_dtype(acc, dtype), self.key)
         self.payload = payload
         self.payload_bytes = payload.nbytes
-        self.buf = encode(payload, acc.device)
+        self._buf = None  # the wire bytes, made when the validated format is sent (not on an agreed layout)
         self.device = acc.device
         self.dtype = wdtype(acc)
-        return 0, [self.buf.numel()]
+        return 0, None
+
+    @property
+    def buf(self):
+        if self._buf is None:
+            self._buf = encode(self.payload, self.device)
+        return self._buf
+
+    def sizes(self):
+        return [self.buf.numel()]
 
     @classmethod
-    def exchange_many(cls, comm, items, specs, algos, error):
-        """One header and one all-gather of every tensor's payload for the whole set."""
+    def exchange_many(cls, comm, items, specs, algos, error, layouts=None):
+        """One header and one all-gather of every tensor's payload for the whole set; on a
+        layout the ranks agreed on (``layouts``, see ``collectives/_shared.py``) after its first
+        exchange, one all-gather of the raw payload tensors and nothing else."""
         device, exact = device_of(items), exact_sizes(specs)
+        sig = signature(cls.name, comm.size, items, specs) if layouts is not None and not exact else None
+        if sig is not None and sig in layouts:
+            return cls._agreed(comm, items, algos, error, layouts[sig], device)
         buf = pack([None if a is None or error is not None else a.buf for a in algos], device, error)
         table = comm.exchange(header(comm.size, cls.name, items, specs, error, [buf.numel()]))
         verify_many(table, items, specs, error)
         bufs = gather_bytes(comm, buf, header_sizes(table)[:, 0].tolist(), exact=exact)
         per_rank = [split(b, len(items), r) for r, b in enumerate(bufs)]
-        return [None if a is None else a.combine([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
+        out = [None if a is None else a.combine([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
+        if sig is not None:  # every rank got here: the layout is checked, later exchanges send it raw
+            layouts[sig] = Layout([None if a is None else a.payload for a in algos])
+        return out
+
+    @classmethod
+    def _agreed(cls, comm, items, algos, error, layout, device):
+        payloads = [None if a is None else a.payload for a in algos]
+        buf, status = agreed_buffer(layout, payloads, device, error)
+        rows = comm.all_gather(buf)
+        flags = Flags(transaction.current())
+        flags.add(statuses(rows), status_problem)
+        if error is not None:
+            raise error
+        if status != OK:
+            raise ValueError(status_problem([status if r == comm.rank else OK for r in range(comm.size)]))
+        out = []
+        for (key, _, _), a, t in zip(items, algos, layout.templates):
+            if a is None:
+                out.append(None)
+                continue
+            peers = []
+            for r in range(comm.size):
+                p = None
+                if r != comm.rank:
+                    p, bad = a.comp.check_on_device(t.read(rows[r]))
+                    if bad is not None:
+                        flags.add(bad, lambda _, key=key, r=r: f"the payload of {key!r} from rank {r} is invalid")
+                peers.append(p)
+            out.append(a.average(peers))
+        flags.settle()
+        return out
 
     def run(self, table):
         sizes = header_sizes(table)[:, 0].tolist()
@@ -66,10 +113,18 @@ class AllGather(Algorithm):
         """Decode every rank's payload bytes (``bufs``, in rank order) and average them:
         ``(average, sent)``. Shared with ``allreduce_fused``, which gathers many at once."""
         with self.rec.timing("decompress"):
+            payloads = [None if r == self.comm.rank else decode(buf, self.device, self.payload.numel, r)
+                        for r, buf in enumerate(bufs)]
+        return self.average(payloads)
+
+    def average(self, payloads):
+        """Average every rank's payload (``payloads`` in rank order, None for this rank's own):
+        ``(average, sent)``."""
+        with self.rec.timing("decompress"):
             out = empty(self.payload.numel, self.dtype, self.device)
-            for r, buf in enumerate(bufs):
+            for r, payload in enumerate(payloads):
                 if r != self.comm.rank:
-                    self.comp.decompress_into(decode(buf, self.device, self.payload.numel, r), out, accumulate=r > 0)
+                    self.comp.decompress_into(payload, out, accumulate=r > 0)
                 elif self.sent is not None:  # the same bits as decoding this rank's payload again
                     sent = self.sent.reshape(-1)
                     out.copy_(sent) if r == 0 else out.add_(sent.to(out.dtype))

@@ -151,7 +151,7 @@ Rounds = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optional[torch.Tensor] = None,
-                    label: str = "?", observe: bool = True) -> List[torch.Tensor]:
+                    label: str = "?", observe: bool = True, layouts: Optional[dict] = None) -> List[torch.Tensor]:
     """The mean over ``group`` of every tensor in ``items`` (``(key, tensor, codec)``, the same
     order on every rank), in order (new tensors, or views of ``buffer``).
 
@@ -176,7 +176,9 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
     every gradient is dense, or every one goes through the same 16-bit cast, the bucket is
     averaged as a whole (see :func:`_whole`). ``observe``: tell the open state transaction
     (``gradcomp.compress.transaction``) whether every mean is finite, from the cheapest
-    tensors that decide it (the same on every rank of ``group``).
+    tensors that decide it (the same on every rank of ``group``). ``layouts``: the caller's
+    agreed layouts (see ``allreduce_fused``), for a caller that has made the ranks agree on
+    the bucket.
     """
     txn = transaction.current() if observe else None
     whole = _exchange_whole(items, buffer, group, world, txn)
@@ -188,7 +190,7 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
     # the others share each exchange (allgather on two ranks, scatter-reduce on more), unless
     # errors are measured, which allreduce does per tensor
     if rest and not measure_error_default():
-        _exchange_fused(items, rest, out, group)
+        _exchange_fused(items, rest, out, group, layouts)
     _exchange_each(items, [i for i in rest if out[i] is None], out, group)
     if txn is not None:
         txn.observe([out[i] for i in rest])
@@ -242,9 +244,10 @@ def _exchange_summable(items: Sequence[Item], out: List[Optional[torch.Tensor]],
         txn.observe([out[i] for i in gens if isinstance(items[i][2], EF21)])
 
 
-def _exchange_fused(items: Sequence[Item], rest: Sequence[int], out: List[Optional[torch.Tensor]], group) -> None:
+def _exchange_fused(items: Sequence[Item], rest: Sequence[int], out: List[Optional[torch.Tensor]], group,
+                    layouts: Optional[dict] = None) -> None:
     """Items ``rest`` in one ``allreduce_fused``: each exchange made once for all of them."""
-    for i, value in zip(rest, allreduce_fused([items[i] for i in rest], group=group)):
+    for i, value in zip(rest, allreduce_fused([items[i] for i in rest], group=group, layouts=layouts)):
         out[i] = value
 
 

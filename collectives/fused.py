@@ -39,7 +39,8 @@ def _sharing() -> dict:
     return {name: cls for name, cls in ALGORITHMS.items() if cls.shares_exchanges()}
 
 
-def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *, algorithm: Optional[str] = None):
+def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *, algorithm: Optional[str] = None,
+                    layouts: Optional[dict] = None):
     """The mean over ``group`` of every tensor in ``items`` (``(key, tensor, compressor)``
     triples, the same order on every rank), each exchange shared by the whole set.
 
@@ -51,6 +52,14 @@ def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *
     list of new tensors in order (or a ``torch.futures.Future`` of it with ``async_op=True``);
     inputs are never written to. Multi-round compressors (PowerSGD) are refused; errors are
     not measured (``measure_error`` is ignored here).
+
+    ``layouts``: a dict the caller keeps across calls, for callers that have made every rank
+    agree on each set it passes (keys, shapes, dtypes and compressors; the training runtime
+    checks that when it first sees a bucket layout). The first exchange of a set is checked
+    as always; later ones of the same set send fixed-size payloads as raw tensors, without
+    the header and the self-describing format, and report a peer's failure or an invalid
+    payload through the open transaction (read when it ends). Without it every call is
+    checked on its own.
     """
     if algorithm is not None and algorithm not in _sharing():
         raise ValueError(f"allreduce_fused: unknown algorithm {algorithm!r}; allowed: None (allgather on two ranks, "
@@ -64,20 +73,22 @@ def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *
                              f"rounds; use allreduce for multi-round compressors")
         specs.append(spec)
     tensors = [t for _, t, _ in items if isinstance(t, torch.Tensor)]
-    return worker.submit(lambda twin: _fused_job(items, specs, twin(group), algorithm), (group,), async_op,
+    return worker.submit(lambda twin: _fused_job(items, specs, twin(group), algorithm, layouts), (group,), async_op,
                          device=worker.device_of(tensors), inputs=tensors)
 
 
-def _fused_job(items: List[Item], specs: list, group, algorithm: Optional[str]) -> List[torch.Tensor]:
+def _fused_job(items: List[Item], specs: list, group, algorithm: Optional[str],
+               layouts: Optional[dict] = None) -> List[torch.Tensor]:
     """The whole set is one step: its state is kept only if every mean is finite (see
     :mod:`gradcomp.compress.transaction`)."""
     with transaction.step() as txn:
-        out = _fused_exchange(items, specs, group, algorithm)
+        out = _fused_exchange(items, specs, group, algorithm, layouts)
         txn.observe(out)
     return out
 
 
-def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[str]) -> List[torch.Tensor]:
+def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[str],
+                    layouts: Optional[dict] = None) -> List[torch.Tensor]:
     labels = {label(s) for s in specs}
     rec = telemetry.Record("allreduce", "?", labels.pop() if len(labels) == 1 else "mixed", "fused", 1)
     comm = Comm(group, rec, "allreduce", worker.device_of([t for _, t, _ in items]))
@@ -87,6 +98,7 @@ def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[s
     for _, tensor, _ in items:
         if isinstance(tensor, torch.Tensor):
             rec.dense_bytes += tensor.numel() * tensor.element_size()
-    out = reduce_many(ALGORITHMS[name], items, specs, comm, feedbacks=[s.feedback for s in specs], shared=True)
+    out = reduce_many(ALGORITHMS[name], items, specs, comm, feedbacks=[s.feedback for s in specs], shared=True,
+                      layouts=layouts)
     telemetry.commit(rec)
     return out

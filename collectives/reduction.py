@@ -103,14 +103,14 @@ def reduce(tensor: Any, spec: Spec, comm: Comm, *, key: str, feedback: Any, part
 
 def reduce_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: List[Spec], comm: Comm, *,
                 feedbacks: List[Optional[Feedback]], shared: bool = False, part: int = 0,
-                parts: int = 1) -> List[torch.Tensor]:
+                parts: int = 1, layouts: Optional[dict] = None) -> List[torch.Tensor]:
     """The compressed mean of every tensor of ``items`` (``(key, tensor, compressor)``) over
     ``comm`` with algorithm ``cls``, in three phases: each tensor's local work (:func:`start`:
     feedback accumulates, the algorithm compresses), the exchange (``cls.exchange``: the header
     and the algorithm's communication, one tensor alone or the whole set sharing each
     exchange), each tensor's finish (:func:`finish`: feedback keeps what the wire did not carry).
     ``allreduce`` is the case of one tensor on its own wire, ``allreduce_fused`` of any number
-    sharing each exchange (``shared``)."""
+    sharing each exchange (``shared``; ``layouts``: see ``allreduce_fused``)."""
     started: List[Started] = []
     error = None
     try:  # local work first: a failure here must reach the other ranks through the header
@@ -119,7 +119,8 @@ def reduce_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: 
     except Exception as exc:
         error = exc
     started += [Started(None, None, (0, []))] * (len(items) - len(started))
-    results = cls.exchange(comm, items, specs, started, error, shared=shared, part=part, parts=parts)
+    results = cls.exchange(comm, items, specs, started, error, shared=shared, part=part, parts=parts,
+                           layouts=layouts)
     return [torch.empty_like(tensor) if s.algo is None else finish(s.algo, tensor, s.acc, feedback, *result)
             for (_, tensor, _), s, feedback, result in zip(items, started, feedbacks, results)]
 

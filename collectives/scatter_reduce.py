@@ -92,7 +92,7 @@ class ScatterReduce(Algorithm):
         return 0, self.out_sizes
 
     @classmethod
-    def exchange_many(cls, comm, items, specs, algos, error):
+    def exchange_many(cls, comm, items, specs, algos, error, layouts=None):
         """``ScatterReduce``'s two phases for every tensor, each exchange shared: ``(avg, sent)``
         per tensor (None for an empty one)."""
         w, n = comm.size, len(items)

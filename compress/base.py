@@ -362,6 +362,16 @@ class Compressor(_ReadsCapabilities, ABC):
             raise ValueError(f"{cls.name}: payload dtype must be floating point, got {payload.dtype}")
         cls._check_tensors(payload)
 
+    @classmethod
+    def check_on_device(cls, payload: Payload) -> Tuple[Payload, Optional[torch.Tensor]]:
+        """A payload received on an agreed layout (its tensors' dtypes and shapes known before
+        it arrived, so what :meth:`check_payload` checks on the host holds) made safe to decode
+        without reading anything back, and a device flag (non-zero: invalid) for what only its
+        values can show, read when the step ends. By default nothing is needed: any bits of
+        the agreed sizes decode without an out-of-range access (and a non-finite decoding is
+        caught by the step's finiteness); payloads with indices or lengths override it."""
+        return payload, None
+
     def rounds(self, tensor: torch.Tensor, key: Optional[str] = None, *, out: Optional[torch.Tensor] = None) -> Rounds:
         """Multi-round form (``multi_round`` compressors only), a generator protocol.
 

@@ -12,7 +12,11 @@ rank. So the collectives run each step inside a :class:`Transaction`:
   one stays intact until the transaction ends; the two buffers then alternate, no allocation
   in the steady state;
 - :meth:`Transaction.commit` keeps the changes, :meth:`Transaction.rollback` restores every
-  remembered value.
+  remembered value;
+- whether the step counts is decided on the device: :meth:`Transaction.observe` keeps each
+  result's extremes there and :meth:`Transaction.flag` the validity checks of received
+  payloads, and :attr:`Transaction.finite` / :attr:`Transaction.problems` read all of them at
+  once, when the owner ends the transaction (one host sync per step, not one per bucket).
 
 Without an open transaction (a compressor or ``ErrorFeedback`` used on its own) changes apply
 at once, as they always did. A transaction is open in the current context
@@ -23,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Dict, Iterator, List, MutableMapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Tuple
 
 import torch
 
@@ -38,7 +42,9 @@ class Transaction:
     def __init__(self) -> None:
         self._undo: List[Tuple[MutableMapping, Any, Any, Optional[Dict]]] = []
         self._seen: Dict[Tuple[int, Any], bool] = {}
-        self.finite = True  # every result observed so far was finite
+        self._witnesses: List[torch.Tensor] = []  # device scalars: each observed result's min and max
+        self._flags: List[Tuple[torch.Tensor, Callable[[List[int]], str]]] = []  # device flags, what they mean
+        self._verdict: Optional[Tuple[bool, List[str]]] = None
         self.failed = False  # an exchange of this step raised
 
     def remember(self, mapping: MutableMapping, key: Any, spares: Optional[Dict] = None) -> bool:
@@ -53,12 +59,37 @@ class Transaction:
         self._undo.append((mapping, key, mapping.get(key, _MISSING), spares))
         return True
 
-    def observe(self, results: Any) -> bool:
-        """Note whether every tensor in ``results`` (a tensor or a list of them) is finite; the
-        result for these."""
-        ok = all_finite(results)
-        self.finite = self.finite and ok
-        return ok
+    def observe(self, results: Any) -> None:
+        """Note whether every tensor in ``results`` (a tensor or a list of them) is finite,
+        without reading anything back: the witnesses stay on the tensors' device until
+        :attr:`finite` is read, once for the whole transaction (one host sync per iteration on
+        the GPU, however many buckets it has)."""
+        self._witnesses += _witnesses(results)
+        self._verdict = None
+
+    def flag(self, bad: torch.Tensor, problem: Callable[[List[int]], str]) -> None:
+        """Note a device tensor of ints (``bad``; any non-zero element makes the step invalid),
+        read together with the finiteness witnesses: :attr:`problems` then holds
+        ``problem(values)`` (the flag's values as a list), e.g. which rank sent a payload whose
+        indices are out of range. Nothing is read now."""
+        self._flags.append((bad.reshape(-1), problem))
+        self._verdict = None
+
+    @property
+    def finite(self) -> bool:
+        """Whether every result observed so far is finite (one host read of every witness and
+        flag noted since the last read)."""
+        return self._settle()[0]
+
+    @property
+    def problems(self) -> List[str]:
+        """What the non-zero flags (:meth:`flag`) say; empty when every flag is zero."""
+        return self._settle()[1]
+
+    def _settle(self) -> Tuple[bool, List[str]]:
+        if self._verdict is None:
+            self._verdict = _read(self._witnesses, self._flags)
+        return self._verdict
 
     def commit(self) -> None:
         for mapping, key, old, spares in self._undo:
@@ -80,7 +111,8 @@ class Transaction:
     def _clear(self) -> None:
         self._undo.clear()
         self._seen.clear()
-        self.finite, self.failed = True, False
+        self._witnesses, self._flags, self._verdict = [], [], None
+        self.failed = False
 
     @contextlib.contextmanager
     def active(self) -> Iterator["Transaction"]:
@@ -158,10 +190,49 @@ def step() -> Iterator[Step]:
         except BaseException:
             txn.rollback()
             raise
-    if txn.finite:
+    problems = txn.problems
+    if txn.finite and not problems:
         txn.commit()
     else:
         txn.rollback()
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _witnesses(results: Any) -> List[torch.Tensor]:
+    """Each floating-point tensor's minimum and maximum, in float64, on its device: all of
+    them are finite exactly when every element is (a NaN propagates, an infinity is an
+    extreme, and no sum can overflow), one read-only pass per tensor."""
+    tensors = [results] if isinstance(results, torch.Tensor) else list(results)
+    out = []
+    for t in tensors:
+        if t is not None and t.numel() and t.is_floating_point():
+            lo, hi = torch.aminmax(t.detach().reshape(-1))
+            out.append(torch.stack([lo, hi]).double())
+    return out
+
+
+def _read(witnesses: List[torch.Tensor], flags: List[Tuple[torch.Tensor, Callable[[List[int]], str]]]
+          ) -> Tuple[bool, List[str]]:
+    """Finiteness of every witness and the values of every flag, in one host read per device."""
+    finite, problems = True, []
+    by_device: Dict[torch.device, List[torch.Tensor]] = {}
+    for w in witnesses:
+        by_device.setdefault(w.device, []).append(w)
+    for f, _ in flags:
+        by_device.setdefault(f.device, [])
+    for device, ws in by_device.items():
+        fl = [f for f, _ in flags if f.device == device]
+        parts = ([torch.isfinite(torch.cat(ws)).all().reshape(1).long()] if ws else []) + [f.long() for f in fl]
+        values = torch.cat(parts).tolist()  # the step's one host read on this device
+        if ws:
+            finite = finite and bool(values[0])
+            values = values[1:]
+        for f, problem in ((f, p) for f, p in flags if f.device == device):
+            mine, values = values[:f.numel()], values[f.numel():]
+            if any(mine):
+                problems.append(problem(mine))
+    return finite, problems
 
 
 def all_finite(results: Any) -> bool:

@@ -59,6 +59,8 @@ class Runtime:
         self._nodes: Any = None  # NodeGroups when hierarchical
         self._txn: Optional[Transaction] = None  # the state changes of the iteration in flight
         self._checked: set = set()  # bucket layouts every rank has agreed on
+        # their exchanges skip the header once checked (allreduce_fused's layouts=)
+        self._layouts: Dict[Any, Any] = {}
         self._warned: set = set()  # layers patterns already warned about
         self._registered = False  # start() checked the configuration
         self.names: List[str] = []  # the parameter names, when the caller knows them (identity of a checkpoint)
@@ -222,7 +224,7 @@ class Runtime:
     def exchange(self, items: Sequence[Any], group, world: int, buffer: Optional[torch.Tensor],
                  label: str) -> List[torch.Tensor]:
         """One flat bucket's exchange, inside its job (``compressor="auto"`` times it here)."""
-        return exchange_bucket(items, group, world, buffer=buffer, label=label)
+        return exchange_bucket(items, group, world, buffer=buffer, label=label, layouts=self._layouts)
 
     def _identity(self) -> Identity:
         """Whose state this is: rank, world size and a configuration fingerprint (a checkpoint
@@ -280,11 +282,14 @@ class Runtime:
         txn, self._txn = self._txn, None
         if txn is None:
             return keep
-        if keep and txn.finite and not txn.failed:
+        problems = [] if txn.failed else txn.problems  # with finiteness: the iteration's one host read
+        if keep and not problems and txn.finite and not txn.failed:
             txn.commit()
             self.iteration += 1
             return True
         txn.rollback()
+        if problems:  # a received payload was invalid (checked on the device, read here)
+            raise ValueError(f"{self.label}: the iteration was undone: " + "; ".join(problems))
         return False
 
     def _own(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> List[int]:
@@ -331,6 +336,7 @@ class Runtime:
         refuse_on_every_rank(self._problem(state), self.group, what)
         self.end_iteration(keep=False)  # an iteration left unfinished is not part of the state
         self._checked.clear()  # the next bucket checks the loaded step counters on every rank
+        self._layouts.clear()  # and its first exchange checks the layout again
         self.policy.load_state_dict(state["codecs"])
         servers, saved = self._servers(), state.get("servers", {})
         for pattern, server in servers.items():
