@@ -37,6 +37,10 @@ changes method carries each parameter's owed residual over — the error-feedbac
 on more than two ranks, scatter-reduce's server residual of its chunk — into the new method's
 residual, or into the next gradient when the new method keeps none: no gradient mass is lost.
 
+While every bucket is dense (trials, or dense decisions), the exchange skips the finiteness
+witnesses of gradcomp's step transaction (a pass over the gradients): there is no codec state
+a skipped step would have to undo, so an all-dense ``"auto"`` costs what DDP's allreduce does.
+
 **Host syncs.** None per tensor on the hot path (a decided bucket's step is a dict lookup and,
 for CPU tensors, a clock read around the exchange). Counted in :attr:`AutoRuntime.syncs`:
 the probe (one read of the MAX-reduced figures), each decision or check (one read of the
@@ -60,7 +64,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import agree, choose_algorithm, rank_of, server_feedback, server_key, worker
+from gradcomp.collectives import (agree, choose_algorithm, exchange_bucket, rank_of, server_feedback, server_key,
+                                  worker)
 from gradcomp.compress import ErrorFeedback, compressor_class
 
 from .engine import Runtime
@@ -249,6 +254,7 @@ class AutoRuntime(Runtime):
         self._carry: Dict[str, torch.Tensor] = {}  # owed residual to add to the next gradient (dense/cast)
         self._scratch: Dict[str, Any] = {}  # codecs that time candidates without touching live state
         self._last_check = 0
+        self._all_dense = True  # no decided bucket uses a codec (set at each iteration's start)
 
     # ---- configuration ------------------------------------------------------------------
     def _config(self, params=None) -> Dict[str, str]:
@@ -268,11 +274,11 @@ class AutoRuntime(Runtime):
         first = self._txn is None  # the iteration's first bucket: decide here, no exchange in flight
         if first:
             self._begin(grads)
+            self._all_dense = all(b.choice in (None, DENSE) for b in self._buckets.values())
         bucket = self._buckets.get(key)
-        if bucket is None or not bucket.meta:
-            bucket = self._buckets[key] = _Bucket(key, choice=None if bucket is None else bucket.choice,
-                                                  predicted={} if bucket is None else bucket.predicted,
-                                                  trials=0 if bucket is None else bucket.trials)
+        if bucket is None:
+            bucket = self._buckets[key] = _Bucket(key)
+        if not bucket.meta:  # first seen (or loaded from a checkpoint): the shapes routing needs
             bucket.meta = [torch.empty(g.shape, dtype=g.dtype, device="meta") for g in grads]
             bucket.nbytes = float(sum(g.numel() * g.element_size() for g in grads))
         self._order.append(key)
@@ -334,7 +340,12 @@ class AutoRuntime(Runtime):
             self._buckets[key].norm = torch.linalg.vector_norm(torch.stack(
                 [torch.linalg.vector_norm(g.detach().float()) for g in grads]))
         start = self._clock(device) if timed else 0.0
-        out = super().exchange(items, group, world, buffer, label)
+        if self._all_dense:
+            # no bucket goes through a codec, so a skipped step has no codec state to undo: the
+            # finiteness witnesses (a pass over the gradients) would buy nothing
+            out = exchange_bucket(items, group, world, buffer=buffer, label=label, observe=False)
+        else:
+            out = super().exchange(items, group, world, buffer, label)
         if timed:
             ms = 1e3 * (self._clock(device) - start)
             bucket = self._buckets[key]
