@@ -112,6 +112,23 @@ def _weights_seen(model):
     return seen
 
 
+def _regathers(handle):
+    """Per all-gather call: whether it gave the bits of the module's previous call when the
+    weights had not changed since (the backward re-gather and the next micro-batch's)."""
+    last, same = {}, []
+    real = handle._all_gather
+
+    def spy(key, output, shard, group):
+        real(key, output, shard, group)
+        versions = tuple(p._version for p in handle._params[key])
+        if key in last and last[key][0] == versions:
+            same.append(torch.equal(last[key][1], output))
+        last[key] = (versions, output.detach().clone())
+
+    handle._all_gather = spy
+    return same
+
+
 def _compressed_run(rank, world):
     """int8 RS + bf16 AG on the transformer: EF invariant, equal replicas, a skipped step, resume."""
     import torch.distributed as dist
@@ -125,7 +142,7 @@ def _compressed_run(rank, world):
     x, y = data("transformer", 64, seed=2)
     model = _build("transformer")
     h = compress_fsdp(model, "int8", all_gather="bf16")
-    seen, weights = _spy(h), _weights_seen(model)
+    seen, weights, regathers = _spy(h), _weights_seen(model), _regathers(h)
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
     out = {"stepped": [], "skip_kept_state": None, "skip_kept_weights": None}
     snapshot = None
@@ -173,6 +190,7 @@ def _compressed_run(rank, world):
     out["ef_worst"] = worst
     out["ef_calls"] = sum(len(v) for v in seen.values())
     out["weights_seen"] = [[w.tolist() for w in ws] for ws in weights]
+    out["regathers"] = (len(regathers), all(regathers))
     # resume: a fresh model loads the snapshot and runs the last steps again
     model2 = _build("transformer", seed=5)
     h2 = compress_fsdp(model2, "int8", all_gather="bf16")
@@ -267,6 +285,7 @@ def test_compress_fsdp_on_two_ranks(tmp_path):
         assert c["stepped"] == [True, False, True, True, True, True] and c["skipped"] == 1
         assert c["skip_kept_state"] and c["skip_kept_weights"], "a skipped step changed the state or weights"
         assert c["ef_calls"] > 0 and c["ef_worst"] < 1e-5, f"error feedback lost mass: {c['ef_worst']}"
+        assert c["regathers"][0] > 0 and c["regathers"][1], "a re-gather of unchanged weights gave other bits"
         assert c["resume_identical"], "resuming from the checkpoint did not continue bit for bit"
         ours = {site: n for site, n in c["syncs"].items() if "training/fsdp.py" in site}
         assert sum(ours.values()) == 1, f"compress_fsdp's own host syncs per step (the decision only): {ours}"
