@@ -9,7 +9,7 @@ the packing computes and how they become the decode values, and what they are fo
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Tuple
+from typing import ClassVar, Sequence, Tuple
 
 import torch
 
@@ -19,6 +19,7 @@ from gradcomp.kernels.memory import empty
 from gradcomp.kernels.sign import sign_pack, sign_unpack_values
 
 from .base import Capabilities, Compressor, Encoded, tensor_spec
+from .payload import Payload
 
 _FP32_BOUNDED = (torch.float32, torch.float16, torch.bfloat16)  # input dtypes whose values fit the fp32 wire
 
@@ -93,12 +94,32 @@ class SignCompressor(Compressor):
         pair = self._pair(values, payload.dtype)  # rounded as decompress rounds them
         _decode_into(bits, payload.numel, pair * alpha, out, accumulate)
 
+    def decompress_mean_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor:
+        """``out`` = the mean of the payloads' decodings (a collective's combine): the bits of
+        ``decompress_into`` of each in turn (the first writing) and ``out.div_(len(payloads))``,
+        in one pass over ``out`` where the fused CPU loops apply."""
+        bits = [p.tensors[0] for p in payloads if isinstance(p, Payload) and p.compressor == self.name]
+        if (len(bits) != len(payloads) or not bits or not out.is_contiguous() or
+                not cpu.applies(out.numel(), out, *bits) or any(p.numel != out.numel() for p in payloads)):
+            return mean_into(self, payloads, out)
+        values = [self._pair(p.tensors[1], p.dtype) for p in payloads]
+        cpu.sign_decode_mean(bits, values, out.view(-1), len(payloads))
+        return out
+
     def _wire_bytes(self, numel):
         return packed_nbytes(numel, 1) + 4.0 * self.n_values
 
     @classmethod
     def _check_tensors(cls, payload):
         tensor_spec(payload, [(torch.uint8, packed_nbytes(payload.numel, 1)), (torch.float32, cls.n_values)], cls.name)
+
+
+def mean_into(comp: Compressor, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor:
+    """The reference of ``decompress_mean_into``: each payload decoded into ``out`` in turn,
+    then one division."""
+    for r, payload in enumerate(payloads):
+        comp.decompress_into(payload, out, accumulate=r > 0)
+    return out.div_(len(payloads))
 
 
 def _decode_into(bits: torch.Tensor, numel: int, values: torch.Tensor, out: torch.Tensor,

@@ -11,6 +11,7 @@ lowest indices. The payload is built, checked and decoded by ``gradcomp.compress
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 
@@ -19,7 +20,9 @@ from gradcomp.kernels.select import topk_abs_indices
 from gradcomp.kernels.sparse import index_dtype
 
 from .base import Capabilities, Compressor, CompressorConfig, Encoded
+from .payload import Payload
 from .registry import register
+from .sign import mean_into
 from .sparse import check_sparse, decode_sparse, decode_sparse_into, ratio_option, sparse_payload, sparse_residual
 
 
@@ -56,6 +59,21 @@ class TopK(Compressor):
 
     def _decompress_into(self, payload, out, alpha, accumulate):
         decode_sparse_into(payload, out, alpha, accumulate)
+
+    def decompress_mean_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor:
+        """``out`` = the mean of the payloads' decodings, with the bits of
+        ``SignCompressor.decompress_mean_into``'s reference (decode each in turn, divide once);
+        where the fused CPU loops apply, zeros and one visit of each sent position, no dense
+        division."""
+        tensors = [t for p in payloads if isinstance(p, Payload) and p.compressor == self.name for t in p.tensors]
+        if (len(tensors) != 2 * len(payloads) or not payloads or not out.is_contiguous() or
+                not cpu.applies(out.numel(), out, *tensors) or any(p.numel != out.numel() for p in payloads)):
+            return mean_into(self, payloads, out)
+        for p in payloads:
+            check_sparse(p, self.name)  # range and strict order: what the merge relies on
+        values = [p.tensors[0].to(p.dtype).to(out.dtype) for p in payloads]
+        cpu.sparse_mean([p.tensors[1] for p in payloads], values, out.view(-1), len(payloads))
+        return out
 
     def _wire_bytes(self, numel):
         return self._k(numel) * (4 + index_dtype(numel).itemsize)

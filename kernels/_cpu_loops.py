@@ -134,3 +134,51 @@ def take_and_clear(flat: Any, idx: Any, values: Any) -> None:
         v = flat[idx[j]]
         values[j] = v
         flat[idx[j]] = v - v
+
+
+@_jit
+def decode_mean(bits: Any, tables: Any, out: Any, divisor: Any) -> None:
+    # out = (((row_0 + row_1) + ...) + row_{R-1}) / divisor: the sum in rank order, as decoding
+    # each payload into out in turn and dividing once gives it; a byte's 8 elements at a time
+    n = out.size
+    full = n // 8
+    ranks = bits.shape[0]
+    for j in range(full):
+        base = 8 * j
+        row = tables[0, bits[0, j]]
+        acc = out[base:base + 8]
+        for i in range(8):
+            acc[i] = row[i]
+        for r in range(1, ranks):
+            row = tables[r, bits[r, j]]
+            for i in range(8):
+                acc[i] += row[i]
+        for i in range(8):
+            acc[i] /= divisor
+    for k in range(8 * full, n):
+        v = tables[0, bits[0, full], k - 8 * full]
+        for r in range(1, ranks):
+            v += tables[r, bits[r, full], k - 8 * full]
+        out[k] = v / divisor
+
+
+@_jit
+def sparse_mean(indices: Any, values: Any, starts: Any, out: Any, divisor: Any) -> None:
+    # out is zero; payload r holds indices[starts[r]:starts[r + 1]] (strictly increasing) and
+    # values alike. A merge of the R sorted runs visits each position once, adds its values in
+    # rank order onto 0 (as scattering each payload into zeros in turn does) and divides.
+    ranks = starts.size - 1
+    pos = starts[:-1].copy()
+    while True:
+        low = -1
+        for r in range(ranks):
+            if pos[r] < starts[r + 1] and (low < 0 or indices[pos[r]] < low):
+                low = indices[pos[r]]
+        if low < 0:
+            return
+        acc = out[low]  # +0.0
+        for r in range(ranks):
+            if pos[r] < starts[r + 1] and indices[pos[r]] == low:
+                acc += values[pos[r]]
+                pos[r] += 1
+        out[low] = acc / divisor

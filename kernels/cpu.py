@@ -20,7 +20,7 @@ import contextlib
 import importlib
 import math
 import os
-from typing import Any, Iterator, Optional, Tuple
+from typing import Any, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -30,6 +30,7 @@ from .select import _exact, topk_abs_indices as topk_abs_indices_reference
 FUSED_MIN = 1 << 18  # elements: below, the reference paths are as fast and numba is never imported
 _FLOATS = (torch.float32, torch.float64)
 _SAMPLE = 1 << 17  # elements of the strided sample that estimates the top-k threshold
+_CODES = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(np.bool_)
 _STATS = {"none": 0, "sum": 1, "abs": 2, "split": 3}
 _enabled = os.environ.get("GRADCOMP_FUSED_CPU", "1") != "0"
 _loops: Any = None  # the compiled loops (a namespace), False once numba failed to import
@@ -82,10 +83,37 @@ def sign_decode(bits: torch.Tensor, values: torch.Tensor, out: torch.Tensor, acc
     """``out = where(bit, values[0], values[1])`` (``out += ...`` with ``accumulate``), the two
     values (a float CPU tensor) rounded to ``out``'s dtype once, as
     ``kernels.sign.sign_unpack_values`` does; one pass over ``out``."""
-    pair = values.to(torch.float64).to(out.dtype).numpy()
-    codes = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(np.bool_)
-    table = np.where(codes, pair[0], pair[1]).astype(pair.dtype)  # row b: the 8 values of byte b
-    _get().decode(bits.numpy(), table, out.numpy(), bool(accumulate))
+    _get().decode(bits.numpy(), _table(values, out.dtype), out.numpy(), bool(accumulate))
+    return out
+
+
+def _table(values: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
+    """Row ``b``: the 8 decoded values of sign byte ``b``, the two values rounded to ``dtype``."""
+    pair = values.to(torch.float64).to(dtype).numpy()
+    return np.where(_CODES, pair[0], pair[1]).astype(pair.dtype)
+
+
+def sign_decode_mean(bits: List[torch.Tensor], values: List[torch.Tensor], out: torch.Tensor,
+                     divisor: int) -> torch.Tensor:
+    """``out = (decode_0 + decode_1 + ...) / divisor`` for sign payloads (``bits[r]``, decode
+    values ``values[r]`` as in :func:`sign_decode`), summed in rank order: the bits of decoding
+    each into ``out`` in turn and dividing once, in one pass over ``out``."""
+    tables = np.stack([_table(v, out.dtype) for v in values])
+    _get().decode_mean(np.stack([b.numpy() for b in bits]), tables, out.numpy(), tables.dtype.type(divisor))
+    return out
+
+
+def sparse_mean(indices: List[torch.Tensor], values: List[torch.Tensor], out: torch.Tensor,
+                divisor: int) -> torch.Tensor:
+    """``out = (scatter_0 + scatter_1 + ...) / divisor`` for sparse payloads whose indices are
+    strictly increasing and in range (checked by the caller) and whose values are in ``out``'s
+    dtype: zeros, then each position touched once, its values added in rank order; the bits of
+    scattering each payload into zeros in turn and dividing the whole tensor."""
+    starts = np.cumsum([0] + [i.numel() for i in indices]).astype(np.int64)
+    out.zero_()
+    _get().sparse_mean(np.concatenate([i.numpy() for i in indices]).astype(np.int64),
+                       np.concatenate([v.numpy() for v in values]), starts, out.numpy(),
+                       out.numpy().dtype.type(divisor))
     return out
 
 

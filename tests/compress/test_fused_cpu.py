@@ -11,6 +11,7 @@ import torch
 
 from gradcomp.compress import ErrorFeedback, get_compressor
 from gradcomp.compress import sign as sign_compressor
+from gradcomp.compress.sign import mean_into
 from gradcomp.kernels import cpu, select, sign
 from gradcomp.kernels.sign import sign_pack_reference
 
@@ -126,3 +127,23 @@ def test_the_rule_of_use():
         assert not cpu.applies(16, torch.empty(16, device="meta"))
         assert cpu.applies(16, x, torch.zeros(2, dtype=torch.uint8))
     assert cpu.FUSED_MIN == 1 << 18 and not cpu.applies(1 << 17, x)
+
+
+@pytest.mark.parametrize("name", ["onebit", "signsgd", "topk"])
+def test_mean_of_payloads_matches_decoding_each_in_turn(name):
+    c = get_compressor(name, **({"ratio": 0.3} if name == "topk" else {}))
+    for n in (1, 13, 64, 4099):
+        xs = [_data(n, torch.float32, seed) for seed in range(3)]
+        xs[1][: n // 2] = xs[0][: n // 2]  # shared positions: their values add in rank order
+        payloads = [c.compress(x) for x in xs]
+        for ranks in (1, 2, 3):
+            for dtype in (torch.float32, torch.float64):
+                ref = mean_into(c, payloads[:ranks], torch.full((n,), 7.0, dtype=dtype))
+                with cpu.threshold(1):
+                    out = c.decompress_mean_into(payloads[:ranks], torch.full((n,), 7.0, dtype=dtype))
+                assert torch.equal(out, ref), (n, ranks, dtype)
+    if name == "topk":  # an index out of range is refused on the fused path too
+        bad = c.compress(xs[0])
+        bad.tensors[1][-1] = 4099 + 5
+        with cpu.threshold(1), pytest.raises(ValueError, match="indices must lie"):
+            c.decompress_mean_into([payloads[0], bad], torch.zeros(4099))
