@@ -10,8 +10,9 @@ DDP rebuild of the buckets is a new bucket):
    timed too and the rate is refit from them (``link=`` injects a fixed :class:`Link`
    instead, and then nothing is refit: decisions depend on codec costs only).
 2. **Trials** (``trial_steps`` exchanges of the bucket, default 3): the bucket is exchanged
-   *dense* (an exact average: trials never change what training sees), and each candidate's
-   codec is timed on a copy of the bucket's real gradients (its compress, decode, rounds and
+   *dense* (an exact average: trials never change what training sees), and, once the
+   iteration's exchanges are done, each candidate's codec is timed on a copy of the bucket's
+   real gradients (its compress, decode, rounds and
    error-feedback passes; scratch codecs, so no live state changes), with its payload bytes.
 3. **Decision** (at the start of the next iteration, on every rank alike): the measurements are
    MAX-reduced over the ranks in ONE allreduce, then every rank runs the same deterministic
@@ -255,6 +256,7 @@ class AutoRuntime(Runtime):
         self._scratch: Dict[str, Any] = {}  # codecs that time candidates without touching live state
         self._last_check = 0
         self._all_dense = True  # no decided bucket uses a codec (set at each iteration's start)
+        self._untimed: List[Tuple[_Bucket, List[torch.Tensor], torch.device]] = []  # trial copies to time
 
     # ---- configuration ------------------------------------------------------------------
     def _config(self, params=None) -> Dict[str, str]:
@@ -349,12 +351,22 @@ class AutoRuntime(Runtime):
         if timed:
             ms = 1e3 * (self._clock(device) - start)
             bucket = self._buckets[key]
-            if mode == "trial":
+            if mode == "trial":  # the codecs are timed when the iteration ends (end_iteration)
                 bucket.dense_ms.append(ms)
-                self._time_codecs(bucket, copies or grads, device)
+                self._untimed.append((bucket, copies or grads, device))
             else:
                 bucket.runs = (bucket.runs + [ms])[-5:]
         return out
+
+    def end_iteration(self, keep: bool = True) -> bool:
+        """As :meth:`Runtime.end_iteration`; then the trial buckets' codecs are timed, once every
+        exchange of the iteration is done, so that timing them neither delays a later bucket's
+        exchange (nor the other ranks waiting in it) nor the submissions whose times the plan uses."""
+        kept = super().end_iteration(keep)
+        untimed, self._untimed = self._untimed, []
+        for bucket, grads, device in untimed:
+            self._time_codecs(bucket, grads, device)
+        return kept
 
     def _clock(self, device: torch.device) -> float:
         if device.type == "cuda":
