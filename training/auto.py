@@ -212,6 +212,15 @@ class AutoPolicy(Policy):
                                    for c in self.candidates) + ")"
 
 
+def make_runtime(compressor: Any, options: Mapping[str, Any], group=None,
+                 local_size: Optional[int] = None) -> Runtime:
+    """The runtime for a ``compressor`` argument: an :class:`AutoRuntime` for ``"auto"`` (its
+    keywords in ``options``), else a :class:`Runtime` of ``Policy(compressor, **options)``."""
+    if isinstance(compressor, str) and compressor == "auto":
+        return AutoRuntime(group, local_size, **options)
+    return Runtime(Policy(compressor, **options), group, local_size)
+
+
 class AutoRuntime(Runtime):
     """The training runtime of ``compressor="auto"`` (see the module docstring)."""
 

@@ -26,17 +26,6 @@ OWNER = "gradcomp.training"
 WHAT = "load_state_dict of the compression state"
 
 
-def make_runtime(compressor: Any, options: Mapping[str, Any], group=None,
-                 local_size: Optional[int] = None) -> "Runtime":
-    """The runtime for a ``compressor`` argument: :class:`~gradcomp.training.auto.AutoRuntime`
-    for ``"auto"`` (its keywords in ``options``), else a :class:`Runtime` of ``Policy``."""
-    if isinstance(compressor, str) and compressor == "auto":
-        from .auto import AutoRuntime  # it builds on this module
-
-        return AutoRuntime(group, local_size, **options)
-    return Runtime(Policy(compressor, **options), group, local_size)
-
-
 class Runtime:
     """Averages named gradients over ``group`` as ``policy`` says; see the module docstring."""
 

@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from .engine import Runtime, make_runtime
+from .auto import make_runtime
+from .engine import Runtime
 from .policy import Policy
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]

@@ -25,7 +25,7 @@ from gradcomp.collectives.identity import names_of
 
 from .wrapper import Wrapper, broadcast_params
 from .buckets import BucketLauncher
-from .engine import make_runtime
+from .auto import make_runtime
 
 
 class CompressedOptimizer(Wrapper):

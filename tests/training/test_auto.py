@@ -59,7 +59,7 @@ def _real_decisions(rank, world):
 
 def _mass_and_resume(rank, world, tmp):
     from gradcomp.training.auto import AutoRuntime, Link
-    from gradcomp.training.engine import make_runtime
+    from gradcomp.training.auto import make_runtime
 
     shapes = [(n, p.shape) for n, p in model("transformer").named_parameters()]
     names = [n for n, _ in shapes]
@@ -222,7 +222,7 @@ def test_auto_arguments():
     from gradcomp.compress import as_codec
     from gradcomp.memory import ShardedOptimizer
     from gradcomp.training.auto import AutoRuntime
-    from gradcomp.training.engine import make_runtime
+    from gradcomp.training.auto import make_runtime
 
     with pytest.raises(ValueError, match="unknown compressor 'auto'"):
         as_codec("auto")
