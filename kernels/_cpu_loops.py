@@ -145,16 +145,20 @@ def decode_mean(bits: Any, tables: Any, out: Any, divisor: Any) -> None:
     ranks = bits.shape[0]
     for j in range(full):
         base = 8 * j
-        row = tables[0, bits[0, j]]
-        acc = out[base:base + 8]
-        for i in range(8):
-            acc[i] = row[i]
-        for r in range(1, ranks):
-            row = tables[r, bits[r, j]]
+        b0 = bits[0, j]
+        if ranks == 2:  # the common case, with its row reads unrolled
+            b1 = bits[1, j]
             for i in range(8):
-                acc[i] += row[i]
+                out[base + i] = (tables[0, b0, i] + tables[1, b1, i]) / divisor
+            continue
         for i in range(8):
-            acc[i] /= divisor
+            out[base + i] = tables[0, b0, i]
+        for r in range(1, ranks):
+            br = bits[r, j]
+            for i in range(8):
+                out[base + i] += tables[r, br, i]
+        for i in range(8):
+            out[base + i] /= divisor
     for k in range(8 * full, n):
         v = tables[0, bits[0, full], k - 8 * full]
         for r in range(1, ranks):
