@@ -396,14 +396,18 @@ class AutoRuntime(Runtime):
             gather = choose_algorithm(cand.codec, w)
             rounds: List[float] = [0.0]
             gathered = 0.0
+            # the residuals live across steps: their memory is not part of a step's cost
+            residuals = [torch.empty(g.shape, dtype=torch.float32, device=g.device) if feedback else None
+                         for g in grads]
             start = self._clock(device)
-            for name, g in zip(bucket.names, grads):
+            for name, g, res in zip(bucket.names, grads, residuals):
                 if cand.policy.route(name, g, self.iteration) is None:
                     rounds[0] += g.numel() * g.element_size()
                     continue
-                if feedback:  # the residual's two passes: accumulate and update
-                    acc = g.float() + g.float()
-                    acc.sub_(g)
+                if res is not None:  # error feedback: add the residual; update it unless kept in place
+                    torch.add(g, g, out=res)
+                    if not cand.codec.keeps_residual_in_place(g):
+                        res.sub_(g)
                 if base.multi_round:
                     gen = base.rounds(g, name)
                     sent, r = next(gen), 0
