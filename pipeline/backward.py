@@ -33,6 +33,11 @@ class WeightGrad:
                  full: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None) -> None:
         self._parts, self._full = parts, full  # per frontier node: (its edges, their gradients, its weights)
 
+    @property
+    def whole(self) -> bool:
+        """Whether this W pass is the whole backward (the I pass computed nothing)."""
+        return self._full is not None
+
     def run(self) -> None:
         if self._full is not None:  # no input gradient was asked for: the whole backward is the weights'
             out, grad = self._full

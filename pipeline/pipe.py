@@ -449,9 +449,11 @@ class Pipeline:
     def _pass_weight(self, c: int, mb: int, step: "_Step") -> None:
         t = time.time()
         w = step.weights.pop((c, mb))
-        # a torch checkpoint recomputes its region again in this pass (autograd keys its
-        # recomputation by backward call): its BatchNorm statistics must move once, as under B
-        kept = [(b, b.clone()) for b in self.modules[c].buffers()] if self._recomputes(mb) else []
+        # a torch checkpoint recomputes its region again in this pass when the I pass did already
+        # (autograd keys its recomputation by backward call): BatchNorm's statistics must move
+        # once, as under B
+        again = self._recomputes(mb) and not w.whole
+        kept = [(b, b.clone()) for b in self.modules[c].buffers()] if again else []
         with self._accumulating():
             w.run()
         for b, before in kept:

@@ -213,6 +213,12 @@ def _models(rank):
         batches = [model_data(kind, 16, seed=s) for s in range(2)]
         losses = [float(pipe.step(xb, yb, LOSS)) for xb, yb in batches]
         out[kind] = losses, gathered_params(pipe), [b.clone() for m in pipe.modules for b in m.buffers()]
+    for schedule in ("1f1b", "zb-h1"):  # torch's recompute with BatchNorm, under B and under the B/W split
+        torch.manual_seed(0)
+        pipe = Pipeline(sequential("conv_bn"), balance=MODEL_BALANCE["conv_bn"], schedule=schedule, microbatches=4,
+                        checkpoint="always", optimizer=sgd)
+        losses = [float(pipe.step(xb, yb, LOSS)) for xb, yb in [model_data("conv_bn", 16, seed=s) for s in range(2)]]
+        out[("recompute", schedule)] = losses, gathered_params(pipe), [b.clone() for b in pipe.local.buffers()]
     return out
 
 
@@ -495,6 +501,16 @@ def test_other_models_equal_single_process(results, kind):
         assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), f"{kind}: parameters differ"
     buffers = results[0]["models"][kind][2] + results[1]["models"][kind][2]
     assert len(buffers) == len(ref_buffers) and all(torch.equal(a, b) for a, b in zip(buffers, ref_buffers))
+
+
+def test_zero_bubble_recompute_moves_batchnorm_statistics_as_b_does(results):
+    """Issue 27: torch's checkpoint recomputes its region again in the W pass; the stage's
+    buffers are put back after it, so BatchNorm's statistics and the bits are 1F1B's."""
+    for rank in range(2):
+        b, zb = (results[rank]["models"][("recompute", s)] for s in ("1f1b", "zb-h1"))
+        assert zb[0] == b[0]
+        assert all(torch.equal(x, y) for x, y in zip(zb[1], b[1]))
+        assert len(zb[2]) == len(b[2]) and all(torch.equal(x, y) for x, y in zip(zb[2], b[2])), f"rank {rank}"
 
 
 def _plain(rank, world):
