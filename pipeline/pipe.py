@@ -39,7 +39,7 @@ from .delta import DeltaFeedback
 from .grid import Grid
 from .stages import StagesOverBudget, over_budget_message, split
 from .backward import WeightGrad, input_grad
-from .schedule import PASSES, Action, build, check_shape
+from .schedule import PASSES, Action, build, check_plan, check_shape
 from .transport import Message, Transport, message_order
 
 CHECKPOINTS = (None, "never", "except_last", "always")
@@ -116,9 +116,12 @@ class Pipeline:
         self._delta_in = [DeltaFeedback(c) for c in self._act_recv] if delta else []  # what each received
         self._ids: List[Any] = []
         self.optimizer = self._make_optimizer(optimizer, dp_compressor, dp_options or {})
-        self.actions: List[Action] = build(schedule, self.grid.stage, p, microbatches, self.virtual_stages)
-        # every rank's actions are known to every rank: the message order follows from them
-        self._order = message_order([build(schedule, r, p, microbatches, self.virtual_stages) for r in range(p)], p)
+        # every rank's actions are known to every rank: the message order follows from them (the
+        # plans are checked against the pass table alike everywhere, so every rank raises alike)
+        plans = [build(schedule, r, p, microbatches, self.virtual_stages) for r in range(p)]
+        check_plan(plans, p, microbatches)
+        self.actions: List[Action] = plans[self.grid.stage]
+        self._order = message_order(plans, p)
         self._eval_order = message_order([[Action("F", c, mb) for mb in range(microbatches)
                                            for c in range(self.virtual_stages)] for _ in range(p)], p)
         self._transport = Transport(self.grid.group, self.grid.peer, self.stage_ids, self.device)
