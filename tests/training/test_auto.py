@@ -240,3 +240,30 @@ def test_auto_arguments():
         ShardedOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, compressor="auto", lr=0.1)
     rt = make_runtime("auto", {})
     assert isinstance(rt, AutoRuntime) and "powersgd:rank=4" in rt.policy.describe()
+
+
+def test_auto_plan_overlap_and_accordion():
+    """The plan alone (pure, no ranks): a bucket whose exchange hides behind the rest of
+    backward gets the most faithful method that keeps the step's time; the last one, with
+    nothing to hide behind, the fastest; a compressed method must beat dense by the margin;
+    Accordion's critical regime allows only light methods."""
+    from gradcomp.training.auto import _Bucket, make_runtime
+
+    rt = make_runtime("auto", {"candidates": ("dense", "int8", "topk")})
+    keys = [("a",), ("b",)]
+    for k in keys:
+        rt._buckets[k] = _Bucket(k)
+    # a: ready at 0 ms, 100 ms of backward after it; b: ready at 100 ms, the last
+    ready = {keys[0]: 0.0, keys[1]: 100.0}
+    costs = {keys[0]: {"dense": 50.0, "int8": 30.0, "topk": 10.0},
+             keys[1]: {"dense": 50.0, "int8": 30.0, "topk": 10.0}}
+    plan = rt._plan(keys, costs, set(keys), ready)
+    assert plan == {keys[0]: "dense", keys[1]: "topk"}
+    # nothing to hide behind: both the fastest
+    assert rt._plan(keys, costs, set(keys), {k: 0.0 for k in keys}) == {k: "topk" for k in keys}
+    # within the margin (10 %) of dense: dense
+    near = {k: {"dense": 50.0, "int8": 47.0, "topk": 46.0} for k in keys}
+    assert rt._plan(keys, near, set(keys), {k: 0.0 for k in keys}) == {k: "dense" for k in keys}
+    # Accordion: a critical bucket takes only light methods (8 bits or more per element)
+    rt._buckets[keys[1]].critical = True
+    assert rt._plan(keys, costs, set(keys), {k: 0.0 for k in keys}) == {keys[0]: "topk", keys[1]: "int8"}
