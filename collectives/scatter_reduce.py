@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
-from gradcomp.compress import ErrorFeedback, Feedback
+from gradcomp.compress import ErrorFeedback, Feedback, transaction
 from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, wdtype
 from ._header import sizes as header_sizes
-from ._shared import device_of, exact_sizes, header, pack, split, verify_many
+from ._shared import (OK, Flags, Layout, agreed_buffer, device_of, exact_sizes, header, pack, signature, split,
+                      status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
 
 _servers: "weakref.WeakKeyDictionary[Any, ErrorFeedback]" = weakref.WeakKeyDictionary()
@@ -70,8 +71,9 @@ class ScatterReduce(Algorithm):
         # in place, acc is the residual: each chunk (a contiguous view) keeps its own error
         flat = acc.view(-1) if self.in_place else as_dtype(acc, dtype).reshape(-1)
         self.device, self.dtype, self.wire_dtype = acc.device, wdtype(acc), dtype
-        bufs, sent = [], []
-        self.mine = None  # this rank's payload of its own chunk, kept to skip parsing it back
+        sent = []
+        self.payloads = []  # every chunk's payload, encoded only for the checked format (sendbuf)
+        self._sendbuf = None
         chunks = flat.tensor_split(self.comm.size)
         self.chunk_numels = [c.numel() for c in chunks]  # what every payload of chunk j must hold
         for j, chunk in enumerate(chunks):
@@ -83,13 +85,23 @@ class ScatterReduce(Algorithm):
             else:
                 payload = self.comp.compress(chunk, chunk_key(self.key, j))
             self.payload_bytes += payload.nbytes
-            if j == self.comm.rank:
-                self.mine = payload
-            bufs.append(encode(payload, acc.device))
+            self.payloads.append(payload)
+        self.mine = self.payloads[self.comm.rank]  # this rank's own chunk: never parsed back
         self.sent = torch.cat(sent) if self.want_sent else None
-        self.out_sizes = [b.numel() for b in bufs]
-        self.sendbuf = torch.cat(bufs)
-        return 0, self.out_sizes
+        return 0, None
+
+    @property
+    def sendbuf(self):
+        """Every chunk's payload in the checked wire format, back to back (``out_sizes``)."""
+        if self._sendbuf is None:
+            bufs = [encode(p, self.device) for p in self.payloads]
+            self.out_sizes = [b.numel() for b in bufs]
+            self._sendbuf = torch.cat(bufs)
+        return self._sendbuf
+
+    def sizes(self):
+        self.sendbuf  # made with its sizes
+        return self.out_sizes
 
     @classmethod
     def exchange_many(cls, comm, items, specs, algos, error, layouts=None):
@@ -97,6 +109,9 @@ class ScatterReduce(Algorithm):
         per tensor (None for an empty one)."""
         w, n = comm.size, len(items)
         device, exact = device_of(items), exact_sizes(specs)
+        sig = signature(cls.name, w, items, specs) if layouts is not None and not exact else None
+        if sig is not None and sig in layouts:
+            return cls._agreed(comm, items, algos, error, layouts[sig], device)
         # what goes to rank j: every tensor's chunk-j payload, behind n lengths
         per_dest = [[None] * n for _ in range(w)]
         for i, a in enumerate(algos):
@@ -119,7 +134,57 @@ class ScatterReduce(Algorithm):
             failure, buf = exc, got.new_empty(0)
         sizes = exchange_status(comm, buf.numel(), failure)
         per_rank = [split(b, n, r) for r, b in enumerate(gather_bytes(comm, buf, sizes, exact=exact))]
-        return [None if a is None else a.finish([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
+        out = [None if a is None else a.finish([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
+        if sig is not None:  # every rank got here: the layout is checked, later exchanges send it raw
+            layouts[sig] = (
+                [Layout([None if a is None else a.payloads[j] for a in algos]) for j in range(w)],
+                [Layout([None if a is None else a.reduced[j] for a in algos]) for j in range(w)])
+        return out
+
+    @classmethod
+    def _agreed(cls, comm, items, algos, error, layout, device):
+        """Both phases on an agreed layout: one all-to-all of the raw chunk payloads, one
+        all-gather of the raw reduced chunks, each behind a status word (see ``_shared.py``)."""
+        w, me = comm.size, comm.rank
+        sends, back = layout
+        flags = Flags(transaction.current())
+        bufs = [agreed_buffer(sends[j], [None if a is None else a.payloads[j] for a in algos], device, error)
+                for j in range(w)] if error is None else [agreed_buffer(sends[j], [], device, error) for j in range(w)]
+        status = max(st for _, st in bufs)
+        got = comm.all_to_all(torch.cat([b for b, _ in bufs]), [s.nbytes for s in sends], [sends[me].nbytes] * w)
+        rows = got.view(w, sends[me].nbytes)
+        flags.add(statuses(rows), status_problem)
+        # a failure of mine goes on to the second phase too (the others are in it), then raises
+        failure = error if error is not None else (
+            ValueError(status_problem([status if r == me else OK for r in range(w)])) if status != OK else None)
+        reduced = [None] * len(items)
+        try:  # a failure here is mine alone: the others learn it from my status word below
+            for i, (key, a) in enumerate(zip((k for k, _, _ in items), algos)):
+                if failure is not None:
+                    break
+                if a is not None:
+                    peers = [None if r == me else _checked(a, sends[me].templates[i].read(rows[r]), key, r, flags)
+                             for r in range(w)]
+                    reduced[i] = a.reduce_payloads(peers)
+        except Exception as exc:
+            failure = exc
+        width = max(b.nbytes for b in back)
+        mine, status = agreed_buffer(back[me], reduced, device, failure)
+        padded = mine.new_zeros(width)
+        padded[:mine.numel()] = mine
+        rows = comm.all_gather(padded)
+        flags.add(statuses(rows), status_problem)
+        if failure is not None:
+            raise failure
+        if status != OK:  # the reduced payloads no longer fit
+            raise ValueError(status_problem([status if r == me else OK for r in range(w)]))
+        out = []
+        for i, ((key, _, _), a) in enumerate(zip(items, algos)):
+            out.append(None if a is None else a.finish_payloads(
+                [None if r == me else _checked(a, back[r].templates[i].read(rows[r]), key, r, flags)
+                 for r in range(w)]))
+        flags.settle()
+        return out
 
     def run(self, table):
         comm = self.comm
@@ -138,23 +203,38 @@ class ScatterReduce(Algorithm):
         tensors in rank order), average them in rank order, compress the average again; the
         wire bytes of that payload. Shared with ``allreduce_fused``."""
         with self.rec.timing("decompress"):
+            me = self.comm.rank
+            payloads = [None if r == me else decode(b, self.device, self.chunk_numels[me], r)
+                        for r, b in enumerate(parts)]
+        return encode(self.reduce_payloads(payloads), self.device)
+
+    def reduce_payloads(self, payloads):
+        """Phase 1 from decoded payloads (None for this rank's own): the reduced chunk's payload."""
+        with self.rec.timing("decompress"):
             mine = None
-            for r, b in enumerate(parts):  # summed in rank order, then divided
-                p = self.mine if r == self.comm.rank else decode(b, self.device, self.chunk_numels[self.comm.rank], r)
+            for r, p in enumerate(payloads):  # summed in rank order, then divided
+                p = self.mine if r == self.comm.rank else p
                 if mine is None:
                     mine = empty(p.numel, self.dtype, self.device)
                 self.comp.decompress_into(p, mine, accumulate=r > 0)
             mine.div_(self.comm.size)
         with self.rec.timing("compress"):
             self.mine = self._recompress(mine)
-            return encode(self.mine, self.device)
+            return self.mine
 
     def finish(self, bufs):
         """Phase 2: decode every rank's reduced chunk (``bufs``, in rank order) into the
         average; ``(average, sent)``."""
         with self.rec.timing("decompress"):
-            payloads = [self.mine if r == self.comm.rank else decode(b, self.device, self.chunk_numels[r], r)
+            payloads = [None if r == self.comm.rank else decode(b, self.device, self.chunk_numels[r], r)
                         for r, b in enumerate(bufs)]
+        return self.finish_payloads(payloads)
+
+    def finish_payloads(self, payloads):
+        """Phase 2 from decoded reduced chunks (None for this rank's own): ``(average, sent)``."""
+        with self.rec.timing("decompress"):
+            payloads = [self.mine if r == self.comm.rank else p for r, p in enumerate(payloads)]
+            self.reduced = payloads  # every chunk's reduced payload: an agreed layout's second phase
             # in the wire dtype, as decompress gives it: the caller casts to the input's dtype
             avg = empty(sum(p.numel for p in payloads), self.wire_dtype, self.device)
             for p, piece in zip(payloads, avg.split([p.numel for p in payloads])):
@@ -173,6 +253,14 @@ class ScatterReduce(Algorithm):
         payload, sent = self.comp.compress_decoded(as_dtype(acc, self.wire_dtype), key)
         self.server.update(key, acc, sent)
         return payload
+
+
+def _checked(algo, payload, key: str, rank: int, flags):
+    """A payload read from an agreed layout, made safe by its compressor; its flag noted."""
+    payload, bad = algo.comp.check_on_device(payload)
+    if bad is not None:
+        flags.add(bad, lambda _: f"the payload of {key!r} from rank {rank} is invalid")
+    return payload
 
 
 def exchange_status(comm, nbytes: int, error) -> list:

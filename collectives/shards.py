@@ -23,7 +23,10 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
+from gradcomp.compress import transaction
+
 from ._comm import Comm, scale_
+from ._shared import Flags, Template
 from ._telemetry import Record, commit
 from ._wire import decode, encode, gather_bytes
 
@@ -54,9 +57,14 @@ def _label(compressor: Any) -> str:
 
 
 def reduce_scatter(flat: torch.Tensor, splits: Sequence[int], *, compressor: Any = None, key: str = "rs",
-                   group=None) -> torch.Tensor:
+                   group=None, layouts: Optional[dict] = None) -> torch.Tensor:
     """The mean over ranks of this rank's piece of ``flat`` (1-D, ``sum(splits)`` elements), a
-    new tensor of ``splits[rank]`` elements in ``flat``'s dtype. ``flat`` is left unchanged."""
+    new tensor of ``splits[rank]`` elements in ``flat``'s dtype. ``flat`` is left unchanged.
+
+    ``layouts``: a dict the caller keeps across calls when every rank makes the same calls
+    with the same splits and compressor (a sharded optimizer's buckets): after the first
+    exchange of a ``(key, splits)`` the payloads of a fixed-size compressor travel as raw
+    tensors, with no size exchange and no parsing (the same bits)."""
     rec, comm, sizes = _begin("reduce_scatter", compressor, key, group, splits, flat)
     if flat.dim() != 1 or flat.numel() != sum(sizes):
         raise ValueError(f"reduce_scatter: expected a 1-D tensor of {sum(sizes)} elements, got shape {tuple(flat.shape)}")
@@ -66,7 +74,7 @@ def reduce_scatter(flat: torch.Tensor, splits: Sequence[int], *, compressor: Any
     elif compressor is None:
         out = _dense_reduce(comm, flat, sizes)
     else:
-        out = _compressed_reduce(comm, pieces, sizes, compressor, key, rec)
+        out = _compressed_reduce(comm, pieces, sizes, compressor, key, rec, layouts)
     commit(rec)
     return out
 
@@ -82,39 +90,79 @@ def _dense_reduce(comm: Comm, flat: torch.Tensor, sizes: List[int]) -> torch.Ten
 
 
 def _compressed_reduce(comm: Comm, pieces: List[torch.Tensor], sizes: List[int], compressor: Any, key: str,
-                       rec: Record) -> torch.Tensor:
+                       rec: Record, layouts: Optional[dict] = None) -> torch.Tensor:
     me, device = comm.rank, pieces[0].device
+    sig = ("reduce_scatter", key, tuple(sizes), repr(compressor), comm.size)
+    agreed = layouts.get(sig) if layouts is not None and getattr(compressor.base, "fixed_size", False) else None
     with rec.timing("compress"):
-        bufs = []
+        payloads: List[Optional[Any]] = []
         for j, piece in enumerate(pieces):
-            if j == me or not sizes[j]:
-                bufs.append(torch.empty(0, dtype=torch.uint8, device=device))
-                continue
-            payload = compressor.compress(piece, piece_key(key, j))
-            rec.payload_bytes += payload.nbytes
-            bufs.append(encode(payload, device))
-    out_sizes = [b.numel() for b in bufs]
-    table = comm.exchange(out_sizes)  # (w, w): rank r's bytes for rank j
-    in_sizes = table[:, me].tolist()
-    got = comm.all_to_all(torch.cat(bufs), out_sizes, in_sizes)
+            payload = None if j == me or not sizes[j] else compressor.compress(piece, piece_key(key, j))
+            if payload is not None:
+                rec.payload_bytes += payload.nbytes
+            payloads.append(payload)
+    if agreed is not None:  # the pieces' layouts are known: raw tensors, nothing else
+        sends, mine = agreed
+        bufs = [raw(sends[j], payloads[j], device) for j in range(comm.size)]
+        in_sizes = [0 if r == me or mine is None else mine.end for r in range(comm.size)]
+        got = comm.all_to_all(torch.cat(bufs), [b.numel() for b in bufs], in_sizes)
+        received = [None if r == me or not sizes[me] else _safe(compressor, mine.read(b), key, r)
+                    for r, b in enumerate(got.split(in_sizes))]
+    else:
+        bufs = [torch.empty(0, dtype=torch.uint8, device=device) if p is None else encode(p, device) for p in payloads]
+        out_sizes = [b.numel() for b in bufs]
+        table = comm.exchange(out_sizes)  # (w, w): rank r's bytes for rank j
+        in_sizes = table[:, me].tolist()
+        got = comm.all_to_all(torch.cat(bufs), out_sizes, in_sizes)
+        received = [None if r == me or not sizes[me] else decode(b, device, sizes[me], r)
+                    for r, b in enumerate(got.split(in_sizes))]
+        if layouts is not None and getattr(compressor.base, "fixed_size", False) and comm.size > 1:
+            theirs = next((p for p in received if p is not None), None)
+            layouts[sig] = ([None if p is None else Template(p, 0) for p in payloads],
+                            None if theirs is None else Template(theirs, 0))
     with rec.timing("decompress"):
         out = torch.zeros(sizes[me], dtype=pieces[me].dtype, device=device)
         if not sizes[me]:
             return out
-        for r, b in enumerate(got.split(in_sizes)):
+        for r, p in enumerate(received):
             if r == me:
                 out += pieces[me]
             else:
-                compressor.base.decompress_into(decode(b, device, sizes[me], r), out, accumulate=True)
+                compressor.base.decompress_into(p, out, accumulate=True)
         scale_(out, comm.size)
     return out
 
 
+def _safe(compressor: Any, payload: Any, key: str, rank: int) -> Any:
+    """A payload read from an agreed layout, made safe by its compressor; what only its values
+    can show is flagged to the open transaction (read when it ends) or, with none, read now."""
+    payload, bad = compressor.base.check_on_device(payload)
+    if bad is not None:
+        flags = Flags(transaction.current())
+        flags.add(bad, lambda _: f"the payload of {key!r} from rank {rank} is invalid")
+        flags.settle()
+    return payload
+
+
+def raw(template: Optional[Template], payload: Optional[Any], device: torch.device) -> torch.Tensor:
+    """``payload``'s tensors at ``template``'s places (empty for no piece); ``ValueError`` if
+    it no longer fits the agreed layout."""
+    if template is None or payload is None:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    if not template.matches(payload):
+        raise ValueError(f"the payload of {payload.compressor} no longer fits the layout agreed at its first exchange "
+                         f"(a compressor whose payload structure changes between steps must declare fixed_size=False)")
+    buf = torch.zeros(template.end, dtype=torch.uint8, device=device)
+    template.write(payload, buf)
+    return buf
+
+
 def all_gather(shard: torch.Tensor, splits: Sequence[int], *, compressor: Any = None, key: str = "ag",
-               group=None) -> torch.Tensor:
+               group=None, layouts: Optional[dict] = None) -> torch.Tensor:
     """Every rank's piece (this rank's is ``shard``, 1-D of ``splits[rank]`` elements), in rank
     order: a new 1-D tensor of ``sum(splits)`` elements in ``shard``'s dtype. Compressed, this
-    rank's part of the result is its own payload decoded (as on every other rank)."""
+    rank's part of the result is its own payload decoded (as on every other rank).
+    ``layouts``: as in :func:`reduce_scatter`."""
     rec, comm, sizes = _begin("all_gather", compressor, key, group, splits, shard)
     if shard.dim() != 1 or shard.numel() != sizes[comm.rank]:
         raise ValueError(f"all_gather: this rank's piece must be 1-D with {sizes[comm.rank]} elements, "
@@ -122,7 +170,7 @@ def all_gather(shard: torch.Tensor, splits: Sequence[int], *, compressor: Any = 
     if compressor is None:
         out = _dense_gather(comm, shard, sizes)
     else:
-        out = _compressed_gather(comm, shard, sizes, compressor, key, rec)
+        out = _compressed_gather(comm, shard, sizes, compressor, key, rec, layouts)
     commit(rec)
     return out
 
@@ -137,34 +185,54 @@ def _dense_gather(comm: Comm, shard: torch.Tensor, sizes: List[int]) -> torch.Te
 
 
 def _compressed_gather(comm: Comm, shard: torch.Tensor, sizes: List[int], compressor: Any, key: str,
-                       rec: Record) -> torch.Tensor:
+                       rec: Record, layouts: Optional[dict] = None) -> torch.Tensor:
     device = shard.device
     mine: Optional[Any] = None
+    sig = ("all_gather", key, tuple(sizes), repr(compressor), comm.size)
+    fixed = layouts is not None and getattr(compressor.base, "fixed_size", False) and comm.size > 1
+    agreed = layouts.get(sig) if fixed and layouts is not None else None
     with rec.timing("compress"):
         if sizes[comm.rank]:
             mine = compressor.compress(shard, key)
             rec.payload_bytes += mine.nbytes
-            buf = encode(mine, device)
-        else:
-            buf = torch.empty(0, dtype=torch.uint8, device=device)
-    lengths = comm.exchange([buf.numel()])[:, 0].tolist()
-    parts = gather_bytes(comm, buf, lengths, exact=not getattr(compressor, "fixed_size", False))
+    if agreed is not None:  # every rank's layout is known: one all-gather of raw tensors
+        buf = raw(agreed[comm.rank], mine, device)
+        width = max(0 if t is None else t.end for t in agreed)
+        padded = buf.new_zeros(width)
+        padded[:buf.numel()] = buf
+        rows = comm.all_gather(padded)
+        payloads = [None if t is None else mine if r == comm.rank else _safe(compressor, t.read(rows[r]), key, r)
+                    for r, t in enumerate(agreed)]
+    else:
+        buf = torch.empty(0, dtype=torch.uint8, device=device) if mine is None else encode(mine, device)
+        lengths = comm.exchange([buf.numel()])[:, 0].tolist()
+        parts = gather_bytes(comm, buf, lengths, exact=not getattr(compressor, "fixed_size", False))
+        payloads = [None if not sizes[r] else mine if r == comm.rank else decode(b, device, sizes[r], r)
+                    for r, b in enumerate(parts)]
+        if fixed and layouts is not None:
+            layouts[sig] = [None if p is None else Template(p, 0) for p in payloads]
     with rec.timing("decompress"):
         out = torch.empty(sum(sizes), dtype=shard.dtype, device=device)
-        for r, (b, piece) in enumerate(zip(parts, out.split(sizes))):
-            if sizes[r]:
-                payload = mine if r == comm.rank else decode(b, device, sizes[r], r)
+        for payload, piece in zip(payloads, out.split(sizes)):
+            if payload is not None:
                 compressor.base.decompress_into(payload, piece, accumulate=False)
     return out
 
 
-def any_rank(flags: Sequence[bool], group=None) -> List[bool]:
-    """For each flag, whether it is true on any rank of ``group``: one small all-reduce
+def any_rank(flags: Sequence[Any], group=None) -> List[bool]:
+    """For each flag (a bool, or a 0-d tensor that is non-zero for true, left on its device
+    until the one read), whether it is true on any rank of ``group``: one small all-reduce
     (counted in telemetry as ``all_reduce/flags``); the flags themselves without a group."""
     rec = Record("all_reduce", "flags", "none", "flags", 1)
-    comm = Comm(group, rec, "any_rank")
+    device = next((f.device for f in flags if isinstance(f, torch.Tensor)), None)
+    comm = Comm(group, rec, "any_rank", device)
     rec.world_size = comm.size
-    t = torch.tensor([1.0 if f else 0.0 for f in flags], dtype=torch.float64, device=comm.device)
+    t = torch.stack([_on(f.reshape(()).double(), comm.device) if isinstance(f, torch.Tensor)
+                     else torch.tensor(1.0 if f else 0.0, dtype=torch.float64, device=comm.device) for f in flags])
     comm.all_reduce_(t)
     commit(rec)
     return [bool(v > 0) for v in t.tolist()]
+
+
+def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return t if t.device == device else t.to(device)

@@ -212,6 +212,17 @@ def _witnesses(results: Any) -> List[torch.Tensor]:
     return out
 
 
+def nonfinite(results: Any, device: Optional[torch.device] = None) -> torch.Tensor:
+    """A float64 0-d tensor on the results' device (``device`` when there are none): 1.0 when
+    some element of ``results`` is not finite, else 0.0 — nothing is read back, so it can be
+    reduced over ranks on the device and read once with other flags."""
+    ws = _witnesses(results)
+    if not ws:
+        return torch.zeros((), dtype=torch.float64, device=device)
+    here = ws[0].device
+    return (~torch.isfinite(torch.cat([w if w.device == here else w.to(here) for w in ws])).all()).double()
+
+
 def _read(witnesses: List[torch.Tensor], flags: List[Tuple[torch.Tensor, Callable[[List[int]], str]]]
           ) -> Tuple[bool, List[str]]:
     """Finiteness of every witness and the values of every flag, in one host read per device."""

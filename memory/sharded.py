@@ -42,7 +42,7 @@ from gradcomp.collectives import rank_of, world_of
 from gradcomp.collectives import worker
 from gradcomp.collectives.shards import all_gather, any_rank, reduce_scatter
 from gradcomp.compress import ErrorFeedback, as_codec
-from gradcomp.compress.transaction import Transaction, all_finite
+from gradcomp.compress.transaction import Transaction, nonfinite
 from gradcomp.training.buckets import BucketLauncher
 from gradcomp.training.wrapper import Wrapper, broadcast_params
 from gradcomp.collectives.identity import agree, describe_params, fingerprint, names_of
@@ -166,6 +166,9 @@ class ShardedOptimizer(Wrapper):
         self._launcher.plan([[(b.group, i) for i in b.members] for b in self._buckets],
                             {(g, i): self.names[self._layers[g][i]] for (g, i) in self._index.values()})
         self._launcher.watch([p for ps in self._trainable for p in ps], self._grad_ready)
+        # every rank's buckets and pieces are the same: after its first exchange, each bucket's
+        # payloads travel on their agreed layout (no size exchange, no parsing)
+        self._layouts: Dict[Any, Any] = {}
         self._reset()
 
     # ---- construction -----------------------------------------------------------------------
@@ -285,8 +288,9 @@ class ShardedOptimizer(Wrapper):
             self._reset()
             txn.rollback()
             raise error
-        finite = error is None and all_finite([p for p in pieces if p is not None])
-        failed, infinite = any_rank([error is not None, not finite], self.group)
+        # both flags reduced over the ranks on the device and read once: the step's one host read
+        witness = nonfinite([p for p in pieces if p is not None] if error is None else [], self.masters[0].device)
+        failed, infinite = any_rank([error is not None, witness if error is None else True], self.group)
         bad = failed or infinite
         self._reset()
         if bad:
@@ -319,7 +323,8 @@ class ShardedOptimizer(Wrapper):
             sizes = [b - a for a, b in zip(lay.bounds[:-1], lay.bounds[1:])]
             dense = self.weight_feedback is None
             shard = m.to(ps[0].dtype) if dense else m
-            full = all_gather(shard, sizes, compressor=self.weight_feedback, key=weight_key(g), group=self.group)
+            full = all_gather(shard, sizes, compressor=self.weight_feedback, key=weight_key(g), group=self.group,
+                              layouts=self._layouts)
             for p, off, n in zip(ps, lay.offsets, lay.numels):
                 p.data.copy_(full[off:off + n].view_as(p))
 
@@ -335,19 +340,22 @@ class ShardedOptimizer(Wrapper):
     def _launch(self, k: int) -> torch.futures.Future:
         b = self._buckets[k]
         params = [self._trainable[b.group][i] for i in b.members]
-        flat = flat_of([p.grad if p.grad is not None else torch.zeros_like(p) for p in params],
-                       params[0].dtype).to(params[0].device)
+        flat = flat_of([p.grad if p.grad is not None else torch.zeros_like(p) for p in params], params[0].dtype)
+        if flat.device != params[0].device:
+            flat = flat.to(params[0].device)
         if self.stage == 2:
             for p in params:
                 p.grad = None
         splits = self.layouts[b.group].splits(b.start, b.stop)
         key, comp, group, txn = bucket_key(b.group, k), self.grad_feedback, self.group, self._txn
+        layouts = self._layouts
 
         def job(group_for: Callable[[Any], Any]) -> torch.Tensor:
             if flat.is_cuda:  # made on the caller's stream, read (and freed) on this one
                 flat.record_stream(torch.cuda.current_stream(flat.device))
             with txn.active():
-                return reduce_scatter(flat, splits, compressor=comp, key=key, group=group_for(group))
+                return reduce_scatter(flat, splits, compressor=comp, key=key, group=group_for(group),
+                                      layouts=layouts)
 
         if self._worker is None:
             return worker.completed(job, twin=lambda g: None)
@@ -390,4 +398,5 @@ class ShardedOptimizer(Wrapper):
         """Load this rank's ``state_dict()`` or a ``consolidated_state_dict()`` of any world
         size; every rank raises the same error when any rank's checkpoint does not fit."""
         self._drain()
+        self._layouts.clear()  # the next exchanges are checked again
         self.skipped = _shardckpt.load(self._checkpoint_view(), state_dict)

@@ -18,8 +18,9 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
-from gradcomp.collectives import ALGORITHMS, allreduce, choose_algorithm, server_feedback, server_key
+from gradcomp.collectives import ALGORITHMS, allreduce, allreduce_fused, choose_algorithm, server_feedback, server_key
 from gradcomp.compress import Compressor, ErrorFeedback
+from gradcomp.compress.transaction import Transaction
 
 SCATTER_REDUCE = "scatter-reduce"
 
@@ -34,6 +35,7 @@ class MomentumExchange:
         cls = ALGORITHMS[SCATTER_REDUCE]
         # the two-sided exchange when scatter-reduce takes the codec, else the collectives' choice
         self.algorithm: Optional[str] = SCATTER_REDUCE if cls.unsuitable(compressor) is None else None
+        self._layouts: Dict[Any, Any] = {}  # the flat tensor's agreed layout, once checked
 
     @property
     def compressor(self) -> Compressor:
@@ -44,8 +46,37 @@ class MomentumExchange:
 
     def mean(self, flat: torch.Tensor) -> torch.Tensor:
         """The compressed mean of ``flat`` (a new tensor, the same bits on every rank); the
-        residuals of both sides take what the wire did not carry."""
+        residuals of both sides take what the wire did not carry.
+
+        The optimizers exchange the same flat layout at every step (every rank checked the
+        parameters when it was built), so after the first, checked exchange the payloads of a
+        fixed-size codec travel on the agreed layout: no header and no host read
+        (``allreduce_fused``'s ``layouts``), the same bits."""
+        if self.algorithm == SCATTER_REDUCE:
+            return allreduce_fused([(self.key, flat, self.feedback)], self.group, algorithm=SCATTER_REDUCE,
+                                   layouts=self._layouts)[0]
         return allreduce(flat, self.feedback, key=self.key, group=self.group, algorithm=self.algorithm)
+
+    def finite_mean(self, flat: torch.Tensor) -> Optional[torch.Tensor]:
+        """:meth:`mean`, or None when it is not finite on every rank (the same verdict
+        everywhere: the mean is the same bits), in which case no residual changed. The
+        verdict is read once, with the exchange's validity flags: the step's one host read."""
+        txn = Transaction()
+        with txn.active():
+            try:
+                mean = self.mean(flat)
+            except BaseException:
+                txn.rollback()
+                raise
+        txn.observe(mean)  # the owner checks its results (the exchange joined this transaction)
+        problems = txn.problems
+        if problems or not txn.finite:
+            txn.rollback()
+            if problems:
+                raise ValueError(f"{self.key} exchange: " + "; ".join(problems))
+            return None
+        txn.commit()
+        return mean
 
     # ---- the residuals -----------------------------------------------------------------------
     def worker_residual(self, numel: int) -> torch.Tensor:
@@ -67,5 +98,6 @@ class MomentumExchange:
         return {"worker": self.feedback.state_dict(), "server": server_feedback(self.feedback).state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self._layouts.clear()  # the next exchange is checked again
         self.feedback.load_state_dict(state["worker"])
         server_feedback(self.feedback).load_state_dict(state["server"])

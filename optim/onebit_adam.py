@@ -142,8 +142,8 @@ class OneBitAdam(DistributedOptimizer):
 
     def _compressed_step(self, grads: List[torch.Tensor]) -> None:
         # v is frozen and the same on every rank: the mean of m_r / d is mean(m_r) / d exactly
-        mean = self.exchanges["momentum"].mean(self.to_send(grads))
-        if not common.all_finite([mean]):
+        mean = self.exchanges["momentum"].finite_mean(self.to_send(grads))
+        if mean is None:
             self._skip()  # NaN/Inf on some rank reaches every rank; the residuals were kept as they were
             return
         masks, denoms = self.masks(), self.denominators()

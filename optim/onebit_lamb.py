@@ -149,8 +149,8 @@ class OneBitLamb(DistributedOptimizer):
         if self._vmax is None:
             self._vmax = common.MomentRange.maxima([self._state_of(p)["exp_avg_sq"] for p in self._params])
         sent = common.poison_(flat(local, self.masks()), self._out_of_range(grads, self._vmax))
-        mean = self.exchanges["momentum"].mean(sent)
-        if not common.all_finite([mean]):
+        mean = self.exchanges["momentum"].finite_mean(sent)
+        if mean is None:
             self._skip()
             return
         unflat_(local, self.masks(), mean)

@@ -125,8 +125,8 @@ class ZeroOneAdam(DistributedOptimizer):
         seen = [self._state_of(p)["exp_avg_sq"] != 0 for p in self._params]
         whole = [None] * len(g)  # a fixed size: the residuals keep their shape while the mask grows
         sent = flat([gi.div(d).mul_(s) for gi, d, s in zip(g, denoms, seen)], whole)
-        mean = self.exchanges["grad"].mean(common.poison_(sent, self._out_of_range(g, self._maxima())))
-        if not common.all_finite([mean]):
+        mean = self.exchanges["grad"].finite_mean(common.poison_(sent, self._out_of_range(g, self._maxima())))
+        if mean is None:
             self._skip()
             return
         unflat_(g, whole, mean)
@@ -215,8 +215,8 @@ class ZeroOneAdam(DistributedOptimizer):
             if "anchor" not in st:
                 st["anchor"] = p.detach().clone()
             moves.append(p.float() - st["anchor"].float())
-        mean = self.exchanges["sync"].mean(flat(moves, masks))
-        if not common.all_finite([mean]):
+        mean = self.exchanges["sync"].finite_mean(flat(moves, masks))
+        if mean is None:
             return  # the replicas keep their local moves until the next synchronisation
         unflat_(moves, masks, mean)
         lrs = self.lrs if self.lrs > 0 else 1.0

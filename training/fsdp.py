@@ -206,6 +206,9 @@ class FSDPCompression:
             raise ValueError(problem)
         self.skipped = 0
         self._txn = Transaction()
+        # each module's pieces are the same at every step: after the first, checked reduce-scatter
+        # its payloads travel on their agreed layout (no size exchange, no parsing)
+        self._layouts: Dict[Any, Any] = {}
         self._bad: Optional[torch.Tensor] = None  # non-finite reduced shards since the last decision
         self._sent: Dict[str, Tuple[Tuple[int, ...], Any]] = {}  # key -> (weight versions, payload sent)
         self.reduce_scatters: Dict[str, _ReduceScatter] = {}
@@ -239,7 +242,8 @@ class FSDPCompression:
             raise ValueError(f"compress_fsdp: module {key!r}: FSDP passed {flat.numel()} elements for {world} pieces "
                              f"of {output.numel()}")
         with self._txn.active():
-            out = reduce_scatter(flat, [output.numel()] * world, compressor=self.grad_codec, key=key, group=group)
+            out = reduce_scatter(flat, [output.numel()] * world, compressor=self.grad_codec, key=key, group=group,
+                                 layouts=self._layouts)
         if scale != 1.0:
             out.mul_(scale)
         output.copy_(out)
@@ -322,6 +326,7 @@ class FSDPCompression:
         self.skipped = int(state.get("skipped", 0))
         self._txn, self._bad = Transaction(), None
         self._sent.clear()  # the next gather compresses the loaded weights with the loaded residual
+        self._layouts.clear()  # and the next reduce-scatters are checked again
 
     def describe(self) -> str:
         """What runs on which module, one line each."""

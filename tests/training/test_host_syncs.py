@@ -1,5 +1,5 @@
 """Host syncs per training iteration, per compressor, through the DDP hook and the optimizer
-wrapper (tests/syncs.py counts them on CPU: each is a wait for the GPU on CUDA).
+wrapper, and per step of ShardedOptimizer and gradcomp.optim (tests/syncs.py counts them on CPU: each is a wait for the GPU on CUDA).
 
 Issue 24's target is at most one per iteration for every compressor. Until each path reaches
 it, ``BUDGET`` holds the counts measured on a transformer block with tensors of 16 to 4096
@@ -33,6 +33,29 @@ WRAPPED = ("none", "onebit", "powersgd", "topk")  # through CompressedOptimizer 
 BUDGET = {"none": 1, "fp16": 1, "bf16": 1, "powersgd": 26, "randomk": 16, "int8": 16, "terngrad": 11, "qsgd": 31,
           "natural": 26, "dgc": 31, "topk": 31, "threshold": 39, "signum": 6, "signsgd": 1, "efsignsgd": 1,
           "onebit": 1}
+
+
+def _optimizers():
+    from gradcomp.memory import ShardedOptimizer
+    from gradcomp.optim import OneBitAdam, OneBitLamb, ZeroOneAdam
+
+    return {
+        "ShardedOptimizer onebit": lambda ps: ShardedOptimizer(ps, torch.optim.Adam, lr=1e-3, compressor="onebit"),
+        "ShardedOptimizer int8": lambda ps: ShardedOptimizer(ps, torch.optim.Adam, lr=1e-3, compressor="int8"),
+        "ShardedOptimizer onebit + bf16 weights": lambda ps: ShardedOptimizer(
+            ps, torch.optim.Adam, lr=1e-3, compressor="onebit", weight_compressor="bf16"),
+        "OneBitAdam": lambda ps: OneBitAdam(ps, lr=1e-3, freeze_step=1),
+        "OneBitLamb": lambda ps: OneBitLamb(ps, lr=1e-3, freeze_step=1),
+        "ZeroOneAdam": lambda ps: ZeroOneAdam(ps, lr=1e-3),
+    }
+
+
+OPTIMIZERS = _optimizers()
+# their steps' syncs: int8's are its scale checks (as in the hook), the weight all-gather's
+# error feedback reads its own transaction once, ZeroOneAdam's variance phase still sends a
+# checked allreduce
+BUDGET.update({"ShardedOptimizer onebit": 1, "ShardedOptimizer int8": 4, "ShardedOptimizer onebit + bf16 weights": 2,
+               "OneBitAdam": 1, "OneBitLamb": 1, "ZeroOneAdam": 5})
 
 
 def _iterations(step, n: int, syncs: HostSyncs) -> float:
@@ -78,6 +101,18 @@ def _counts(rank: int, world: int):
                 copt.step()
 
             out[name] = (hook_rate, _iterations(wrapper_step, COUNTED, syncs))
+        for name, build in OPTIMIZERS.items():  # the sharded optimizer and gradcomp.optim, one step each
+            torch.manual_seed(0)
+            net = model("transformer")
+            opt = build(net.parameters())
+
+            def opt_step():
+                opt.zero_grad()
+                torch.nn.functional.cross_entropy(net(x), y).backward()
+                opt.step()
+
+            opt_step()  # past OneBitAdam's and OneBitLamb's warm-up (freeze_step=1)
+            out[name] = (_iterations(opt_step, COUNTED, syncs), None)
         sites = syncs.report(20)
     dist.barrier()
     return out, sites
@@ -86,7 +121,7 @@ def _counts(rank: int, world: int):
 def test_host_syncs_per_iteration(tmp_path):
     results = run_ranks(_counts, 2, tmp_path)
     counts, sites = results[0]
-    print("\ncompressor | hook syncs/iteration | CompressedOptimizer syncs/iteration")
+    print("\ncompressor (or optimizer) | hook (or optimizer step) syncs/iteration | CompressedOptimizer syncs/iteration")
     for name, (hook, wrapper) in sorted(counts.items()):
         print(f"{name} | {hook:g} | {'' if wrapper is None else f'{wrapper:g}'}")
     print("most frequent sites (rank 0, all compressors):\n" + sites)
