@@ -122,6 +122,9 @@ class _SentOnce:
         self.codec, self.payload = codec, payload
         self.base, self.name, self.fixed_size = codec.base, codec.name, codec.base.fixed_size
 
+    def __repr__(self) -> str:  # the codec's configuration: what an agreed layout is known by
+        return repr(self.codec)
+
     def compress(self, tensor: torch.Tensor, key: str) -> Any:
         if self.payload is None:
             self.payload = self.codec.compress(tensor, key)
@@ -207,7 +210,7 @@ class FSDPCompression:
         self.skipped = 0
         self._txn = Transaction()
         # each module's pieces are the same at every step: after the first, checked reduce-scatter
-        # its payloads travel on their agreed layout (no size exchange, no parsing)
+        # and all-gather, its payloads travel on their agreed layouts (no size exchange, no parsing)
         self._layouts: Dict[Any, Any] = {}
         self._bad: Optional[torch.Tensor] = None  # non-finite reduced shards since the last decision
         self._sent: Dict[str, Tuple[Tuple[int, ...], Any]] = {}  # key -> (weight versions, payload sent)
@@ -258,7 +261,8 @@ class FSDPCompression:
         kept = self._sent.get(key)
         codec = _SentOnce(self.weight_codec, kept[1] if kept is not None and kept[0] == versions else None)
         world = dist.get_world_size(group)
-        full = all_gather(shard, [shard.numel()] * world, compressor=codec, key=key, group=group)
+        full = all_gather(shard, [shard.numel()] * world, compressor=codec, key=key, group=group,
+                          layouts=self._layouts)
         self._sent[key] = (versions, codec.payload)
         output.copy_(full)
 
@@ -326,7 +330,7 @@ class FSDPCompression:
         self.skipped = int(state.get("skipped", 0))
         self._txn, self._bad = Transaction(), None
         self._sent.clear()  # the next gather compresses the loaded weights with the loaded residual
-        self._layouts.clear()  # and the next reduce-scatters are checked again
+        self._layouts.clear()  # and the next exchanges are checked again
 
     def describe(self) -> str:
         """What runs on which module, one line each."""

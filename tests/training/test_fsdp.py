@@ -289,6 +289,9 @@ def test_compress_fsdp_on_two_ranks(tmp_path):
         assert c["resume_identical"], "resuming from the checkpoint did not continue bit for bit"
         ours = {site: n for site, n in c["syncs"].items() if "training/fsdp.py" in site}
         assert sum(ours.values()) == 1, f"compress_fsdp's own host syncs per step (the decision only): {ours}"
+        # every exchange of a step after the first travels on its agreed layout: no size round, no parsing
+        wire = {site: n for site, n in c["syncs"].items() if "collectives/" in site}
+        assert not wire, f"the collectives read back during a step on agreed layouts: {wire}"
         stepped, scales, kept = r["scaler"]
         assert stepped == [True, False, True] and kept
         assert scales[1] == scales[0] * 0.5, scales
