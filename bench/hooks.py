@@ -72,6 +72,8 @@ def gradcomp_hook(spec: Dict[str, Any], model: Optional[torch.nn.Module] = None,
     ``local_size``: ranks per node for the hierarchical exchange."""
     from gradcomp.training import ddp_comm_hook
 
+    if spec["name"] == "auto":  # chooses per bucket, error feedback with the biased methods
+        return ddp_comm_hook("auto", model=model, local_size=local_size, **spec["options"])
     return ddp_comm_hook(spec["name"], model=model, error_feedback="ef" if spec["ef"] else "none",
                          local_size=local_size, **spec["options"])
 

@@ -101,6 +101,10 @@ def methods(args) -> List[Dict[str, Any]]:
         name, opts = parse_entry(entry)
         if name == "powersgd":
             opts.setdefault("rank", POWERSGD_RANK)
+        if name == "auto":  # per bucket, measured (gradcomp.training.auto): it decides error feedback itself
+            out.append({"label": "auto" + "".join(f":{k}={v}" for k, v in opts.items()), "kind": "gradcomp",
+                        "source": "gradcomp", "name": name, "options": opts, "ef": None})
+            continue
         base = get_compressor(name, **opts)  # validate now, in the parent, with one clear error
         policy = {"start_iter": POWERSGD_START} if name == "powersgd" else {}
         efs = {"both": [False, True], "on": [True], "off": [False], "auto": [wants_feedback(base)]}[args.error_feedback]

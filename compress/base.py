@@ -46,8 +46,8 @@ import typing
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import (Any, Callable, ClassVar, Dict, Generator, List, Mapping, NamedTuple, Optional, Tuple, Type, TypeVar,
-                    cast)
+from typing import (Any, Callable, ClassVar, Dict, Generator, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Type,
+                    TypeVar, cast)
 
 import torch
 
@@ -325,6 +325,15 @@ class Compressor(_ReadsCapabilities, ABC):
         if flat.numel():
             self._decompress_into(payload, flat, float(alpha), bool(accumulate))
         return out
+
+    def decompress_mean_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor:
+        """``out`` = the mean of the payloads' decodings, a collective's combine: the bits of
+        ``decompress_into`` of each in turn (the first writing) and one ``out.div_``. A
+        compressor may override it with one pass (the sign family and top-k on large CPU
+        tensors do)."""
+        for r, payload in enumerate(payloads):
+            self.decompress_into(payload, out, accumulate=r > 0)
+        return out.div_(len(payloads))
 
     def bits_per_element(self, numel: int = 1 << 20) -> float:
         """Theoretical wire bits per element for a tensor of ``numel`` elements."""

@@ -57,6 +57,7 @@ CPU_ONLY: Dict[Tuple[str, str, str], str] = {
     ("kernels/select.py", "_at_least", "__float__"): "the integer compare branch, taken for CPU x only",
     ("kernels/select.py", "_at_least", "numpy"): "the integer compare branch, taken for CPU x only",
     ("kernels/select.py", "_round_up", "__float__"): "reads a tensor it built on the host from a Python float",
+    ("kernels/cpu.py", "*", "*"): "the fused CPU loops' entry points, taken for CPU tensors only (cpu.applies)",
     ("optim/onebit_adam.py", "_compressed_step", "__float__"): "the step counter, a CPU tensor wherever the "
                                                                "parameters are (as torch.optim.Adam keeps it)",
 }
