@@ -48,10 +48,12 @@ class Native(Algorithm):
         summed = self.comm.mean_(self.summed)
         p = self.payload
         with self.rec.timing("decompress"):
-            # decoded into a numpy-backed buffer: no page-fault cost for a large tensor on CPU
-            avg = empty(math.prod(p.shape), p.dtype, summed.device).view(p.shape)
-            self.comp.decompress_into(Payload(p.compressor, p.shape, p.dtype, [summed, *p.tensors[1:]], p.meta),
-                                      avg, accumulate=False)
+            averaged = Payload(p.compressor, p.shape, p.dtype, [summed, *p.tensors[1:]], p.meta)
+            avg = self.comp.decoding_of(averaged)  # the identity's: the averaged tensor itself
+            if avg is None:
+                # decoded into a numpy-backed buffer: no page-fault cost for a large tensor on CPU
+                avg = empty(math.prod(p.shape), p.dtype, summed.device).view(p.shape)
+                self.comp.decompress_into(averaged, avg, accumulate=False)
         return avg, self.sent
 
 

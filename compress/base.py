@@ -304,6 +304,13 @@ class Compressor(_ReadsCapabilities, ABC):
         flat = self._decompress(payload)
         return flat.to(payload.dtype).reshape(payload.shape)
 
+    def decoding_of(self, payload: Payload) -> Optional[torch.Tensor]:
+        """The decoding of ``payload`` when it is its first tensor as it lies (no pass, no new
+        memory: a view of it, which the caller then owns), else None. The identity codec's
+        is; a collective that averaged that tensor returns it instead of copying it into a
+        fresh buffer (whose first touch costs page faults on CPU)."""
+        return None
+
     def decompress_into(self, payload: Payload, out: torch.Tensor, *, alpha: float = 1.0,
                         accumulate: bool = True) -> torch.Tensor:
         """Add ``alpha * decompress(payload)`` to ``out`` in place (write it, with
