@@ -39,6 +39,9 @@ def compressor_class(name: str) -> Type[Compressor]:
             close = [n for n in _REGISTRY if n.lower() == name.strip().lower()] or \
                 difflib.get_close_matches(name.lower(), list(_REGISTRY), n=1, cutoff=0.6)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
+            if name.strip().lower() == "auto":  # a choice made by the training runtime, not a codec
+                hint = (" ('auto' chooses per bucket from measurements: pass it to ddp_comm_hook or "
+                        "CompressedOptimizer, see gradcomp.training.auto)")
         raise ValueError(f"unknown compressor {name!r}{hint}; available: {', '.join(available_compressors())}")
     return _REGISTRY[name]
 

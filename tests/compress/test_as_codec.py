@@ -111,3 +111,12 @@ def test_refuse_wrappers(wrapper):
 def test_keep_does_not_take_a_duck_typed_wrapper():
     with pytest.raises(ValueError, match=r"^compressor must be .*got _Duck"):
         as_codec(_Duck())
+
+
+def test_auto_is_refused_with_where_it_is_offered():
+    import pytest
+
+    from gradcomp.compress import as_codec
+
+    with pytest.raises(ValueError, match="unknown compressor 'auto'.*ddp_comm_hook or CompressedOptimizer"):
+        as_codec("auto")
