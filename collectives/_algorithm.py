@@ -85,9 +85,7 @@ class Algorithm:
         number of tensors); otherwise one tensor travels alone (its header, then :meth:`run`).
         ``layouts``: see ``collectives/_shared.py`` (agreed layouts; shared exchanges only)."""
         if shared:
-            if layouts is not None:
-                return cls.exchange_many(comm, items, specs, [s.algo for s in started], error, layouts=layouts)
-            return cls.exchange_many(comm, items, specs, [s.algo for s in started], error)
+            return cls.exchange_many(comm, items, specs, [s.algo for s in started], error, layouts=layouts)
         if len(items) != 1:
             raise ValueError(f"{len(items)} tensors must share their exchanges (shared=True)")
         (key, tensor, _), spec, (algo, _, (check, sizes)) = items[0], specs[0], started[0]

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from gradcomp.compress import Payload
+from gradcomp.compress.transaction import Transaction
 
 from ._header import IDX, build, check_same_call, h64, verify
 
@@ -117,9 +118,12 @@ class Template:
                 and [(t.dtype, tuple(t.shape)) for t in payload.tensors] == [(d, s) for d, s, _ in self.tensors])
 
     def write(self, payload: Any, buf: torch.Tensor) -> None:
+        """``payload``'s tensors into ``buf`` at their places, each tensor's alignment bytes
+        zeroed: the same bits on the wire every time."""
         for t, off, (_, _, size) in zip(payload.tensors, self.offsets, self.tensors):
             if size:
                 buf[off:off + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+            buf[off + size:off + -(-size // _ALIGN) * _ALIGN].zero_()
 
     def read(self, row: torch.Tensor) -> Payload:
         """The payload a peer's buffer holds at this template's place (views of ``row``)."""
@@ -162,8 +166,6 @@ def agreed_buffer(layout: Layout, payloads: Sequence[Any], device: torch.device,
         for p, t in zip(payloads, layout.templates):
             if t is not None:
                 t.write(p, buf)
-                end = t.offsets[-1] + t.tensors[-1][2] if t.tensors else t.end
-                buf[end:t.end].zero_()  # the alignment bytes: the same bits on the wire every time
     return buf, status
 
 
@@ -187,26 +189,25 @@ def status_problem(values: List[int]) -> str:
 
 class Flags:
     """The device flags of one agreed exchange: handed to the open transaction, which reads
-    them with the step's finiteness; with none open, read at :meth:`settle` (one host read)."""
+    them with the step's finiteness; with none open, to one of their own, read at
+    :meth:`settle` (one host read)."""
 
     def __init__(self, txn: Any) -> None:
-        self.txn = txn
-        self.pending: List[Tuple[torch.Tensor, Any]] = []
+        self.own = txn is None
+        self.txn = Transaction() if txn is None else txn
 
     def add(self, bad: torch.Tensor, problem) -> None:
-        if self.txn is not None:
-            self.txn.flag(bad, problem)
-        else:
-            self.pending.append((bad.reshape(-1), problem))
+        self.txn.flag(bad, problem)
 
     def settle(self) -> None:
-        if not self.pending:
-            return
-        values = torch.cat([b.long() for b, _ in self.pending]).tolist()
-        problems = []
-        for b, problem in self.pending:
-            mine, values = values[:b.numel()], values[b.numel():]
-            if any(mine):
-                problems.append(problem(mine))
-        if problems:
-            raise ValueError("; ".join(problems))
+        if self.own and self.txn.problems:
+            raise ValueError("; ".join(self.txn.problems))
+
+
+def checked(comp: Any, payload: Payload, key: str, rank: int, flags: Flags) -> Payload:
+    """A payload read from an agreed layout, made safe by its compressor
+    (``Compressor.check_on_device``); what only its values can show is noted in ``flags``."""
+    payload, bad = comp.check_on_device(payload)
+    if bad is not None:
+        flags.add(bad, lambda _: f"the payload of {key!r} from rank {rank} is invalid")
+    return payload

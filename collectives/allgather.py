@@ -19,8 +19,8 @@ from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, register_algorithm, wdtype
 from ._header import sizes as header_sizes
-from ._shared import (OK, Flags, Layout, agreed_buffer, device_of, exact_sizes, header, pack, signature, split,
-                      status_problem, statuses, verify_many)
+from ._shared import (OK, Flags, Layout, agreed_buffer, checked, device_of, exact_sizes, header, pack, signature,
+                      split, status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
 
 
@@ -95,12 +95,7 @@ class AllGather(Algorithm):
                 continue
             peers = []
             for r in range(comm.size):
-                p = None
-                if r != comm.rank:
-                    p, bad = a.comp.check_on_device(t.read(rows[r]))
-                    if bad is not None:
-                        flags.add(bad, lambda _, key=key, r=r: f"the payload of {key!r} from rank {r} is invalid")
-                peers.append(p)
+                peers.append(None if r == comm.rank else checked(a.comp, t.read(rows[r]), key, r, flags))
             out.append(a.average(peers))
         flags.settle()
         return out

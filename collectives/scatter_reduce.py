@@ -29,8 +29,8 @@ from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, wdtype
 from ._header import sizes as header_sizes
-from ._shared import (OK, Flags, Layout, agreed_buffer, device_of, exact_sizes, header, pack, signature, split,
-                      status_problem, statuses, verify_many)
+from ._shared import (OK, Flags, Layout, agreed_buffer, checked, device_of, exact_sizes, header, pack, signature,
+                      split, status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
 
 _servers: "weakref.WeakKeyDictionary[Any, ErrorFeedback]" = weakref.WeakKeyDictionary()
@@ -149,7 +149,7 @@ class ScatterReduce(Algorithm):
         sends, back = layout
         flags = Flags(transaction.current())
         bufs = [agreed_buffer(sends[j], [None if a is None else a.payloads[j] for a in algos], device, error)
-                for j in range(w)] if error is None else [agreed_buffer(sends[j], [], device, error) for j in range(w)]
+                for j in range(w)]
         status = max(st for _, st in bufs)
         got = comm.all_to_all(torch.cat([b for b, _ in bufs]), [s.nbytes for s in sends], [sends[me].nbytes] * w)
         rows = got.view(w, sends[me].nbytes)
@@ -163,7 +163,7 @@ class ScatterReduce(Algorithm):
                 if failure is not None:
                     break
                 if a is not None:
-                    peers = [None if r == me else _checked(a, sends[me].templates[i].read(rows[r]), key, r, flags)
+                    peers = [None if r == me else checked(a.comp, sends[me].templates[i].read(rows[r]), key, r, flags)
                              for r in range(w)]
                     reduced[i] = a.reduce_payloads(peers)
         except Exception as exc:
@@ -181,7 +181,7 @@ class ScatterReduce(Algorithm):
         out = []
         for i, ((key, _, _), a) in enumerate(zip(items, algos)):
             out.append(None if a is None else a.finish_payloads(
-                [None if r == me else _checked(a, back[r].templates[i].read(rows[r]), key, r, flags)
+                [None if r == me else checked(a.comp, back[r].templates[i].read(rows[r]), key, r, flags)
                  for r in range(w)]))
         flags.settle()
         return out
@@ -253,14 +253,6 @@ class ScatterReduce(Algorithm):
         payload, sent = self.comp.compress_decoded(as_dtype(acc, self.wire_dtype), key)
         self.server.update(key, acc, sent)
         return payload
-
-
-def _checked(algo, payload, key: str, rank: int, flags):
-    """A payload read from an agreed layout, made safe by its compressor; its flag noted."""
-    payload, bad = algo.comp.check_on_device(payload)
-    if bad is not None:
-        flags.add(bad, lambda _: f"the payload of {key!r} from rank {rank} is invalid")
-    return payload
 
 
 def exchange_status(comm, nbytes: int, error) -> list:

@@ -26,7 +26,7 @@ import torch
 from gradcomp.compress import transaction
 
 from ._comm import Comm, scale_
-from ._shared import Flags, Template
+from ._shared import Flags, Template, checked
 from ._telemetry import Record, commit
 from ._wire import decode, encode, gather_bytes
 
@@ -136,11 +136,9 @@ def _compressed_reduce(comm: Comm, pieces: List[torch.Tensor], sizes: List[int],
 def _safe(compressor: Any, payload: Any, key: str, rank: int) -> Any:
     """A payload read from an agreed layout, made safe by its compressor; what only its values
     can show is flagged to the open transaction (read when it ends) or, with none, read now."""
-    payload, bad = compressor.base.check_on_device(payload)
-    if bad is not None:
-        flags = Flags(transaction.current())
-        flags.add(bad, lambda _: f"the payload of {key!r} from rank {rank} is invalid")
-        flags.settle()
+    flags = Flags(transaction.current())
+    payload = checked(compressor.base, payload, key, rank, flags)
+    flags.settle()
     return payload
 
 
@@ -152,7 +150,7 @@ def raw(template: Optional[Template], payload: Optional[Any], device: torch.devi
     if not template.matches(payload):
         raise ValueError(f"the payload of {payload.compressor} no longer fits the layout agreed at its first exchange "
                          f"(a compressor whose payload structure changes between steps must declare fixed_size=False)")
-    buf = torch.zeros(template.end, dtype=torch.uint8, device=device)
+    buf = torch.empty(template.end, dtype=torch.uint8, device=device)
     template.write(payload, buf)
     return buf
 
