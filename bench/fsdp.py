@@ -33,7 +33,7 @@ import torch.distributed as dist
 
 from . import cli
 from . import env as envmod
-from .sharded import _markdown
+from .sharded import _markdown, take_turns
 from .train import DIGITS_LINE, _data, epoch_batches
 
 METHODS: Dict[str, Dict[str, Any]] = {
@@ -172,17 +172,9 @@ class _Run:
 
 
 def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[..., None]) -> Any:
-    xtr, ytr, xte, yte = _data(cfg["seed"])
     names = cfg["methods"]
     runs = [_Run(METHODS[name], rank, world, cfg) for name in names]
-    total = len(names) * cfg["epochs"]
-    for epoch in range(cfg["epochs"]):
-        for m, (name, run) in enumerate(zip(names, runs)):
-            dist.barrier()  # every rank starts the method's epoch together
-            run.epoch(epoch, xtr, ytr)
-            progress(done=epoch * len(names) + m + 1, total=total, label=name)
-    everyone: List[Any] = [None] * world
-    dist.all_gather_object(everyone, [run.result(xte, yte) for run in runs])
+    everyone = take_turns(names, runs, cfg["epochs"], _data(cfg["seed"]), progress, world)
     return _records(names, everyone, cfg, world) if rank == 0 else None
 
 

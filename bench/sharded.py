@@ -169,18 +169,26 @@ class _Run:
                 "checksum": float(sum(p.double().sum() for p in self.model.parameters()))}
 
 
-def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[..., None]) -> Any:
-    xtr, ytr, xte, yte = _data(cfg["seed"])
-    names = cfg["methods"]
-    runs = [_Run(METHODS[name], rank, world, cfg) for name in names]
-    total = len(names) * cfg["epochs"]
-    for epoch in range(cfg["epochs"]):
+def take_turns(names: Sequence[str], runs: Sequence[Any], epochs: int, data: Tuple[torch.Tensor, ...],
+               progress: Callable[..., None], world: int) -> List[Any]:
+    """The methods' runs taking turns epoch by epoch (so load changes hit them alike), each
+    epoch started together on every rank; every rank's ``run.result(xte, yte)`` list."""
+    xtr, ytr, xte, yte = data
+    total = len(names) * epochs
+    for epoch in range(epochs):
         for m, (name, run) in enumerate(zip(names, runs)):
             dist.barrier()  # every rank starts the method's epoch together
             run.epoch(epoch, xtr, ytr)
             progress(done=epoch * len(names) + m + 1, total=total, label=name)
     everyone: List[Any] = [None] * world
     dist.all_gather_object(everyone, [run.result(xte, yte) for run in runs])
+    return everyone
+
+
+def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[..., None]) -> Any:
+    names = cfg["methods"]
+    runs = [_Run(METHODS[name], rank, world, cfg) for name in names]
+    everyone = take_turns(names, runs, cfg["epochs"], _data(cfg["seed"]), progress, world)
     return _records(names, everyone, cfg, world) if rank == 0 else None
 
 
