@@ -123,8 +123,11 @@ def run_ranks(fn: Callable, world_size: int, tmp_path, *args: Any, timeout_s: fl
     for p in procs:
         p.start()
     deadline = time.monotonic() + timeout_s * 3
-    while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
-        procs[[p.is_alive() for p in procs].index(True)].join(0.2)
+    while time.monotonic() < deadline:
+        alive = [p for p in procs if p.is_alive()]  # read once: a rank may exit between two readings
+        if not alive:
+            break
+        alive[0].join(0.2)
         if deadline - time.monotonic() > timeout_s and _any_error(out_dir, world_size):
             deadline = time.monotonic() + timeout_s
     for p in procs:
