@@ -16,7 +16,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _pipeline_helpers import LOSS, chain, data, gathered_params, micro_step, pieces_of, reference, same_params, sgd  # noqa: E402
+from _pipeline_helpers import (LOSS, chain, data, gathered_params, micro_step, pieces_of, reference,  # noqa: E402
+                               same_params, sgd)
 from ranks import run_ranks  # noqa: E402
 
 BALANCE = {"gpipe": [2, 2, 2, 2], "1f1b": [2, 2, 2, 2], "interleaved": [1] * 8, "zb-h1": [2, 2, 2, 2]}
