@@ -198,6 +198,9 @@ class Compressor(_ReadsCapabilities, ABC):
     config: CompressorConfig
     # name -> Option, from Config (read by the policy and the benchmarks for allowed keywords)
     options: ClassVar[Mapping[str, Option]] = MappingProxyType({})
+    # its own payloads' indices lie in range and strictly increase by construction: they are
+    # marked ``Payload.checked`` and decode without a host check (see ``check_on_device``)
+    payloads_checked: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -268,7 +271,7 @@ class Compressor(_ReadsCapabilities, ABC):
         if not flat.numel():
             return self._run(acc, key, step, want_decoded=False)[0]
         tensors, meta, _ = self._compress_residual(flat, skey, step)
-        return Payload(self.name, tuple(acc.shape), acc.dtype, list(tensors), dict(meta))
+        return Payload(self.name, tuple(acc.shape), acc.dtype, list(tensors), dict(meta), self.payloads_checked)
 
     def count(self, key: Optional[str]) -> int:
         """Advance ``key``'s step counter as a call would, without compressing (a bucket that
@@ -293,7 +296,7 @@ class Compressor(_ReadsCapabilities, ABC):
             flat = flat.contiguous()
         shape = tuple(tensor.shape)
         tensors, meta, decoded = self._compress(flat, shape, skey, int(step), want_decoded)
-        return Payload(self.name, shape, tensor.dtype, list(tensors), dict(meta)), decoded
+        return Payload(self.name, shape, tensor.dtype, list(tensors), dict(meta), self.payloads_checked), decoded
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         """The tensor a payload stands for: original shape, dtype and device."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from gradcomp.kernels.quant import (block_absmax, block_runs, dequantize_levels, fp32_scales, num_blocks,
+from gradcomp.kernels.quant import (block_absmax, block_runs, dequantize_levels, fp32_scales, may_hold, num_blocks,
                                    quantize_levels, tiny_safe_div, unit_multipliers)
 
 from .base import (Capabilities, Compressor, CompressorConfig, Encoded, expect, meta_int, option, positive_int,
@@ -56,11 +56,12 @@ class Int8(Compressor):
         """The fp32 wire scales ``max |x| / 127`` of ``x``'s blocks."""
         bs = self.config.block_size
         top = block_absmax(x, bs)
-        scale = fp32_scales(x, tiny_safe_div(top, _LEVELS), bs, self.name)
-        if x.dtype == torch.float32 and scale.numel() and float(scale.amax()) * _LEVELS > _FP32_MAX:
+        scale = fp32_scales(x, tiny_safe_div(top, _LEVELS), bs, self.name, bounded=True)  # max |x| / 127
+        if x.dtype == torch.float32 and scale.numel():
             # 127 * scale would round past float32's max: one ulp lower, 127 then costs that ulp
             over = torch.isfinite(scale) & (scale.double() * _LEVELS > _FP32_MAX)
-            scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
+            if may_hold(over):
+                scale = torch.where(over, torch.nextafter(scale, torch.zeros_like(scale)), scale)
         return scale
 
     def _levels(self, x, scale32, u):

@@ -87,6 +87,11 @@ class Payload:
     dtype: torch.dtype
     tensors: List[torch.Tensor]
     meta: Dict[str, Any] = field(default_factory=dict)
+    # the indices (of a sparse payload) are known to be in range, so decoding reads nothing
+    # back to check them: set by the compressor that built them, or by its check_on_device on
+    # a received payload (which clamps them and flags any that were out of range or out of
+    # order). Never sent; a payload parsed from bytes starts unchecked.
+    checked: bool = field(default=False, compare=False, repr=False)
 
     @property
     def numel(self) -> int:
@@ -102,7 +107,8 @@ class Payload:
         return self.tensors[0].device if self.tensors else torch.device("cpu")
 
     def to(self, device: torch.device | str) -> "Payload":
-        return Payload(self.compressor, self.shape, self.dtype, [t.to(device) for t in self.tensors], dict(self.meta))
+        return Payload(self.compressor, self.shape, self.dtype, [t.to(device) for t in self.tensors], dict(self.meta),
+                       self.checked)
 
     def to_bytes(self) -> bytes:
         """Self-describing bytes; inverse of :meth:`from_bytes`. No pickle."""

@@ -23,7 +23,7 @@ import torch
 
 from gradcomp.kernels.bits import pack_codes, packed_nbytes, unpack_codes
 from gradcomp.kernels.quant import (SMALLEST_NORMAL32, bucket_norms, clamp_blocks_, dequantize_levels,
-                                   div_scalar, fp32_ceil, fp32_scales, num_blocks, quantize_levels,
+                                   div_scalar, fp32_ceil, fp32_scales, may_hold, num_blocks, quantize_levels,
                                    tiny_safe_div, unit_multipliers)
 
 from .base import (Capabilities, Compressor, CompressorConfig, Encoded, expect, meta_int, option, positive_int,
@@ -83,7 +83,7 @@ class QSGD(Compressor):
         steps = div_scalar(norms[a // bs:num_blocks(b, bs)].to(wd), s)
         out = dequantize_levels(levels, steps, bs, wd)
         top = torch.finfo(payload.dtype).max
-        if wd == torch.float32 and steps.numel() and float(steps.amax()) * s > top:  # the top of the range only
+        if wd == torch.float32 and steps.numel():  # blocks that reach past the top of the range only
             clamp_blocks_(out, steps.double() * s, top, bs)
         return out
 
@@ -114,7 +114,7 @@ def _wire_norms(norms: torch.Tensor, s: int, dtype: torch.dtype) -> torch.Tensor
     if work_dtype(dtype) != torch.float32:
         return norms  # float64 steps of float32 norms are never subnormal
     tiny = (norms > 0) & (norms < s * SMALLEST_NORMAL32)
-    if not bool(tiny.any()):
+    if not may_hold(tiny):
         return norms
     up = fp32_ceil(tiny_safe_div(norms, s).double() * s)
     return torch.where(tiny, up, norms)

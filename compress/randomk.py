@@ -37,6 +37,7 @@ from .base import (Capabilities, Compressor, CompressorConfig, Encoded, expect, 
                    seed_option, work_dtype)
 from .registry import register
 from .sparse import ratio_option, scatter_into
+from .transaction import refuse
 
 _MAX_K = 2**31 - 1  # keeps the stratum arithmetic below in int64
 
@@ -89,8 +90,10 @@ class RandomK(Compressor):
             raise ValueError(f"randomk keeps at most {_MAX_K} elements, ratio={c.ratio} asks for {k}")
         idx = positions(n, k, c.seed, key, step, flat.device)
         values = flat[idx]
-        # sum() is one fast pass; it can overflow on finite data, so a non-finite sum is confirmed.
-        if n and not bool(torch.isfinite(flat.sum())) and not bool(torch.isfinite(flat).all()):
+        # NaN everywhere unless all of flat is finite: on a GPU decided on the device
+        if n and flat.device.type != "cpu":
+            values = torch.where(torch.isfinite(flat).all(), values, math.nan)
+        elif n and not _all_finite_cpu(flat):
             values.fill_(math.nan)
         meta = {"k": k, "seed": c.seed, "key": key, "step": step, "rescale": c.rescale}
         decoded = _decode(idx, values, n, c.rescale, flat.dtype) if want_decoded else None
@@ -108,7 +111,7 @@ class RandomK(Compressor):
         values = payload.tensors[0]
         idx = positions(n, m["k"], m["seed"], m["key"], m["step"], values.device)
         scaled = _scaled(values, n, idx.numel(), m["rescale"], payload.dtype)
-        scatter_into(out, idx, scaled, payload.dtype, alpha, accumulate)
+        scatter_into(out, idx, scaled, payload.dtype, alpha, accumulate, checked=True)  # positions() are in range
 
     def _wire_bytes(self, numel):
         return 4.0 * self._k(numel)
@@ -132,8 +135,16 @@ class RandomK(Compressor):
                f"values have shape {tuple(values.shape)}, expected ({k},)")
 
 
+def _all_finite_cpu(flat: torch.Tensor) -> bool:
+    """Every element of the CPU tensor ``flat`` is finite: a sum first (one fast pass), confirmed
+    element by element only when it is not finite (finite data can overflow it). Read on the
+    host, which on CPU costs nothing; other devices decide on the device (``_compress``)."""
+    return bool(torch.isfinite(flat.sum())) or bool(torch.isfinite(flat).all())
+
+
 def _decode(idx: torch.Tensor, values: torch.Tensor, numel: int, rescale: bool, dtype: torch.dtype) -> torch.Tensor:
-    return densify(idx, _scaled(values, numel, idx.numel(), rescale, dtype), numel, work_dtype(values.dtype))
+    return densify(idx, _scaled(values, numel, idx.numel(), rescale, dtype), numel, work_dtype(values.dtype),
+                   checked=True)  # positions() are in range
 
 
 def _scaled(values: torch.Tensor, numel: int, k: int, rescale: bool, dtype: torch.dtype) -> torch.Tensor:
@@ -143,9 +154,9 @@ def _scaled(values: torch.Tensor, numel: int, k: int, rescale: bool, dtype: torc
     if not (rescale and numel):
         return values.to(wd)
     scaled = values.to(wd) * (numel / k)
-    if bool(torch.isinf(scaled.to(dtype)).any()) and bool(torch.isfinite(values).all()):
-        top = torch.finfo(dtype).max
-        raise ValueError(f"randomk: a kept value times numel/k = {numel / k:.4g} exceeds the largest finite "
-                         f"{dtype} ({top:.6g}): with rescale=True |x| must stay below {top * k / numel:.4g} "
-                         f"for this tensor; use rescale=False, a larger ratio or a wider dtype")
+    top = torch.finfo(dtype).max
+    problem = (f"randomk: a kept value times numel/k = {numel / k:.4g} exceeds the largest finite {dtype} "
+               f"({top:.6g}): with rescale=True |x| must stay below {top * k / numel:.4g} for this tensor; use "
+               f"rescale=False, a larger ratio or a wider dtype")
+    refuse(torch.logical_and(torch.isinf(scaled.to(dtype)).any(), torch.isfinite(values).all()), problem)
     return scaled

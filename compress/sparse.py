@@ -70,24 +70,42 @@ def check_sparse(payload: Payload, cname: str) -> None:
         expect(bool(increasing), cname, "indices must be strictly increasing")
 
 
+def sparse_on_device(payload: Payload) -> Tuple[Payload, Optional[torch.Tensor]]:
+    """``Compressor.check_on_device`` for ``[values, indices]`` payloads of agreed sizes: the
+    indices clamped into range (so the decode writes nothing out of bounds, whatever arrived)
+    and a device flag, true when any was out of range or the order was not strictly
+    increasing; the payload is then ``checked``, and nothing was read back."""
+    values, indices = payload.tensors
+    n = payload.numel
+    if payload.checked or not indices.numel():
+        return payload, None
+    lo, hi = torch.aminmax(indices)
+    bad = torch.logical_or(lo < 0, hi >= n)
+    if indices.numel() > 1:
+        bad = torch.logical_or(bad, torch.le(indices[1:], indices[:-1]).any())
+    safe = indices.clamp(0, n - 1)
+    return Payload(payload.compressor, payload.shape, payload.dtype, [values, safe], dict(payload.meta), True), bad
+
+
 def decode_sparse(payload: Payload) -> torch.Tensor:
     values, indices = payload.tensors
-    return densify(indices, values, numel_of(payload), values.dtype)
+    return densify(indices, values, numel_of(payload), values.dtype, payload.checked)
 
 
 def decode_sparse_into(payload: Payload, out: torch.Tensor, alpha: float, accumulate: bool) -> None:
     """``Compressor.decompress_into`` for ``[values, indices]`` payloads."""
     values, indices = payload.tensors
-    scatter_into(out, indices, values, payload.dtype, alpha, accumulate)
+    scatter_into(out, indices, values, payload.dtype, alpha, accumulate, payload.checked)
 
 
 def scatter_into(out: torch.Tensor, indices: torch.Tensor, values: torch.Tensor, dtype: torch.dtype,
-                 alpha: float, accumulate: bool) -> None:
+                 alpha: float, accumulate: bool, checked: bool = False) -> None:
     """Add (or write) the sparse decoding ``values`` at distinct ``indices``, rounded to the
     payload ``dtype`` as ``decompress`` rounds it, into flat ``out``: a scatter of k values, not
-    a dense pass (plus zeroing ``out`` without ``accumulate``)."""
+    a dense pass (plus zeroing ``out`` without ``accumulate``). ``checked``: the indices are
+    known in range (no host check; see ``scatter_add_checked``)."""
     # "+ 0.0" turns -0.0 into +0.0, as adding into the zeros of a decompressed tensor does
     values = values.to(dtype).to(out.dtype) + 0.0
     if not accumulate:
         out.zero_()
-    scatter_add_checked(out, indices, values if alpha == 1.0 else values * alpha)
+    scatter_add_checked(out, indices, values if alpha == 1.0 else values * alpha, checked)

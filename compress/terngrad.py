@@ -59,7 +59,7 @@ class TernGrad(Compressor):
             limit = clip * x.std()
             if float(limit) != 0:  # a constant tensor is not clipped to zero; NaN propagates
                 scale = torch.minimum(scale, limit)
-        scale32 = fp32_scales(x, scale, bs, self.name, flat.dtype)
+        scale32 = fp32_scales(x, scale, bs, self.name, flat.dtype, bounded=True)  # at most max |x|
         # a subnormal scale has no finite float32 reciprocal: such blocks are scaled up exactly
         xs, mult = unit_multipliers(x, scale32.to(x.dtype), bs)
         u = self._uniform(x.numel(), key, step, x.device)

@@ -30,6 +30,7 @@ class Threshold(Compressor):
 
     config: Config
     capabilities = Capabilities(fixed_size=False)
+    payloads_checked = True  # threshold_indices: in range, ascending
 
     def _compress(self, flat, shape, key, step, want_decoded):
         tensors, decoded = sparse_payload(flat, threshold_indices(flat, self.config.tau), want_decoded)

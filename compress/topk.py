@@ -23,7 +23,8 @@ from .base import Capabilities, Compressor, CompressorConfig, Encoded
 from .payload import Payload
 from .registry import register
 from .sign import mean_into
-from .sparse import check_sparse, decode_sparse, decode_sparse_into, ratio_option, sparse_payload, sparse_residual
+from .sparse import (check_sparse, decode_sparse, decode_sparse_into, ratio_option, sparse_on_device, sparse_payload,
+                     sparse_residual)
 
 
 @register("topk")
@@ -36,6 +37,7 @@ class TopK(Compressor):
 
     config: Config
     capabilities = Capabilities()
+    payloads_checked = True  # the exact selection's positions: in range, ascending
 
     def _k(self, numel: int) -> int:
         return 0 if numel == 0 else max(1, round(self.config.ratio * numel))
@@ -70,7 +72,8 @@ class TopK(Compressor):
                 not cpu.applies(out.numel(), out, *tensors) or any(p.numel != out.numel() for p in payloads)):
             return mean_into(self, payloads, out)
         for p in payloads:
-            check_sparse(p, self.name)  # range and strict order: what the merge relies on
+            if not p.checked:  # range and strict order: what the merge relies on
+                check_sparse(p, self.name)
         values = [p.tensors[0].to(p.dtype).to(out.dtype) for p in payloads]
         cpu.sparse_mean([p.tensors[1] for p in payloads], values, out.view(-1), len(payloads))
         return out
@@ -81,3 +84,7 @@ class TopK(Compressor):
     @classmethod
     def _check_tensors(cls, payload):
         check_sparse(payload, cls.name)
+
+    @classmethod
+    def check_on_device(cls, payload):
+        return sparse_on_device(payload)

@@ -129,6 +129,18 @@ def current() -> Optional[Transaction]:
     return _current.get()
 
 
+def refuse(bad: torch.Tensor, problem: str) -> None:
+    """A bad input found on the device (``bad``: a bool tensor, true when ``problem`` holds):
+    inside a transaction it is a flag, read with the step's finiteness, which then undoes the
+    step and raises ``problem`` (nothing read back now); outside one, a ``ValueError`` at once
+    (one host read)."""
+    txn = _current.get()
+    if txn is not None:
+        txn.flag(bad, lambda _: problem)
+    elif bool(bad.any()):
+        raise ValueError(problem)
+
+
 def replace(mapping: MutableMapping, key: Any, spares: Optional[Dict] = None) -> bool:
     """Announce a change of ``mapping[key]``: remembered by the open transaction, if any. True
     when the current value must not be changed in place (a transaction is open and this is

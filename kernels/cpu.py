@@ -25,7 +25,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .select import _exact, topk_abs_indices as topk_abs_indices_reference
+from .select import _exact_cpu, topk_abs_indices as topk_abs_indices_reference
 
 FUSED_MIN = 1 << 18  # elements: below, the reference paths are as fast and numba is never imported
 _FLOATS = (torch.float32, torch.float64)
@@ -134,7 +134,7 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
             break
         idx = _at_least(x, t, n * rank // s)
         if idx.numel() >= k:
-            return _exact(x.index_select(0, idx).abs(), idx, k)
+            return _exact_cpu(x.index_select(0, idx).abs(), idx, k)
         rank *= 4
     return topk_abs_indices_reference(x, k)
 

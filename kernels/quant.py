@@ -118,6 +118,15 @@ def block_absmax(x: torch.Tensor, block_size: int) -> torch.Tensor:
     return _per_block(lambda b: torch.maximum(b.amax(dim=1), b.amin(dim=1).neg()), block_size, x)
 
 
+def may_hold(flags: torch.Tensor) -> bool:
+    """Whether some element of the bool tensor ``flags`` may be set, as far as the host knows
+    without waiting for a device: read for a CPU tensor (free there), always True elsewhere.
+    Callers guard a branch that changes only the flagged elements (``torch.where``), so
+    taking it when none is set gives the same bits as skipping it: on CPU the pass is saved,
+    on a GPU the sync."""
+    return flags.device.type != "cpu" or bool(flags.any())
+
+
 def bucket_norms(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
     """L2 norm of each bucket, in ``x``'s dtype.
 
@@ -132,7 +141,9 @@ def bucket_norms(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
         return launch_bucket_norms(x, bucket_size)
     norms = _per_block(lambda b: torch.linalg.vector_norm(b, dim=1), bucket_size, x)
     suspect = (norms == 0) | torch.isinf(norms)
-    if bool(suspect.any()):  # all-zero buckets are common; a second look is cheap
+    if x.device.type != "cpu":
+        return _norms_again(x, norms, suspect, bucket_size)
+    if may_hold(suspect):  # all-zero buckets are common; a second look is cheap
         amax = block_absmax(x, bucket_size)
         redo = (suspect & (amax > 0) & torch.isfinite(amax)).nonzero().flatten()
         if redo.numel():
@@ -140,6 +151,19 @@ def bucket_norms(x: torch.Tensor, bucket_size: int) -> torch.Tensor:
             rows = _gather_blocks(x, bucket_size, redo)
             norms[redo] = (top * torch.linalg.vector_norm(rows / top, dim=1, keepdim=True)).flatten()
     return norms
+
+
+def _norms_again(x: torch.Tensor, norms: torch.Tensor, suspect: torch.Tensor, bucket_size: int) -> torch.Tensor:
+    """``bucket_norms``'s second look without reading anything back (tensors off the CPU):
+    every bucket's norm again, scaled by its absmax, kept where the first was suspect and the
+    bucket is nonzero and finite."""
+    amax = block_absmax(x, bucket_size)
+    redo = suspect & (amax > 0) & torch.isfinite(amax)
+    top = torch.where(redo, amax, torch.ones_like(amax))
+    scaled = torch.empty_like(x)
+    _broadcast_op(scaled, lambda d, xb, tb: torch.div(xb, tb, out=d), x, top, bucket_size)
+    again = top * _per_block(lambda b: torch.linalg.vector_norm(b, dim=1), bucket_size, scaled)
+    return torch.where(redo, again, norms)
 
 
 def _gather_blocks(x: torch.Tensor, block_size: int, idx: torch.Tensor) -> torch.Tensor:
@@ -164,14 +188,19 @@ def fp32_ceil(t: torch.Tensor) -> torch.Tensor:
 
 
 def fp32_scales(x: torch.Tensor, scales: torch.Tensor, block_size: int, owner: str = "",
-                dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                dtype: Optional[torch.dtype] = None, bounded: bool = False) -> torch.Tensor:
     """Per-block ``scales`` of ``x`` as float32 for the wire, rounded up (:func:`fp32_ceil`).
 
     ``ValueError`` (naming ``owner``, the caller, and ``dtype``, the gradient's dtype, by
     default ``x``'s) if a block of finite values has a scale beyond the float32 range; a block
-    holding inf keeps its inf scale, which carries the inf to the receiver.
+    holding inf keeps its inf scale, which carries the inf to the receiver. ``bounded``: no
+    scale exceeds its block's ``max |x|`` (int8's and TernGrad's do), so for an ``x`` of
+    float32 or narrower no finite block can overflow and nothing is read back; otherwise one
+    host read (a sync on CUDA) decides it, the same whatever the data.
     """
     s32 = fp32_ceil(scales)
+    if bounded and x.dtype != torch.float64:
+        return s32
     inf = torch.isinf(s32)
     if bool(inf.any()) and bool((inf & torch.isfinite(block_absmax(x, block_size))).any()):
         raise ValueError(f"{owner + ': ' if owner else ''}a block's scale of this {dtype or x.dtype} tensor exceeds "
@@ -205,7 +234,7 @@ def unit_multipliers(x: torch.Tensor, step: torch.Tensor, block_size: int) -> Tu
     if x.dtype != torch.float32:
         return x, mult
     tiny = (step > 0) & (step < SMALLEST_NORMAL32)
-    if not bool(tiny.any()):
+    if not may_hold(tiny):
         return x, mult
     lift = torch.where(tiny, _LIFT, 1.0).to(x.dtype)
     lifted = step * lift
@@ -220,7 +249,7 @@ def clamp_blocks_(out: torch.Tensor, reach: torch.Tensor, limit: float, block_si
     one entry per block) is finite and above ``limit`` to ``[-limit, limit]``, in place; NaN
     and the values of blocks with a non-finite reach stay as they are."""
     over = torch.isfinite(reach) & (reach > limit)
-    if bool(over.any()):
+    if may_hold(over):
         bound = torch.where(over, limit, math.inf).to(out.dtype)
         _broadcast_op(out, lambda d, _, b: torch.clamp_(d, -b, b), out, bound, block_size)
     return out

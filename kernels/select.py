@@ -77,10 +77,18 @@ def topk_abs_indices(x: torch.Tensor, k: int, sample: Optional[torch.Tensor] = N
 
 
 def _topk(x: torch.Tensor, k: int, sample: Optional[torch.Tensor], signed: bool) -> torch.Tensor:
-    """The sampled-threshold selection; ``signed``: rank ``x`` by magnitude."""
+    """The selection; ``signed``: rank ``x`` by magnitude. Small tensors, dense selections and
+    tensors off the CPU take the exact selection over the whole tensor (nothing read back);
+    the others, the sampled threshold."""
     n = x.numel()
-    if n <= _DIRECT or 4 * k >= n:
+    if n <= _DIRECT or 4 * k >= n or x.device.type != "cpu":
         return _exact(x.abs() if signed else x, None, k)
+    return _sampled_cpu(x, k, sample, signed)
+
+
+def _sampled_cpu(x: torch.Tensor, k: int, sample: Optional[torch.Tensor], signed: bool) -> torch.Tensor:
+    """The sampled-threshold selection of a CPU tensor (its candidates' count is read)."""
+    n = x.numel()
     if sample is None:
         stride = max(_SAMPLE_STRIDE, n // _SAMPLE)
         sample = x[stride // 2::stride]
@@ -100,9 +108,9 @@ def _topk(x: torch.Tensor, k: int, sample: Optional[torch.Tensor], signed: bool)
         idx = _at_least(x, t.to(x.dtype), signed)
         if idx.numel() >= k:
             vals = x.index_select(0, idx)  # a fifth of the time of x[idx] on CPU
-            return _exact(vals.abs() if signed else vals, idx, k)
+            return _exact_cpu(vals.abs() if signed else vals, idx, k)
         rank *= 4
-    return _exact(x.abs() if signed else x, None, k)
+    return _exact_cpu(x.abs() if signed else x, None, k)
 
 
 def threshold_indices(x: torch.Tensor, tau: float) -> torch.Tensor:
@@ -143,7 +151,30 @@ def _at_least(x: torch.Tensor, t: torch.Tensor, signed: bool) -> torch.Tensor:
 
 
 def _exact(vals: torch.Tensor, idx: Optional[torch.Tensor], k: int) -> torch.Tensor:
-    """The top-k of ``vals`` (positions ``idx``, ascending; ``None`` means 0..n-1)."""
+    """The top-k of ``vals`` (positions ``idx``, ascending; ``None`` means 0..n-1), computed on
+    ``vals``'s device without reading anything back: the output has ``k`` elements whatever the
+    data, so every count stays a device tensor and ``nonzero_static`` writes the positions."""
+    m = vals.numel()
+    if k >= m:
+        return idx if idx is not None else torch.arange(m, device=vals.device)
+    vals = vals.to(_work(vals.dtype))
+    kth = torch.kthvalue(vals, m - k + 1).values  # k-th largest; kthvalue ranks NaN last
+    kth_nan = torch.isnan(kth)
+    # above the k-th value: > kth, and NaN (not(<=) keeps NaN); nothing when the k-th is NaN
+    greater = torch.le(vals, kth)
+    torch.logical_not(greater, out=greater)
+    greater.logical_and_(kth_nan.logical_not())
+    equal = torch.where(kth_nan, torch.isnan(vals), torch.eq(vals, kth))
+    # the tied values kept: the first k - |greater| of them, by position
+    need = k - greater.sum()
+    equal.logical_and_(torch.cumsum(equal, 0).le_(need))
+    pos = torch.nonzero_static(torch.logical_or(greater, equal, out=greater), size=k).squeeze(1)
+    return pos if idx is None else idx[pos]
+
+
+def _exact_cpu(vals: torch.Tensor, idx: Optional[torch.Tensor], k: int) -> torch.Tensor:
+    """:func:`_exact` for CPU tensors, the same indices a third faster: the count of values
+    above the k-th and the tied positions are read on the host, which costs nothing there."""
     m = vals.numel()
     if k >= m:
         return idx if idx is not None else torch.arange(m, device=vals.device)

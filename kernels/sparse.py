@@ -21,9 +21,7 @@ def index_dtype(numel: int) -> torch.dtype:
 
 def check_indices(indices: torch.Tensor, numel: int) -> None:
     """``ValueError`` unless ``indices`` is a 1-D int32/int64 tensor with values in [0, numel)."""
-    if indices.dtype not in _INDEX_DTYPES or indices.dim() != 1:
-        raise ValueError(f"indices must be a 1-D int32 or int64 tensor, got {indices.dtype} "
-                         f"of shape {tuple(indices.shape)}")
+    _check_index_tensor(indices)
     if indices.numel():
         # one host read for both bounds (a sync on CUDA: the error must be raised here, before the write)
         lo, hi = torch.stack(torch.aminmax(indices)).tolist()
@@ -31,11 +29,20 @@ def check_indices(indices: torch.Tensor, numel: int) -> None:
             raise ValueError(f"indices must lie in [0, {numel}), got values from {lo} to {hi}")
 
 
-def scatter_add_checked(out_flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+def _check_index_tensor(indices: torch.Tensor) -> None:
+    if indices.dtype not in _INDEX_DTYPES or indices.dim() != 1:
+        raise ValueError(f"indices must be a 1-D int32 or int64 tensor, got {indices.dtype} "
+                         f"of shape {tuple(indices.shape)}")
+
+
+def scatter_add_checked(out_flat: torch.Tensor, indices: torch.Tensor, values: torch.Tensor,
+                        checked: bool = False) -> torch.Tensor:
     """``out_flat[indices] += values`` in place (repeats summed), after checking the indices.
 
     ``out_flat`` is a 1-D floating tensor; ``values`` is 1-D with one value per index and is
-    cast to ``out_flat``'s dtype. Returns ``out_flat``.
+    cast to ``out_flat``'s dtype. ``checked``: the caller knows the indices lie in range (it
+    built them, or clamped them on the device), so their host check, a sync on CUDA, is
+    skipped; dtype and shapes are still checked. Returns ``out_flat``.
     """
     if out_flat.dim() != 1 or not out_flat.is_floating_point():
         raise ValueError(f"out_flat must be a 1-D floating tensor, got {out_flat.dtype} "
@@ -46,15 +53,20 @@ def scatter_add_checked(out_flat: torch.Tensor, indices: torch.Tensor, values: t
     if (kernels_apply(out_flat, values) and out_flat.dtype in SCATTER_SUFFIX and out_flat.is_contiguous()
             and indices.dtype in INDEX_SUFFIX and indices.dim() == 1):
         return launch_scatter_add_checked(out_flat, indices, values)
-    check_indices(indices, out_flat.numel())
+    if checked:
+        _check_index_tensor(indices)
+    else:
+        check_indices(indices, out_flat.numel())
     if indices.device != out_flat.device:
         indices = indices.to(out_flat.device)
     return out_flat.index_add_(0, indices, values.to(out_flat.dtype))
 
 
-def densify(indices: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A flat tensor of ``numel`` zeros of ``dtype`` with ``values`` added at ``indices``."""
+def densify(indices: torch.Tensor, values: torch.Tensor, numel: int, dtype: torch.dtype,
+            checked: bool = False) -> torch.Tensor:
+    """A flat tensor of ``numel`` zeros of ``dtype`` with ``values`` added at ``indices``
+    (``checked``: as for :func:`scatter_add_checked`)."""
     if not isinstance(numel, int) or numel < 0:
         raise ValueError(f"numel must be an int >= 0, got {numel!r}")
     out = torch.zeros(numel, dtype=dtype, device=values.device)
-    return scatter_add_checked(out, indices, values)
+    return scatter_add_checked(out, indices, values, checked)

@@ -57,6 +57,15 @@ CPU_ONLY: Dict[Tuple[str, str, str], str] = {
     ("kernels/select.py", "_at_least", "__float__"): "the integer compare branch, taken for CPU x only",
     ("kernels/select.py", "_at_least", "numpy"): "the integer compare branch, taken for CPU x only",
     ("kernels/select.py", "_round_up", "__float__"): "reads a tensor it built on the host from a Python float",
+    ("kernels/select.py", "_sampled_cpu", "*"): "the sampled threshold, taken for CPU x only; other devices "
+                                                 "select on the whole tensor without reading back (_exact)",
+    ("kernels/select.py", "_exact_cpu", "*"): "called by _sampled_cpu and kernels/cpu.py only",
+    ("compress/randomk.py", "_all_finite_cpu", "*"): "the finiteness of a CPU tensor; other devices decide it "
+                                                     "on the device",
+    ("kernels/quant.py", "may_hold", "__bool__"): "reads a flag of a CPU tensor only; for others it answers True "
+                                                 "and the caller's branch decides with torch.where",
+    ("kernels/quant.py", "bucket_norms", "nonzero"): "the second look, reached for CPU x only (other devices "
+                                                     "take _norms_again)",
     ("kernels/cpu.py", "*", "*"): "the fused CPU loops' entry points, taken for CPU tensors only (cpu.applies)",
     ("optim/onebit_adam.py", "_compressed_step", "__float__"): "the step counter, a CPU tensor wherever the "
                                                                "parameters are (as torch.optim.Adam keeps it)",

@@ -5,6 +5,7 @@ the compressor, the dtype and the limit. The one documented exception: the 16-bi
 hooks do. Then one test per defect that this rule once caught.
 """
 import math
+import re
 
 import pytest
 import torch
@@ -230,3 +231,22 @@ def test_powersgd_fp16_near_its_max_saturates():
     t = sample((64, 48), 65504.0, torch.float16)
     out = get_compressor("powersgd").decompress(get_compressor("powersgd").compress(t, key="w"))
     assert torch.isfinite(out).all() and out.abs().max() <= 65504
+
+
+def test_randomk_rescale_beyond_fp16_is_flagged_in_a_transaction():
+    """Inside a step (a collective's or the training runtime's transaction) the same overflow
+    is not read back at the decode: it is a flag read with the step's finiteness, whose problem
+    is the same sentence (the runtime raises it and keeps nothing)."""
+    from gradcomp.compress.transaction import Transaction
+
+    c = get_compressor("randomk", ratio=0.01)
+    over = torch.full((1000,), 700.0, dtype=torch.float16)
+    payload = c.compress(over, key="w")
+    txn = Transaction()
+    with txn.active():
+        c.decompress(payload)
+    assert len(txn.problems) == 1 and re.search(r"randomk.*float16.*65504.*655", txn.problems[0])
+    txn = Transaction()
+    with txn.active():
+        c.decompress(c.compress(torch.full((1000,), 640.0, dtype=torch.float16), key="w"))
+    assert txn.problems == []

@@ -1,5 +1,6 @@
 """topk: exactly k = max(1, round(ratio * n)) elements, the exact top-k set, 64 bits per kept
 fp32 element, and indices validated before any decode scatters with them."""
+import dataclasses
 import struct
 
 import pytest
@@ -117,3 +118,34 @@ def test_bad_ratio():
     for bad in (0.0, -0.1, 1.5, "0.1", True):
         with pytest.raises(ValueError, match="ratio"):
             get_compressor("topk", ratio=bad)
+
+
+@pytest.mark.parametrize("name", ["topk", "dgc"])
+def test_check_on_device_clamps_and_flags_what_only_values_show(name):
+    """A payload read from an agreed layout: indices out of range or out of order are clamped
+    (the decode stays in bounds) and flagged on the device, nothing read back; a valid one
+    passes unchanged. Either way it is then ``checked``: decoding skips the host check."""
+    from syncs import HostSyncs
+
+    c = get_compressor(name, ratio=0.1)
+    x = torch.randn(200)
+    own = c.compress(x)
+    assert own.checked  # built here: positions of the exact selection
+    wire = dataclasses.replace(own, checked=False, tensors=[t.clone() for t in own.tensors])
+    with HostSyncs() as syncs:
+        safe, bad = c.check_on_device(wire)
+        out = c.decompress(safe)
+    assert syncs.count == 0, syncs.report()
+    assert safe.checked and not bool(bad) and torch.equal(safe.tensors[1], own.tensors[1])
+    assert torch.equal(out, c.decompress(own))
+    for index, value in ((-1, 200), (0, -3), (5, int(own.tensors[1][4]))):  # past the end, negative, repeated
+        tampered = dataclasses.replace(wire, tensors=[wire.tensors[0], wire.tensors[1].clone()])
+        tampered.tensors[1][index] = value
+        safe, bad = c.check_on_device(tampered)
+        assert bool(bad), (index, value)
+        assert 0 <= int(safe.tensors[1].min()) and int(safe.tensors[1].max()) < 200
+        c.decompress_into(safe, torch.zeros(200))  # in bounds whatever arrived
+    outside = dataclasses.replace(wire, tensors=[wire.tensors[0], wire.tensors[1].clone()])
+    outside.tensors[1][-1] = 200
+    with pytest.raises(ValueError, match="indices must lie"):  # a payload from outside is still checked
+        c.decompress(outside)

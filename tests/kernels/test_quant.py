@@ -51,6 +51,19 @@ def test_bucket_norms_neither_overflow_nor_underflow():
         assert got == want or math.isclose(got, want, rel_tol=1e-6), (got, want)
 
 
+def test_bucket_norms_second_look_off_the_cpu_is_the_same():
+    """Tensors off the CPU take the second look on every bucket (``_norms_again``, nothing read
+    back); it keeps what the CPU's read-back branch computes, for tiny, huge, zero, inf and NaN
+    buckets and a ragged tail."""
+    x = torch.tensor([1e20, -1e20, 3e-30, 4e-30, 0.0, 0.0, 5e-40, 0.0, 3e38, 3e38, math.inf, 1.0, math.nan, 2.0,
+                      1e-30])
+    for bs in (2, 3, 4):
+        first = quant._per_block(lambda b: torch.linalg.vector_norm(b, dim=1), bs, x)
+        suspect = (first == 0) | torch.isinf(first)
+        again = quant._norms_again(x, first.clone(), suspect, bs)
+        assert torch.allclose(again, quant.bucket_norms(x, bs), rtol=1e-6, equal_nan=True), bs
+
+
 def test_fp32_ceil_never_rounds_down():
     t = torch.tensor([1 / 3, 1e-50, 1.0, 3.5e38, math.nan], dtype=torch.float64)
     c = quant.fp32_ceil(t)

@@ -132,3 +132,25 @@ def test_topk_abs_equals_topk_of_magnitudes(n, dtype):
         assert torch.equal(select.topk_abs_indices(x, k, sample=x[::50].abs()), want), (n, dtype, k)
     y = torch.randint(-20, 20, (n,)).to(dtype)  # heavy ties of equal magnitude and both signs
     assert torch.equal(select.topk_abs_indices(y, n // 100), reference_topk(y.abs(), n // 100))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64])
+def test_whole_tensor_selection_reads_nothing_back(dtype):
+    """The selection that tensors off the CPU take at every size (and CPU tensors below the
+    sampled path's size): the reference set, ties and NaN included, with no host read."""
+    from syncs import HostSyncs
+
+    g = torch.Generator().manual_seed(3)
+    n = 3 * select._DIRECT + 11
+    x = torch.randint(-30, 31, (n,), generator=g).to(dtype)  # heavy ties
+    x[[5, 77, n - 2]] = float("nan")
+    for k in (1, 2, 3, 4, n // 61, n // 4, n - 1):
+        with HostSyncs() as syncs:
+            idx = select._exact(x.abs(), None, k)
+        assert syncs.count == 0, syncs.report()
+        assert torch.equal(idx, reference_topk(x.abs(), k)), (dtype, k)
+        assert torch.equal(idx, select._exact_cpu(x.abs(), None, k)), (dtype, k)  # the CPU's read-back form
+    nan = torch.full((40,), float("nan"), dtype=dtype)  # the k-th value NaN: NaN by position
+    assert torch.equal(select._exact(nan, None, 3), torch.tensor([0, 1, 2]))
+    cand = torch.arange(100, 140)  # candidates' positions carried through
+    assert torch.equal(select._exact(x[:40].abs(), cand, 9), cand[reference_topk(x[:40].abs(), 9)])

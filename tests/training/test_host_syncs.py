@@ -26,12 +26,14 @@ WRAPPED = ("none", "onebit", "powersgd", "topk")  # through CompressedOptimizer 
 # tests/syncs.py CPU_ONLY not counted); lower a row when a path loses syncs, never raise one.
 # Before issue 24: powersgd 31, randomk 36, int8 47, terngrad 52, natural 77, dgc 90, topk 92, threshold 97,
 # signum 102, signsgd 107, efsignsgd 142, onebit 152; then 27 for the sign rows, 25 of them the collectives'
-# per-payload headers. Now buckets exchange on agreed layouts (no header after a layout's first exchange) and
-# finiteness is read once per iteration: what is left is each compressor's own reads (top-k's selection,
-# int8/qsgd/terngrad's scale checks, natural's exponent, signum's momentum, PowerSGD's orthogonalisation),
-# and threshold's variable-size payloads, which still travel checked.
-BUDGET = {"none": 1, "fp16": 1, "bf16": 1, "powersgd": 26, "randomk": 16, "int8": 16, "terngrad": 11, "qsgd": 31,
-          "natural": 26, "dgc": 31, "topk": 31, "threshold": 39, "signum": 6, "signsgd": 1, "efsignsgd": 1,
+# per-payload headers. Then buckets exchanged on agreed layouts (no header after a layout's first exchange) and
+# finiteness was read once per iteration (the sign rows at 1). Then top-k's exact selection and the sparse
+# payloads' index checks moved to the device (topk, dgc 31 -> 1; randomk 16 -> 1 with its finiteness and rescale
+# check there too), and int8/terngrad's scale checks became a dtype decision (16 and 11 -> 1). What is left:
+# qsgd's overflow refusal of its norms (one read per tensor), natural's exponent, signum's momentum guard,
+# PowerSGD's orthogonalisation retries, and threshold's variable-size payloads, which still travel checked.
+BUDGET = {"none": 1, "fp16": 1, "bf16": 1, "powersgd": 26, "randomk": 1, "int8": 1, "terngrad": 1, "qsgd": 6,
+          "natural": 26, "dgc": 1, "topk": 1, "threshold": 34, "signum": 6, "signsgd": 1, "efsignsgd": 1,
           "onebit": 1}
 
 
@@ -51,10 +53,9 @@ def _optimizers():
 
 
 OPTIMIZERS = _optimizers()
-# their steps' syncs: int8's are its scale checks (as in the hook), the weight all-gather's
-# error feedback reads its own transaction once, ZeroOneAdam's variance phase still sends a
-# checked allreduce
-BUDGET.update({"ShardedOptimizer onebit": 1, "ShardedOptimizer int8": 4, "ShardedOptimizer onebit + bf16 weights": 2,
+# their steps' syncs: the weight all-gather's error feedback reads its own transaction once,
+# ZeroOneAdam's variance phase still sends a checked allreduce
+BUDGET.update({"ShardedOptimizer onebit": 1, "ShardedOptimizer int8": 1, "ShardedOptimizer onebit + bf16 weights": 2,
                "OneBitAdam": 1, "OneBitLamb": 1, "ZeroOneAdam": 5})
 
 
