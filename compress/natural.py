@@ -21,6 +21,7 @@ import torch
 from gradcomp.kernels.quant import natural_decode, natural_encode
 
 from .base import Capabilities, Compressor, CompressorConfig, Encoded, expect, seed_option, tensor_spec, work_dtype
+from .payload import Payload
 from .registry import register
 
 _EXP_RANGE = (-1074, 1024)  # frexp exponents of float64's smallest and largest magnitudes
@@ -39,8 +40,12 @@ class Natural(Compressor):
 
     def _compress(self, flat, shape, key, step, want_decoded):
         u = self._uniform(flat.numel(), key, step, flat.device)
-        codes, exp = natural_encode(flat, u, overwrite_u=True)
-        return Encoded([codes, torch.tensor([exp], dtype=torch.int32, device=flat.device)], {})
+        codes, exp = natural_encode(flat, u, overwrite_u=True)  # exp: an int on CPU, a device tensor elsewhere
+        if isinstance(exp, torch.Tensor):
+            exp = exp.reshape(1)
+        else:
+            exp = torch.tensor([exp], dtype=torch.int32, device=flat.device)
+        return Encoded([codes, exp], {})
 
     def _decompress(self, payload):
         return self._decode(payload, 0, payload.numel)
@@ -48,13 +53,23 @@ class Natural(Compressor):
     def _decode(self, payload, a, b):
         """Elements ``a:b`` in the work dtype (a table lookup)."""
         codes, exp = payload.tensors
-        return natural_decode(codes[a:b], int(exp[0]), work_dtype(payload.dtype), payload.dtype)
+        return natural_decode(codes[a:b], exp[0], work_dtype(payload.dtype), payload.dtype)
 
     def _decompress_into(self, payload, out, alpha, accumulate):
         self._decode_runs_into(payload, out, 1, alpha, accumulate)
 
     def _wire_bytes(self, numel):
         return numel + 4.0
+
+    @classmethod
+    def check_on_device(cls, payload):
+        """The exponent of a payload on an agreed layout, clamped into range (the table stays
+        finite) and flagged on the device when it was out of it."""
+        codes, exp = payload.tensors
+        lo, hi = _EXP_RANGE
+        bad = torch.logical_or(exp < lo, exp > hi).any()
+        return Payload(payload.compressor, payload.shape, payload.dtype, [codes, exp.clamp(lo, hi)],
+                       dict(payload.meta), True), bad
 
     @classmethod
     def _check_tensors(cls, payload):

@@ -36,6 +36,7 @@ import torch
 
 from gradcomp.kernels.memory import empty
 from gradcomp.kernels.linalg import METHODS, orthonormalize
+from gradcomp.kernels.quant import may_hold
 
 from .base import (FLOAT_DTYPES, Capabilities, Compressor, CompressorConfig, Encoded, Rounds, expect, numel_of,
                    option, positive_int, seed_option, work_dtype)
@@ -93,17 +94,18 @@ class PowerSGD(Compressor):
             _expect_like(avg, tensor, "the dense tensor")
             return _deliver(avg.to(tensor.dtype).reshape(tensor.shape), out)
         n, m, r = plan
-        p, q, p_top = yield from self._factors(tensor.detach().reshape(n, m), skey, r)
+        p, q, p_top, q_top = yield from self._factors(tensor.detach().reshape(n, m), skey, r)
         if out is not None and out.dtype == p.dtype:  # no new memory to fault in
-            return _product(p, q, tensor.dtype, out.view(n, m), p_top).view(tensor.shape)
+            return _product(p, q, tensor.dtype, out.view(n, m), p_top, q_top).view(tensor.shape)
         # a numpy-backed buffer: no page-fault cost on CPU
-        approx = _product(p, q, tensor.dtype, empty(n * m, p.dtype, p.device).view(n, m), p_top)
+        approx = _product(p, q, tensor.dtype, empty(n * m, p.dtype, p.device).view(n, m), p_top, q_top)
         return _deliver(approx.reshape(tensor.shape).to(tensor.dtype), out)
 
     def _factors(self, mat: torch.Tensor, key: str, r: int
-                 ) -> Generator[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor, float]]:
+                 ) -> Generator[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor, float, float]]:
         """One power iteration on ``mat`` with the averaging done by the caller; returns
-        ``(P, Q, max |P|)``, the last 1 for orthonormal ``P`` (``_product`` needs no pass)."""
+        ``(P, Q, max |P|, max |Q|)``, the third 1 for orthonormal ``P``, the fourth read with
+        Q's finiteness (``_product`` then needs no pass and no read of its own)."""
         mat = mat.to(work_dtype(mat.dtype))
         q = self._start(key, mat.shape[1], r, mat.device, mat.dtype)
         # = mat @ q; on CPU this form is ~2x faster (MKL at small rank), on GPUs the plain one is the norm
@@ -119,7 +121,7 @@ class PowerSGD(Compressor):
         q = (p.T @ mat).T.contiguous()  # = mat.T @ p, but streams mat by rows: ~6x faster on CPU
         q_avg = yield q
         _expect_like(q_avg, q, "Q")
-        finite = bool(torch.isfinite(q_avg).all())
+        finite, q_top = _finite_and_absmax(q_avg)  # one read: the retry's decision and _product's bound
         if not finite:
             small, lift = _fit(p)
             q = (small.T @ mat).T.contiguous()
@@ -127,11 +129,11 @@ class PowerSGD(Compressor):
             _expect_like(q_avg, q, "Q")
             p = p * lift  # P Q^T unchanged: Q came out smaller by exactly this factor
             p_top = float(lift.amax())
-            finite = bool(torch.isfinite(q_avg).all())
+            finite, q_top = _finite_and_absmax(q_avg)
         if finite:
             replace(self._q, key)  # an open transaction may have to undo it
             self._q[key] = q_avg.detach().clone()
-        return p, q_avg, p_top
+        return p, q_avg, p_top, q_top
 
     def _start(self, key: str, m: int, r: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The warm-start ``Q`` of ``key``; zero columns (left by a zero gradient) are drawn anew,
@@ -142,9 +144,10 @@ class PowerSGD(Compressor):
         if tuple(q.shape) != (m, r):
             raise ValueError(f"powersgd: key {key!r} held Q of shape {tuple(q.shape)}, now needs ({m}, {r}); "
                              f"use a distinct key per tensor")
-        q = q.to(device=device, dtype=dtype)
+        if q.device != device or q.dtype != dtype:
+            q = q.to(device=device, dtype=dtype)
         dead = q.abs().amax(dim=0) == 0
-        if bool(dead.any()):
+        if may_hold(dead):  # off the CPU the fresh draw is selected on the device, nothing read
             q = torch.where(dead, self._draw(key, m, r, device, dtype), q)
         return q
 
@@ -159,9 +162,9 @@ class PowerSGD(Compressor):
         plan = self.plan(shape)  # the matrix view needs the original shape
         if plan is None:
             return Encoded([flat.clone()], {"dense": True})
-        p, q, p_top = _local(self._factors(flat.reshape(plan[0], plan[1]), key, plan[2]))
+        p, q, p_top, q_top = _local(self._factors(flat.reshape(plan[0], plan[1]), key, plan[2]))
         return Encoded([p, q], {"dense": False},
-                       _product(p, q, flat.dtype, None, p_top).reshape(-1) if want_decoded else None)
+                       _product(p, q, flat.dtype, None, p_top, q_top).reshape(-1) if want_decoded else None)
 
     def _decompress(self, payload):
         if payload.meta["dense"]:
@@ -219,22 +222,30 @@ def _fit(f: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _product(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None,
-             p_top: Optional[float] = None) -> torch.Tensor:
+             p_top: Optional[float] = None, q_top: Optional[float] = None) -> torch.Tensor:
     """``P Q^T`` in the factors' dtype (into ``out`` if given); entries of finite factors beyond
     ``dtype``'s largest finite value saturate to it. The bound ``r max|P| max|Q|`` on the
-    entries (``p_top``: max |P| when known) rules that out without a pass over the result,
-    except near that value."""
+    entries (``p_top``, ``q_top``: max |P|, max |Q| when known) rules that out without a pass
+    over the result, except near that value."""
     res = torch.mm(p, q.T, out=out)
     top = torch.finfo(dtype).max
     if not res.numel():
         return res
-    bound = p.shape[1] * (_absmax(p) if p_top is None else p_top) * _absmax(q)
+    bound = p.shape[1] * (_absmax(p) if p_top is None else p_top) * (_absmax(q) if q_top is None else q_top)
     if bound * (1 + 2.0 ** -10) < top:  # the rounding of a rank-r dot product stays far below 2**-10
         return res
     if bool(torch.isfinite(p).all()) and bool(torch.isfinite(q).all()):
         exact = torch.mm(p.double(), q.double().T) if p.dtype != torch.float64 else res
         res.copy_(exact.clamp(-top, top))
     return res
+
+
+def _finite_and_absmax(t: torch.Tensor) -> Tuple[bool, float]:
+    """Whether ``t`` is finite, and ``max |t|`` (NaN when it holds NaN), in one host read."""
+    if not t.numel():
+        return True, 0.0
+    lo, hi, finite = torch.stack([*torch.aminmax(t), torch.isfinite(t).all().to(t.dtype)]).tolist()
+    return bool(finite), (math.nan if math.isnan(lo) or math.isnan(hi) else max(hi, -lo))
 
 
 def _absmax(t: torch.Tensor) -> float:

@@ -9,7 +9,7 @@ the packing computes and how they become the decode values, and what they are fo
 from __future__ import annotations
 
 import math
-from typing import ClassVar, Sequence, Tuple
+from typing import ClassVar, Sequence, Tuple, Union
 
 import torch
 
@@ -42,15 +42,17 @@ class SignCompressor(Compressor):
         no host read)."""
         raise NotImplementedError
 
-    def _signal(self, flat: torch.Tensor, key: str) -> Tuple[torch.Tensor, bool]:
-        """The tensor whose signs are sent, and whether it is known to hold NaN/Inf."""
+    def _signal(self, flat: torch.Tensor, key: str) -> Tuple[torch.Tensor, Union[bool, torch.Tensor]]:
+        """The tensor whose signs are sent, and whether it is known to hold NaN/Inf: a bool, or
+        a 0-d bool tensor when that is decided on the device (the wire values then turn NaN
+        there)."""
         return flat, False
 
     def _compress(self, flat, shape, key, step, want_decoded):
         x, nonfinite = self._signal(flat, key)
-        stats = "none" if nonfinite else self.stats
+        stats = "none" if nonfinite is True else self.stats
         bits, sums = cpu.sign_pack(x, stats) if cpu.applies(x.numel(), x) else sign_pack(x, stats)
-        if nonfinite:
+        if nonfinite is True:
             wire = torch.full((self.n_values,), math.nan, dtype=torch.float32, device=flat.device)
         else:
             wire = self._values(x, sums, bits).to(torch.float32)  # on x's device, which is flat's
@@ -62,6 +64,8 @@ class SignCompressor(Compressor):
                     and bool(torch.isfinite(x).all())):
                 raise ValueError(f"{self.name}: a decode value of this {x.dtype} tensor exceeds the float32 range "
                                  f"of the wire (3.4e38); scale the tensor down")
+            if isinstance(nonfinite, torch.Tensor):
+                wire = torch.where(nonfinite, math.nan, wire)
         decoded = self._unpack(bits, wire, flat.numel(), flat.dtype) if want_decoded else None
         return Encoded([bits, wire], {}, decoded)
 

@@ -15,7 +15,7 @@ import torch
 
 from .base import CompressorConfig, option, work_dtype
 from .registry import register
-from .sign import SignCompressor, nonfinite_sum
+from .sign import SignCompressor, finite_flag, nonfinite_sum
 from .transaction import replace, writable
 
 
@@ -37,6 +37,13 @@ class Signum(SignCompressor):
         self._spares: Dict[str, torch.Tensor] = {}  # the other buffer inside a transaction
 
     def _signal(self, flat, key):
+        if flat.device.type != "cpu":
+            return self._signal_on_device(flat, key)
+        return self._signal_cpu(flat, key)
+
+    def _signal_cpu(self, flat, key):
+        """The momentum step of a CPU gradient: its finiteness read on the host (free there),
+        the momentum left alone when it holds NaN/Inf."""
         if nonfinite_sum(flat.sum(dtype=work_dtype(flat.dtype)).item(), flat):
             return flat, True
         old = self._buffer(key, flat)
@@ -44,6 +51,17 @@ class Signum(SignCompressor):
         weight = 1.0 - self.config.momentum
         buf = torch.lerp(old, flat.to(old.dtype), weight, out=writable(self._momentum, key, self._spares))
         return buf, False
+
+    def _signal_on_device(self, flat, key):
+        """The same step decided on the device: a non-finite gradient is replaced by the old
+        momentum before the lerp (``lerp(m, m, w)`` is ``m``, bit for bit), so the momentum is
+        left as it was, and the returned flag (a device tensor) makes the wire NaN. One pass
+        more than on CPU (the select), no host read."""
+        old = self._buffer(key, flat)
+        nonfinite = finite_flag(flat.sum(dtype=torch.float64), flat).logical_not()
+        target = torch.where(nonfinite, old, flat.to(old.dtype))
+        buf = torch.lerp(old, target, 1.0 - self.config.momentum, out=writable(self._momentum, key, self._spares))
+        return buf, nonfinite
 
     def _values(self, x, sums, bits):
         return torch.ones(1, dtype=torch.float64, device=x.device)

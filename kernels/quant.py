@@ -21,7 +21,7 @@ there a kernel matches only up to the rounding of its reduction order.
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, Optional, Tuple, Union
 
 import numpy as np
 import torch
@@ -407,15 +407,20 @@ def natural_codes(y: torch.Tensor, u: torch.Tensor, *, overwrite_u: bool = False
     return codes.bitwise_or_(neg.view(torch.uint8).bitwise_left_shift_(7))
 
 
-def natural_encode(x: torch.Tensor, u: torch.Tensor, *, overwrite_u: bool = False) -> Tuple[torch.Tensor, int]:
+def natural_encode(x: torch.Tensor, u: torch.Tensor, *,
+                   overwrite_u: bool = False) -> Tuple[torch.Tensor, Union[int, torch.Tensor]]:
     """``(codes, E)``: natural compression of the flat float tensor ``x`` with draws ``u``.
 
-    ``E`` is :func:`max_exponent` of ``x``. Code ``c = sign << 7 | m`` stands for
+    ``E`` is :func:`max_exponent` of ``x``: an int for a CPU ``x``; elsewhere a 0-d int32
+    tensor on ``x``'s device, found there with nothing read back (:func:`_natural_encode_on_device`,
+    the same codes). Code ``c = sign << 7 | m`` stands for
     ``±2**(m - 125 + E)`` for ``m`` in 1..125, ``±0`` for ``m = 0``, ``±inf`` for 126 and NaN
     for 127. Every value is rounded to one of its two neighbouring powers of two, unbiasedly;
     magnitudes below ``2**(E - 124)`` round to 0 or ``2**(E - 124)``, also unbiasedly (for
     float64 input the probabilities are resolved to 2**-24, as the draws are).
     """
+    if x.device.type != "cpu":
+        return _natural_encode_on_device(x, u, overwrite_u)
     exp, finite = max_exponent(x)
     xs = x if finite else torch.where(torch.isfinite(x), x, torch.zeros((), dtype=x.dtype, device=x.device))
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
@@ -429,28 +434,66 @@ def natural_encode(x: torch.Tensor, u: torch.Tensor, *, overwrite_u: bool = Fals
     return codes, exp
 
 
+def _natural_encode_on_device(x: torch.Tensor, u: torch.Tensor, overwrite_u: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """:func:`natural_encode` with ``E`` kept on the device: the same codes, bit for bit (the
+    scaling by ``2**(-2 - E)`` is the same exact power of two, built from its bits)."""
+    wd = torch.float64 if x.dtype == torch.float64 else torch.float32
+    finite = torch.isfinite(x)
+    xs = torch.where(finite, x, torch.zeros((), dtype=x.dtype, device=x.device)).to(wd)
+    top = xs.abs().amax() if x.numel() else torch.zeros((), dtype=wd, device=x.device)
+    exp = torch.where(top > 0, torch.frexp(top).exponent, 0).to(torch.int32)
+    k = (-2 - exp).long()
+    up = torch.clamp(k, max=_POW2_STEP[wd])  # upward factors beyond the dtype are split in two (exact)
+    y = xs.mul_(pow2(up, wd)).mul_(pow2(k - up, wd)).to(torch.float32)  # float64 scaled first, then rounded
+    codes = natural_codes(y, u, overwrite_u=overwrite_u)
+    nan, inf = torch.isnan(x), torch.isinf(x)
+    special = torch.where(nan, NATURAL_NAN, torch.where(x > 0, NATURAL_INF, NATURAL_INF | 0x80)).to(torch.uint8)
+    return torch.where(nan | inf, special, codes), exp
+
+
+def pow2(k: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``2**k`` (``k``: an int64 tensor, each in float64's range [-1074, 1023], its value
+    representable in ``dtype``) as a tensor of ``dtype``, exact: built from float64's bits
+    (normal or subnormal) on the device, then cast, which is exact for a power of two."""
+    bits = torch.where(k >= -1022, (k + 1023) << 52, torch.ones_like(k) << (k + 1074).clamp(0, 51))
+    return bits.view(torch.float64).to(dtype)
+
+
 def _max_pow2_exponent(dtype: torch.dtype) -> int:
     return math.frexp(torch.finfo(dtype).max)[1] - 1
 
 
-def natural_table(exp: int, dtype: torch.dtype, limit_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+def natural_table(exp: Union[int, torch.Tensor], dtype: torch.dtype,
+                  limit_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """The 256 values of the natural codes for exponent ``exp``, as ``dtype``.
 
     Powers of two above the largest one of ``limit_dtype`` (default ``dtype``) saturate to it,
     so that a finite input never decodes to inf (a slight bias at the very top of the range).
+    ``exp`` may be a 0-d integer tensor: the table is then built on its device, nothing read.
     """
     top = _max_pow2_exponent(limit_dtype or dtype)
+    if isinstance(exp, torch.Tensor):
+        m = torch.arange(1, NATURAL_TOP + 1, device=exp.device)
+        e = torch.clamp(m - NATURAL_TOP + exp.long(), max=top)
+        powers = torch.where(e >= -1074, pow2(e.clamp(min=-1074), torch.float64), 0.0)
+        edge = [torch.full((1,), v, dtype=torch.float64, device=exp.device) for v in (0.0, math.inf, math.nan)]
+        half = torch.cat([edge[0], powers, edge[1], edge[2]])  # fills, not copies from the host
+        return torch.cat([half, -half]).to(dtype)
     mags = [0.0] + [math.ldexp(1.0, min(m - NATURAL_TOP + exp, top)) for m in range(1, NATURAL_TOP + 1)]
     mags += [math.inf, math.nan]
     half = torch.tensor(mags, dtype=torch.float64)
     return torch.cat([half, -half]).to(dtype)
 
 
-def natural_decode(codes: torch.Tensor, exp: int, dtype: torch.dtype = torch.float32,
+def natural_decode(codes: torch.Tensor, exp: Union[int, torch.Tensor], dtype: torch.dtype = torch.float32,
                    limit_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The values of natural ``codes`` (uint8) for exponent ``exp``: a new tensor of ``dtype``
-    (float32 or float64)."""
-    table = natural_table(exp, dtype, limit_dtype).to(codes.device)
+    """The values of natural ``codes`` (uint8) for exponent ``exp`` (an int, or a 0-d integer
+    tensor on the codes' device): a new tensor of ``dtype`` (float32 or float64)."""
+    if isinstance(exp, torch.Tensor) and codes.device.type == "cpu":
+        exp = int(exp)  # on the host already
+    table = natural_table(exp, dtype, limit_dtype)  # on exp's device: the host for an int
+    if table.device != codes.device:
+        table = table.to(codes.device)
     if codes.device.type == "cpu":
         return torch.from_numpy(np.take(table.numpy(), codes.numpy()))
     if kernels_apply(codes) and dtype in FLOAT_SUFFIX:

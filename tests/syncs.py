@@ -53,6 +53,10 @@ CPU_ONLY: Dict[Tuple[str, str, str], str] = {
     ("kernels/bits.py", "pack_codes", "numpy"): "numpy branch for CPU tensors; other devices use torch ops",
     ("kernels/bits.py", "unpack_codes", "numpy"): "numpy branch for CPU tensors; other devices use torch ops",
     ("kernels/quant.py", "natural_decode", "numpy"): "np.take branch for CPU codes; CUDA runs a kernel",
+    ("kernels/quant.py", "natural_decode", "__int__"): "the exponent of CPU codes, a CPU tensor; elsewhere the "
+                                                      "table is built on the device (natural_table)",
+    ("kernels/quant.py", "max_exponent", "*"): "natural_encode's exponent of a CPU x; other devices find it "
+                                               "there (_natural_encode_on_device)",
     ("kernels/select.py", "_at_least", "item"): "the integer compare branch, taken for CPU x only",
     ("kernels/select.py", "_at_least", "__float__"): "the integer compare branch, taken for CPU x only",
     ("kernels/select.py", "_at_least", "numpy"): "the integer compare branch, taken for CPU x only",
@@ -66,6 +70,8 @@ CPU_ONLY: Dict[Tuple[str, str, str], str] = {
                                                  "and the caller's branch decides with torch.where",
     ("kernels/quant.py", "bucket_norms", "nonzero"): "the second look, reached for CPU x only (other devices "
                                                      "take _norms_again)",
+    ("compress/signum.py", "_signal_cpu", "*"): "signum's momentum step for a CPU gradient; other devices take "
+                                                "_signal_on_device, which reads nothing back",
     ("kernels/cpu.py", "*", "*"): "the fused CPU loops' entry points, taken for CPU tensors only (cpu.applies)",
     ("optim/onebit_adam.py", "_compressed_step", "__float__"): "the step counter, a CPU tensor wherever the "
                                                                "parameters are (as torch.optim.Adam keeps it)",

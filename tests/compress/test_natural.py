@@ -100,3 +100,18 @@ def test_malformed_payloads_are_rejected():
         c.check_payload(Payload("natural", (10,), torch.float32, [codes, exp], {"x": 1}))
     with pytest.raises(ValueError, match="allowed"):
         get_compressor("natural", levels=3)
+
+
+def test_check_on_device_clamps_and_flags_the_exponent():
+    """On an agreed layout the exponent is known only from its value: out of range it is
+    clamped (the table stays finite) and flagged on the device; in range it passes as sent."""
+    c = get_compressor("natural")
+    p = c.compress(torch.randn(64))
+    safe, bad = c.check_on_device(p)
+    assert not bool(bad) and torch.equal(safe.tensors[1], p.tensors[1])
+    assert torch.equal(c.decompress(safe), c.decompress(p))
+    for exp in (-2000, 1025, 2**31 - 1):
+        wire = Payload(p.compressor, p.shape, p.dtype, [p.tensors[0], torch.tensor([exp], dtype=torch.int32)])
+        safe, bad = c.check_on_device(wire)
+        assert bool(bad) and -1074 <= int(safe.tensors[1]) <= 1024, exp
+        assert torch.isfinite(c.decompress(safe)).all(), exp  # saturated at the dtype's top, never inf

@@ -90,3 +90,33 @@ def test_bad_options_and_keys():
     with pytest.raises(ValueError, match="distinct key"):
         c.compress(torch.randn(11), key="w")
     assert c.bits_per_element(1 << 16) == pytest.approx(1 + 32 / (1 << 16))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.float64])
+def test_the_device_form_matches_the_cpu_form(dtype, monkeypatch):
+    """Off the CPU the finiteness is decided on the device (``_signal_on_device``, nothing read
+    back); run here on CPU tensors it gives the CPU form's payloads, decodings and momenta,
+    finite steps and NaN/Inf steps alike, inside a transaction and outside one."""
+    from gradcomp.compress.signum import Signum
+    from gradcomp.compress.transaction import Transaction
+
+    g = torch.Generator().manual_seed(1)
+    steps = [torch.randn(300, generator=g).to(dtype) for _ in range(4)]
+    steps[2][7] = float("nan")
+    steps[3][0] = float("inf")
+    ref, dev = get_compressor("signum"), get_compressor("signum")
+    monkeypatch.setattr(dev, "_signal", dev._signal_on_device)
+    for i, x in enumerate(steps):
+        for c in (ref, dev):
+            txn = Transaction()
+            with txn.active():
+                c.payload = c.compress(x, key="w")
+            txn.commit()
+        a, b = ref.payload, dev.payload
+        assert torch.equal(a.tensors[1], b.tensors[1]) or (a.tensors[1].isnan().all() and b.tensors[1].isnan().all())
+        if not a.tensors[1].isnan().any():
+            assert torch.equal(a.tensors[0], b.tensors[0]), i
+        assert torch.equal(ref.momentum_buffer("w"), dev.momentum_buffer("w")), i
+        out_a, out_b = ref.decompress(a), dev.decompress(b)
+        assert torch.equal(out_a.isnan(), out_b.isnan()) and torch.equal(out_a.nan_to_num(), out_b.nan_to_num()), i
+    assert isinstance(Signum._signal_on_device(dev, steps[0], "w")[1], torch.Tensor)

@@ -218,3 +218,43 @@ def test_div_scalar_rounds_once():
     t = torch.rand(1000) * 100
     assert torch.equal(quant.div_scalar(t, 127), t / torch.full_like(t, 127.0))
     assert torch.equal(quant.div_scalar(t.double(), 7), t.double() / 7.0)
+
+
+def test_pow2_is_exact_over_float64s_range():
+    for dtype, (lo, hi) in ((torch.float32, (-149, 127)), (torch.float64, (-1074, 1023))):
+        k = torch.arange(lo, hi + 1)
+        ref = torch.tensor([math.ldexp(1.0, int(i)) for i in k], dtype=torch.float64).to(dtype)
+        assert torch.equal(quant.pow2(k, dtype), ref), dtype
+
+
+def _natural_inputs():
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+        for scale in (1.0, 1e-30, 1e30, 1e-6 if dtype == torch.float16 else 1e-40):
+            yield (torch.randn(1000, generator=g, dtype=torch.float64) * scale).to(dtype)
+        x = torch.randn(1000, generator=g).to(dtype)
+        x[3], x[5], x[9] = math.nan, math.inf, -math.inf
+        yield x
+        yield torch.zeros(50, dtype=dtype)
+        yield torch.full((7,), math.nan, dtype=dtype)
+    yield torch.randn(500, generator=g, dtype=torch.float64) * 1e300
+    yield torch.randn(500, generator=g, dtype=torch.float64) * 1e-310
+    yield torch.tensor([5e-324, -5e-324, 0.0], dtype=torch.float64)
+    yield torch.tensor([3e38, -1e-45, 1e-45, 0.0])
+
+
+def test_natural_on_the_device_is_the_cpu_form():
+    """Off the CPU, natural's exponent stays on the device (the scaling built from its bits, the
+    decode table there too): the same codes, exponent and table as the CPU's host form."""
+    for x in _natural_inputs():
+        u = torch.rand(x.numel(), generator=torch.Generator().manual_seed(x.numel()))
+        codes, exp = quant.natural_encode(x, u.clone())
+        dcodes, dexp = quant._natural_encode_on_device(x, u.clone(), False)
+        assert dexp.dtype == torch.int32 and int(dexp) == exp and torch.equal(dcodes, codes), (x.dtype, exp)
+        for dtype in (torch.float32, torch.float64):
+            limit = None if x.dtype == torch.float64 else x.dtype
+            a, b = quant.natural_table(exp, dtype, limit), quant.natural_table(dexp, dtype, limit)
+            assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num()), (exp, dtype)
+    for exp in (-1074, -1000, 0, 1000, 1024):  # the table's whole range, underflow to 0 included
+        a, b = quant.natural_table(exp, torch.float64), quant.natural_table(torch.tensor(exp), torch.float64)
+        assert torch.equal(a.nan_to_num(), b.nan_to_num()), exp

@@ -29,11 +29,13 @@ WRAPPED = ("none", "onebit", "powersgd", "topk")  # through CompressedOptimizer 
 # per-payload headers. Then buckets exchanged on agreed layouts (no header after a layout's first exchange) and
 # finiteness was read once per iteration (the sign rows at 1). Then top-k's exact selection and the sparse
 # payloads' index checks moved to the device (topk, dgc 31 -> 1; randomk 16 -> 1 with its finiteness and rescale
-# check there too), and int8/terngrad's scale checks became a dtype decision (16 and 11 -> 1). What is left:
-# qsgd's overflow refusal of its norms (one read per tensor), natural's exponent, signum's momentum guard,
-# PowerSGD's orthogonalisation retries, and threshold's variable-size payloads, which still travel checked.
-BUDGET = {"none": 1, "fp16": 1, "bf16": 1, "powersgd": 26, "randomk": 1, "int8": 1, "terngrad": 1, "qsgd": 6,
-          "natural": 26, "dgc": 1, "topk": 1, "threshold": 34, "signum": 6, "signsgd": 1, "efsignsgd": 1,
+# check there too), int8/terngrad's scale checks became a dtype decision (16 and 11 -> 1), natural's exponent
+# and its decode table stay on the device (26 -> 1), signum's momentum guard is a select there (6 -> 1), and
+# PowerSGD reads Q's finiteness and max |Q| at once (26 -> 11). What is left: qsgd's overflow refusal of its
+# norms (one read per tensor), PowerSGD's two retry decisions per tensor (P's and Q's finiteness, which decide
+# whether a round is repeated), and threshold's variable-size payloads, which still travel checked.
+BUDGET = {"none": 1, "fp16": 1, "bf16": 1, "powersgd": 11, "randomk": 1, "int8": 1, "terngrad": 1, "qsgd": 6,
+          "natural": 1, "dgc": 1, "topk": 1, "threshold": 34, "signum": 1, "signsgd": 1, "efsignsgd": 1,
           "onebit": 1}
 
 
