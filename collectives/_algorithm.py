@@ -11,7 +11,7 @@ from typing import ClassVar, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 
-from gradcomp.compress import Compressor
+from gradcomp.compress import Compressor, transaction
 from gradcomp.compress.base import work_dtype
 from gradcomp.compress.error_feedback import to_finite
 
@@ -88,6 +88,7 @@ class Algorithm:
             return cls.exchange_many(comm, items, specs, [s.algo for s in started], error, layouts=layouts)
         if len(items) != 1:
             raise ValueError(f"{len(items)} tensors must share their exchanges (shared=True)")
+        error = transaction.resolve(error)  # the header says it: refusals read now
         (key, tensor, _), spec, (algo, _, (check, sizes)) = items[0], specs[0], started[0]
         if sizes is None:  # made only when the header needs them (AllGather encodes then)
             sizes = algo.sizes() if algo is not None else []

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from gradcomp.compress import Payload
-from gradcomp.compress.transaction import Transaction
+from gradcomp.compress.transaction import Deferred, Transaction
 
 from ._header import IDX, build, check_same_call, h64, verify
 
@@ -154,7 +154,12 @@ def signature(algorithm: str, size: int, items: List[Item], specs: list) -> tupl
 
 def agreed_buffer(layout: Layout, payloads: Sequence[Any], device: torch.device, error) -> Tuple[torch.Tensor, int]:
     """This rank's buffer for an agreed exchange, and its status: the payloads at their places
-    (zeros when this rank failed locally, or its payloads no longer fit the layout)."""
+    (zeros when this rank failed locally, or its payloads no longer fit the layout). A
+    :class:`~gradcomp.compress.transaction.Deferred` error (refusals not read yet) leaves the
+    status OK on the host and sets the word to FAILED on the device where one holds."""
+    deferred = error if isinstance(error, Deferred) else None
+    if deferred is not None:
+        error = None
     status = FAILED if error is not None else OK
     if status == OK and any((p is None) != (t is None) or (t is not None and not t.matches(p))
                             for p, t in zip(payloads, layout.templates)):
@@ -166,6 +171,10 @@ def agreed_buffer(layout: Layout, payloads: Sequence[Any], device: torch.device,
         for p, t in zip(payloads, layout.templates):
             if t is not None:
                 t.write(p, buf)
+        if deferred is not None:
+            word = buf[:_ALIGN].view(torch.int64)
+            bad = deferred.bad()
+            word.copy_(torch.where(bad if bad.device == buf.device else bad.to(buf.device), FAILED, word))
     return buf, status
 
 

@@ -67,6 +67,7 @@ class AllGather(Algorithm):
         sig = signature(cls.name, comm.size, items, specs) if layouts is not None and not exact else None
         if sig is not None and sig in layouts:
             return cls._agreed(comm, items, algos, error, layouts[sig], device)
+        error = transaction.resolve(error)  # the checked header says it: refusals read now
         buf = pack([None if a is None or error is not None else a.buf for a in algos], device, error)
         table = comm.exchange(header(comm.size, cls.name, items, specs, error, [buf.numel()]))
         verify_many(table, items, specs, error)
@@ -84,7 +85,9 @@ class AllGather(Algorithm):
         rows = comm.all_gather(buf)
         flags = Flags(transaction.current())
         flags.add(statuses(rows), status_problem)
-        if error is not None:
+        if isinstance(error, transaction.Deferred):  # which refusal: said here, when the flags are read
+            error.flag_into(flags.txn)
+        elif error is not None:
             raise error
         if status != OK:
             raise ValueError(status_problem([status if r == comm.rank else OK for r in range(comm.size)]))

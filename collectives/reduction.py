@@ -112,12 +112,17 @@ def reduce_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: 
     ``allreduce`` is the case of one tensor on its own wire, ``allreduce_fused`` of any number
     sharing each exchange (``shared``; ``layouts``: see ``allreduce_fused``)."""
     started: List[Started] = []
-    error = None
-    try:  # local work first: a failure here must reach the other ranks through the header
-        for (key, tensor, _), spec, feedback in zip(items, specs, feedbacks):
-            started.append(start(cls, tensor, spec, comm, key, feedback))
-    except Exception as exc:
-        error = exc
+    error: Optional[BaseException] = None
+    # local work first: a failure here must reach the other ranks, through the header or, on an
+    # agreed layout, this rank's status word (a refusal found on the device stays there: Deferred)
+    with transaction.deferring() as refused:
+        try:
+            for (key, tensor, _), spec, feedback in zip(items, specs, feedbacks):
+                started.append(start(cls, tensor, spec, comm, key, feedback))
+        except Exception as exc:
+            error = exc
+    if error is None and refused:
+        error = transaction.Deferred(refused)
     started += [Started(None, None, (0, []))] * (len(items) - len(started))
     results = cls.exchange(comm, items, specs, started, error, shared=shared, part=part, parts=parts,
                            layouts=layouts)

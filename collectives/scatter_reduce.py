@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -112,6 +112,7 @@ class ScatterReduce(Algorithm):
         sig = signature(cls.name, w, items, specs) if layouts is not None and not exact else None
         if sig is not None and sig in layouts:
             return cls._agreed(comm, items, algos, error, layouts[sig], device)
+        error = transaction.resolve(error)  # the checked header says it: refusals read now
         # what goes to rank j: every tensor's chunk-j payload, behind n lengths
         per_dest = [[None] * n for _ in range(w)]
         for i, a in enumerate(algos):
@@ -126,10 +127,13 @@ class ScatterReduce(Algorithm):
         failure, reduced = None, [None] * n
         try:  # a failure here is mine alone: report it before the all-gather, not by hanging
             from_rank = [split(b, n, r) for r, b in enumerate(got.split(in_sizes))]
-            for i, a in enumerate(algos):
-                if a is not None:
-                    reduced[i] = a.reduce_chunk([parts[i] for parts in from_rank])
-            buf = pack(reduced, device, None)
+            with transaction.deferring() as refused:
+                for i, a in enumerate(algos):
+                    if a is not None:
+                        reduced[i] = a.reduce_chunk([parts[i] for parts in from_rank])
+            if refused:  # read here: the status exchange below says it
+                failure = transaction.Deferred(refused).resolve()
+            buf = pack(reduced, device, None) if failure is None else got.new_empty(0)
         except Exception as exc:
             failure, buf = exc, got.new_empty(0)
         sizes = exchange_status(comm, buf.numel(), failure)
@@ -154,22 +158,32 @@ class ScatterReduce(Algorithm):
         got = comm.all_to_all(torch.cat([b for b, _ in bufs]), [s.nbytes for s in sends], [sends[me].nbytes] * w)
         rows = got.view(w, sends[me].nbytes)
         flags.add(statuses(rows), status_problem)
+        if isinstance(error, transaction.Deferred):  # in my status words; which refusal: said when read
+            error.flag_into(flags.txn)
+            error = None
         # a failure of mine goes on to the second phase too (the others are in it), then raises
         failure = error if error is not None else (
             ValueError(status_problem([status if r == me else OK for r in range(w)])) if status != OK else None)
         reduced = [None] * len(items)
-        try:  # a failure here is mine alone: the others learn it from my status word below
-            for i, (key, a) in enumerate(zip((k for k, _, _ in items), algos)):
-                if failure is not None:
-                    break
-                if a is not None:
-                    peers = [None if r == me else checked(a.comp, sends[me].templates[i].read(rows[r]), key, r, flags)
-                             for r in range(w)]
-                    reduced[i] = a.reduce_payloads(peers)
-        except Exception as exc:
-            failure = exc
+        with transaction.deferring() as refused:  # the reduced chunks' compression may refuse too
+            try:  # a failure here is mine alone: the others learn it from my status word below
+                for i, (key, a) in enumerate(zip((k for k, _, _ in items), algos)):
+                    if failure is not None:
+                        break
+                    if a is not None:
+                        peers = [None if r == me else checked(a.comp, sends[me].templates[i].read(rows[r]), key, r,
+                                                              flags) for r in range(w)]
+                        reduced[i] = a.reduce_payloads(peers)
+            except Exception as exc:
+                failure = exc
+        if failure is None and refused:
+            deferred = transaction.Deferred(refused)
+            deferred.flag_into(flags.txn)
+            failure_or_deferred: Optional[BaseException] = deferred
+        else:
+            failure_or_deferred = failure
         width = max(b.nbytes for b in back)
-        mine, status = agreed_buffer(back[me], reduced, device, failure)
+        mine, status = agreed_buffer(back[me], reduced, device, failure_or_deferred)
         padded = mine.new_zeros(width)
         padded[:mine.numel()] = mine
         rows = comm.all_gather(padded)
@@ -192,7 +206,11 @@ class ScatterReduce(Algorithm):
         got = comm.all_to_all(self.sendbuf, self.out_sizes, in_sizes)
         error, buf = None, got.new_empty(0)
         try:  # a failure here is mine alone: report it before the all-gather, not by hanging
-            buf = self.reduce_chunk(list(got.split(in_sizes)))
+            with transaction.deferring() as refused:
+                buf = self.reduce_chunk(list(got.split(in_sizes)))
+            if refused:  # read here: the status exchange below says it
+                error = transaction.Deferred(refused).resolve()
+                buf = buf if error is None else got.new_empty(0)
         except Exception as exc:
             error = exc
         sizes = exchange_status(comm, buf.numel(), error)

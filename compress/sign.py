@@ -16,10 +16,12 @@ import torch
 from gradcomp.kernels import cpu
 from gradcomp.kernels.bits import packed_nbytes
 from gradcomp.kernels.memory import empty
+from gradcomp.kernels.quant import may_hold
 from gradcomp.kernels.sign import sign_pack, sign_unpack_values
 
 from .base import Capabilities, Compressor, Encoded, tensor_spec
 from .payload import Payload
+from .transaction import refuse
 
 _FP32_BOUNDED = (torch.float32, torch.float16, torch.bfloat16)  # input dtypes whose values fit the fp32 wire
 
@@ -58,12 +60,13 @@ class SignCompressor(Compressor):
             wire = self._values(x, sums, bits).to(torch.float32)  # on x's device, which is flat's
             # Every decode value is 1 or a mean of |x| over some elements (the sums are
             # overflow-safe), so it is at most max|x|: for float32/16-bit input it fits the fp32
-            # wire and no check is needed. Wider input may not; that check stays a host read
-            # (a sync on CUDA) since the error must be raised here.
-            if (x.dtype not in _FP32_BOUNDED and not bool(torch.isfinite(wire).all())
-                    and bool(torch.isfinite(x).all())):
-                raise ValueError(f"{self.name}: a decode value of this {x.dtype} tensor exceeds the float32 range "
-                                 f"of the wire (3.4e38); scale the tensor down")
+            # wire and no check is needed. Wider input may not: refused on the device (see
+            # transaction.refuse; a collective tells every rank)
+            if x.dtype not in _FP32_BOUNDED:
+                over = torch.isfinite(wire).logical_not()
+                if may_hold(over):
+                    refuse(over.any() & torch.isfinite(x).all(), f"{self.name}: a decode value of this {x.dtype} "
+                           f"tensor exceeds the float32 range of the wire (3.4e38); scale the tensor down")
             if isinstance(nonfinite, torch.Tensor):
                 wire = torch.where(nonfinite, math.nan, wire)
         decoded = self._unpack(bits, wire, flat.numel(), flat.dtype) if want_decoded else None

@@ -34,6 +34,8 @@ import torch
 _MISSING = object()
 _current: contextvars.ContextVar[Optional["Transaction"]] = contextvars.ContextVar("gradcomp_transaction",
                                                                                   default=None)
+_deferred: contextvars.ContextVar[Optional[List[Tuple[torch.Tensor, str]]]] = contextvars.ContextVar(
+    "gradcomp_deferred_refusals", default=None)
 
 
 class Transaction:
@@ -130,15 +132,64 @@ def current() -> Optional[Transaction]:
 
 
 def refuse(bad: torch.Tensor, problem: str) -> None:
-    """A bad input found on the device (``bad``: a bool tensor, true when ``problem`` holds):
-    inside a transaction it is a flag, read with the step's finiteness, which then undoes the
-    step and raises ``problem`` (nothing read back now); outside one, a ``ValueError`` at once
-    (one host read)."""
+    """A bad input found on the device (``bad``: a bool tensor, true when ``problem`` holds).
+
+    In a collective's local phase (:func:`deferring`) it is collected, and the collective
+    tells every rank (:class:`Deferred`); elsewhere inside a transaction it is a flag, read
+    with the step's finiteness, which then undoes the step and raises ``problem``; outside
+    both, a ``ValueError`` at once (one host read)."""
+    collected = _deferred.get()
+    if collected is not None:
+        collected.append((bad.reshape(-1).any().reshape(1), problem))
+        return
     txn = _current.get()
     if txn is not None:
         txn.flag(bad, lambda _: problem)
     elif bool(bad.any()):
         raise ValueError(problem)
+
+
+class Deferred(ValueError):
+    """The refusals of a collective's local phase (:func:`deferring`), not read yet: in place
+    of the error the local phase would have raised. A checked exchange reads them at once
+    (:meth:`resolve`: one host read before its header); an agreed one writes :meth:`bad` into
+    this rank's status word on the device, so every rank flags the failure, and hands the
+    problems to the transaction (:meth:`flag_into`), so this rank says which it was."""
+
+    def __init__(self, refusals: List[Tuple[torch.Tensor, str]]) -> None:
+        super().__init__("; ".join(p for _, p in refusals))
+        self.refusals = refusals
+
+    def bad(self) -> torch.Tensor:
+        """A 1-element bool tensor on the refusals' device: some refusal holds."""
+        return torch.cat([b for b, _ in self.refusals]).any().reshape(1)
+
+    def resolve(self) -> Optional[ValueError]:
+        """The error to raise (the refusals that hold), or None: one host read."""
+        held = torch.cat([b for b, _ in self.refusals]).tolist()
+        problems = [p for (_, p), h in zip(self.refusals, held) if h]
+        return ValueError("; ".join(problems)) if problems else None
+
+    def flag_into(self, txn: Transaction) -> None:
+        for bad, problem in self.refusals:
+            txn.flag(bad, lambda _, problem=problem: problem)
+
+
+def resolve(error: Optional[BaseException]) -> Optional[BaseException]:
+    """``error`` as a checked exchange reports it: a :class:`Deferred` read now."""
+    return error.resolve() if isinstance(error, Deferred) else error
+
+
+@contextlib.contextmanager
+def deferring() -> Iterator[List[Tuple[torch.Tensor, str]]]:
+    """Collect the block's refusals (:func:`refuse`) instead of flagging or raising them: a
+    collective's local phase, whose failures must reach the other ranks."""
+    collected: List[Tuple[torch.Tensor, str]] = []
+    token = _deferred.set(collected)
+    try:
+        yield collected
+    finally:
+        _deferred.reset(token)
 
 
 def replace(mapping: MutableMapping, key: Any, spares: Optional[Dict] = None) -> bool:

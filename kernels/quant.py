@@ -191,20 +191,24 @@ def fp32_scales(x: torch.Tensor, scales: torch.Tensor, block_size: int, owner: s
                 dtype: Optional[torch.dtype] = None, bounded: bool = False) -> torch.Tensor:
     """Per-block ``scales`` of ``x`` as float32 for the wire, rounded up (:func:`fp32_ceil`).
 
-    ``ValueError`` (naming ``owner``, the caller, and ``dtype``, the gradient's dtype, by
-    default ``x``'s) if a block of finite values has a scale beyond the float32 range; a block
-    holding inf keeps its inf scale, which carries the inf to the receiver. ``bounded``: no
-    scale exceeds its block's ``max |x|`` (int8's and TernGrad's do), so for an ``x`` of
-    float32 or narrower no finite block can overflow and nothing is read back; otherwise one
-    host read (a sync on CUDA) decides it, the same whatever the data.
+    A block of finite values whose scale is beyond the float32 range is refused (naming
+    ``owner``, the caller, and ``dtype``, the gradient's dtype, by default ``x``'s): decided on
+    the device and reported by ``compress.transaction.refuse``, which in a collective tells
+    every rank (its status word) and otherwise raises ``ValueError``. A block holding inf
+    keeps its inf scale, which carries the inf to the receiver. ``bounded``: no scale exceeds
+    its block's ``max |x|`` (int8's and TernGrad's do), so for an ``x`` of float32 or
+    narrower no finite block can overflow and nothing is checked.
     """
+    from gradcomp.compress.transaction import refuse  # here: gradcomp.compress imports this module
+
     s32 = fp32_ceil(scales)
     if bounded and x.dtype != torch.float64:
         return s32
     inf = torch.isinf(s32)
-    if bool(inf.any()) and bool((inf & torch.isfinite(block_absmax(x, block_size))).any()):
-        raise ValueError(f"{owner + ': ' if owner else ''}a block's scale of this {dtype or x.dtype} tensor exceeds "
-                         f"the float32 range of the wire (3.4e38); scale the tensor down")
+    if may_hold(inf):
+        refuse((inf & torch.isfinite(block_absmax(x, block_size))).any(),
+               f"{owner + ': ' if owner else ''}a block's scale of this {dtype or x.dtype} tensor exceeds the float32 "
+               f"range of the wire (3.4e38); scale the tensor down")
     return s32
 
 

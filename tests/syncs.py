@@ -72,6 +72,7 @@ CPU_ONLY: Dict[Tuple[str, str, str], str] = {
                                                      "take _norms_again)",
     ("compress/signum.py", "_signal_cpu", "*"): "signum's momentum step for a CPU gradient; other devices take "
                                                 "_signal_on_device, which reads nothing back",
+    ("kernels/quant.py", "_gather_blocks", "*"): "called by bucket_norms' CPU branch only",
     ("kernels/cpu.py", "*", "*"): "the fused CPU loops' entry points, taken for CPU tensors only (cpu.applies)",
     ("optim/onebit_adam.py", "_compressed_step", "__float__"): "the step counter, a CPU tensor wherever the "
                                                                "parameters are (as torch.optim.Adam keeps it)",

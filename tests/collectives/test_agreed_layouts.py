@@ -3,8 +3,9 @@ set's first, checked exchange, fixed-size payloads travel as raw tensors with no
 
 One run on 2 ranks (allgather) and one on 4 (scatter-reduce) check: the same bits as the checked path at every step; no host read in the
 collectives once the layout is agreed (the step's one read is the transaction's); a peer that
-fails locally, or whose payloads no longer fit the layout, makes every rank raise and leaves
-every rank's error feedback as it was.
+fails locally, refuses its input on the device (no read back: its status word says it), or whose
+payloads no longer fit the layout, makes every rank raise and leaves every rank's error feedback
+as it was.
 """
 from __future__ import annotations
 
@@ -70,6 +71,28 @@ def _rank(rank: int, world: int):
     after = _residuals(agreed)
     out["kept"] = all(torch.equal(before[i][k], after[i][k]) for i in before for k in before[i])
 
+    # a refusal found on the device (qsgd: a bucket's norm beyond float32, on rank 1): nothing
+    # read back for it, every rank raises through rank 1's status word, rank 1 says which
+    refusing, layouts3 = [get_compressor("qsgd"), ErrorFeedback(get_compressor("onebit"))], {}
+
+    def refusal_items(step):
+        huge = torch.ones(1000)
+        if step and rank == 1:
+            huge[:2] = 3e38
+        return [("q", huge, refusing[0]), ("e", torch.randn(300, generator=torch.Generator().manual_seed(rank)),
+                                            refusing[1])]
+    allreduce_fused(refusal_items(0), layouts=layouts3)
+    before = _residuals(refusing)
+    with HostSyncs() as syncs:
+        try:
+            allreduce_fused(refusal_items(1), layouts=layouts3)
+            out["refused"] = "returned"
+        except ValueError as exc:
+            out["refused"] = str(exc)
+    out["refused_reads"] = dict(syncs.sites)
+    after = _residuals(refusing)
+    out["refused_kept"] = all(torch.equal(before[i][k], after[i][k]) for i in before for k in before[i])
+
     # payloads that no longer fit the layout (their meta changed on rank 0): every rank raises
     fresh, layouts2 = _codecs(), {}
     allreduce_fused(_items(rank, 0, fresh), layouts=layouts2)
@@ -110,3 +133,8 @@ def test_agreed_layouts(tmp_path, world):
         if rank != 1:
             assert "rank(s) [1] failed to compress" in r["failure"], (rank, r["failure"])
         assert "no longer fit the layout" in r["changed"] and "[0]" in r["changed"], (rank, r["changed"])
+        assert "rank(s) [1] failed to compress" in r["refused"], (rank, r["refused"])
+        assert ("float32 range" in r["refused"]) == (rank == 1), (rank, r["refused"])
+        assert r["refused_kept"], f"rank {rank}: a refused step changed the error feedback"
+        assert [s for s in r["refused_reads"] if "collectives/" in s or "transaction.py" in s] == [
+            next(s for s in r["refused_reads"] if "transaction.py" in s)], (rank, r["refused_reads"])
