@@ -22,6 +22,7 @@ from gradcomp.kernels.quant import (block_absmax, block_runs, dequantize_levels,
 from .base import (Capabilities, Compressor, CompressorConfig, Encoded, expect, meta_int, option, positive_int,
                    seed_option, tensor_spec, work_dtype)
 from .registry import register
+from .transaction import refuse
 
 _LEVELS = 127
 _FP32_MAX = torch.finfo(torch.float32).max
@@ -56,7 +57,7 @@ class Int8(Compressor):
         """The fp32 wire scales ``max |x| / 127`` of ``x``'s blocks."""
         bs = self.config.block_size
         top = block_absmax(x, bs)
-        scale = fp32_scales(x, tiny_safe_div(top, _LEVELS), bs, self.name, bounded=True)  # max |x| / 127
+        scale = fp32_scales(x, tiny_safe_div(top, _LEVELS), bs, self.name, bounded=True, refuse=refuse)  # max |x| / 127
         if x.dtype == torch.float32 and scale.numel():
             # 127 * scale would round past float32's max: one ulp lower, 127 then costs that ulp
             over = torch.isfinite(scale) & (scale.double() * _LEVELS > _FP32_MAX)

@@ -29,6 +29,7 @@ from gradcomp.kernels.quant import (SMALLEST_NORMAL32, bucket_norms, clamp_block
 from .base import (Capabilities, Compressor, CompressorConfig, Encoded, expect, meta_int, option, positive_int,
                    seed_option, tensor_spec, work_dtype)
 from .registry import register
+from .transaction import refuse
 
 
 def code_bits(levels: int) -> int:
@@ -56,7 +57,7 @@ class QSGD(Compressor):
     def _compress(self, flat, shape, key, step, want_decoded):
         x = flat.to(work_dtype(flat.dtype))
         s, bs = self.config.levels, self.config.bucket_size
-        norms = _wire_norms(fp32_scales(x, bucket_norms(x, bs), bs, self.name, flat.dtype), s, x.dtype)
+        norms = _wire_norms(fp32_scales(x, bucket_norms(x, bs), bs, self.name, flat.dtype, refuse=refuse), s, x.dtype)
         xs, mult = unit_multipliers(x, div_scalar(norms.to(x.dtype), s), bs)  # the receiver's step
         u = self._uniform(x.numel(), key, step, x.device)
         levels = quantize_levels(xs, mult, bs, s, u, overwrite_u=True)

@@ -23,6 +23,7 @@ from gradcomp.kernels.quant import (block_absmax, dequantize_levels, fp32_scales
 from .base import (Capabilities, Compressor, CompressorConfig, Encoded, expect, meta_int, option, seed_option,
                    tensor_spec, work_dtype)
 from .registry import register
+from .transaction import refuse
 
 
 def _block(bucket_size: int, numel: int) -> int:
@@ -59,7 +60,7 @@ class TernGrad(Compressor):
             limit = clip * x.std()
             if float(limit) != 0:  # a constant tensor is not clipped to zero; NaN propagates
                 scale = torch.minimum(scale, limit)
-        scale32 = fp32_scales(x, scale, bs, self.name, flat.dtype, bounded=True)  # at most max |x|
+        scale32 = fp32_scales(x, scale, bs, self.name, flat.dtype, bounded=True, refuse=refuse)  # at most max |x|
         # a subnormal scale has no finite float32 reciprocal: such blocks are scaled up exactly
         xs, mult = unit_multipliers(x, scale32.to(x.dtype), bs)
         u = self._uniform(x.numel(), key, step, x.device)

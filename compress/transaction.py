@@ -172,7 +172,11 @@ class Deferred(ValueError):
 
     def flag_into(self, txn: Transaction) -> None:
         for bad, problem in self.refusals:
-            txn.flag(bad, lambda _, problem=problem: problem)
+            txn.flag(bad, _saying(problem))
+
+
+def _saying(problem: str) -> Callable[[List[int]], str]:
+    return lambda _: problem
 
 
 def resolve(error: Optional[BaseException]) -> Optional[BaseException]:

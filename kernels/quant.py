@@ -188,27 +188,31 @@ def fp32_ceil(t: torch.Tensor) -> torch.Tensor:
 
 
 def fp32_scales(x: torch.Tensor, scales: torch.Tensor, block_size: int, owner: str = "",
-                dtype: Optional[torch.dtype] = None, bounded: bool = False) -> torch.Tensor:
+                dtype: Optional[torch.dtype] = None, bounded: bool = False,
+                refuse: Optional[Callable[[torch.Tensor, str], None]] = None) -> torch.Tensor:
     """Per-block ``scales`` of ``x`` as float32 for the wire, rounded up (:func:`fp32_ceil`).
 
     A block of finite values whose scale is beyond the float32 range is refused (naming
     ``owner``, the caller, and ``dtype``, the gradient's dtype, by default ``x``'s): decided on
-    the device and reported by ``compress.transaction.refuse``, which in a collective tells
-    every rank (its status word) and otherwise raises ``ValueError``. A block holding inf
+    the device and handed to ``refuse(bad, problem)`` (the compressors pass
+    ``compress.transaction.refuse``, which in a collective tells every rank through its status
+    word); without one, a ``ValueError`` after one host read. A block holding inf
     keeps its inf scale, which carries the inf to the receiver. ``bounded``: no scale exceeds
     its block's ``max |x|`` (int8's and TernGrad's do), so for an ``x`` of float32 or
     narrower no finite block can overflow and nothing is checked.
     """
-    from gradcomp.compress.transaction import refuse  # here: gradcomp.compress imports this module
-
     s32 = fp32_ceil(scales)
     if bounded and x.dtype != torch.float64:
         return s32
     inf = torch.isinf(s32)
     if may_hold(inf):
-        refuse((inf & torch.isfinite(block_absmax(x, block_size))).any(),
-               f"{owner + ': ' if owner else ''}a block's scale of this {dtype or x.dtype} tensor exceeds the float32 "
-               f"range of the wire (3.4e38); scale the tensor down")
+        bad = (inf & torch.isfinite(block_absmax(x, block_size))).any()
+        problem = (f"{owner + ': ' if owner else ''}a block's scale of this {dtype or x.dtype} tensor exceeds the "
+                   f"float32 range of the wire (3.4e38); scale the tensor down")
+        if refuse is not None:
+            refuse(bad, problem)
+        elif bool(bad):
+            raise ValueError(problem)
     return s32
 
 
