@@ -112,16 +112,26 @@ class PowerSGD(Compressor):
         p = mat @ q if mat.is_cuda else (q.T @ mat.T).T.contiguous()
         p_avg = yield p
         _expect_like(p_avg, p, "P")
-        if not math.isfinite(float(p_avg.sum())):  # an overflow somewhere, or NaN/Inf input
-            p = mat @ _fit(q)[0]
-            p_avg = yield p
-            _expect_like(p_avg, p, "P")
-        p = orthonormalize(p_avg, self.config.orthogonalize)
+        # P's finiteness stays on the device until Q's round is back, and is read with Q's: one read
+        # per matrix. A non-finite P (an overflow somewhere, or NaN/Inf input) is replaced by zeros
+        # for that Q round, which is then wasted: the P round is repeated with a rescaled Q.
+        p_ok = torch.isfinite(p_avg.sum())
+        p = orthonormalize(torch.where(p_ok, p_avg, torch.zeros_like(p_avg)), self.config.orthogonalize)
         p_top = 1.0  # orthonormal columns: no entry above 1
+        q_start = q
         q = (p.T @ mat).T.contiguous()  # = mat.T @ p, but streams mat by rows: ~6x faster on CPU
         q_avg = yield q
         _expect_like(q_avg, q, "Q")
-        finite, q_top = _finite_and_absmax(q_avg)  # one read: the retry's decision and _product's bound
+        p_finite, finite, q_top = _finite_and_absmax(q_avg, p_ok)  # the retries' decisions, _product's bound
+        if not p_finite:
+            p = mat @ _fit(q_start)[0]
+            p_avg = yield p
+            _expect_like(p_avg, p, "P")
+            p = orthonormalize(p_avg, self.config.orthogonalize)
+            q = (p.T @ mat).T.contiguous()
+            q_avg = yield q
+            _expect_like(q_avg, q, "Q")
+            _, finite, q_top = _finite_and_absmax(q_avg)
         if not finite:
             small, lift = _fit(p)
             q = (small.T @ mat).T.contiguous()
@@ -129,7 +139,7 @@ class PowerSGD(Compressor):
             _expect_like(q_avg, q, "Q")
             p = p * lift  # P Q^T unchanged: Q came out smaller by exactly this factor
             p_top = float(lift.amax())
-            finite, q_top = _finite_and_absmax(q_avg)
+            _, finite, q_top = _finite_and_absmax(q_avg)
         if finite:
             replace(self._q, key)  # an open transaction may have to undo it
             self._q[key] = q_avg.detach().clone()
@@ -240,12 +250,14 @@ def _product(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, out: Optional
     return res
 
 
-def _finite_and_absmax(t: torch.Tensor) -> Tuple[bool, float]:
-    """Whether ``t`` is finite, and ``max |t|`` (NaN when it holds NaN), in one host read."""
+def _finite_and_absmax(t: torch.Tensor, also: Optional[torch.Tensor] = None) -> Tuple[bool, bool, float]:
+    """``(also, finite, top)`` in one host read: the value of ``also`` (a 0-d bool device
+    tensor; True when not given), whether ``t`` is finite and ``max |t|`` (NaN when it holds NaN)."""
+    flag = torch.ones((), dtype=t.dtype, device=t.device) if also is None else also.to(t.dtype).reshape(())
     if not t.numel():
-        return True, 0.0
-    lo, hi, finite = torch.stack([*torch.aminmax(t), torch.isfinite(t).all().to(t.dtype)]).tolist()
-    return bool(finite), (math.nan if math.isnan(lo) or math.isnan(hi) else max(hi, -lo))
+        return bool(flag), True, 0.0
+    first, lo, hi, finite = torch.stack([flag, *torch.aminmax(t), torch.isfinite(t).all().to(t.dtype)]).tolist()
+    return bool(first), bool(finite), (math.nan if math.isnan(lo) or math.isnan(hi) else max(hi, -lo))
 
 
 def _absmax(t: torch.Tensor) -> float:
