@@ -30,11 +30,12 @@ WRAPPED = ("none", "onebit", "powersgd", "topk")  # through CompressedOptimizer 
 # finiteness was read once per iteration (the sign rows at 1). Then top-k's exact selection and the sparse
 # payloads' index checks moved to the device (topk, dgc 31 -> 1; randomk 16 -> 1 with its finiteness and rescale
 # check there too), int8/terngrad's scale checks became a dtype decision (16 and 11 -> 1), natural's exponent
-# and its decode table stay on the device (26 -> 1), signum's momentum guard is a select there (6 -> 1), and
-# PowerSGD reads P's and Q's finiteness and max |Q| at once, once per matrix (26 -> 6), and a compressor's refusal of its input (qsgd's
-# norms beyond float32, fp64 scales) is decided on the device and reaches every rank through the agreed
-# exchange's status word (qsgd 6 -> 1). What is left: PowerSGD's one read per matrix (whether a round is
-# repeated after an overflow) and threshold's variable-size payloads, which still travel checked.
+# and its decode table stay on the device (26 -> 1), signum's momentum guard is a select there (6 -> 1),
+# PowerSGD reads P's and Q's finiteness and max |Q| at once, once per matrix (26 -> 6), and a compressor's
+# refusal of its input (qsgd's norms beyond float32, fp64 scales) is decided on the device and reaches every
+# rank through the agreed exchange's status word (qsgd 6 -> 1). What is left: PowerSGD's one read per matrix
+# (whether a round is repeated after an overflow) and threshold's variable-size payloads, which still travel
+# checked.
 BUDGET = {"none": 1, "fp16": 1, "bf16": 1, "powersgd": 6, "randomk": 1, "int8": 1, "terngrad": 1, "qsgd": 1,
           "natural": 1, "dgc": 1, "topk": 1, "threshold": 34, "signum": 1, "signsgd": 1, "efsignsgd": 1,
           "onebit": 1}
