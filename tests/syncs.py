@@ -116,7 +116,7 @@ class HostSyncs:
         if path.startswith(_OURS):
             rel = Path(path).resolve().relative_to(ROOT).as_posix()
             func = frame.f_code.co_name
-            cpu_only = (rel, func, "*") in CPU_ONLY or (rel, func, op) in CPU_ONLY
+            cpu_only = any(k in CPU_ONLY for k in ((rel, func, "*"), (rel, func, op), (rel, "*", "*")))
             with self._lock:
                 (self.cpu_only if cpu_only else self.sites)[f"{op} {rel}:{frame.f_lineno}"] += 1
 
