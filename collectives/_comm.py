@@ -198,6 +198,7 @@ class Comm:
         self.rank = dist.get_rank(self.group)
         self.size = dist.get_world_size(self.group)
         self.device = _group_device(self.group, device, op)
+        record.device = device if device is not None else self.device  # CUDA phases timed by events
 
     def global_rank(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)

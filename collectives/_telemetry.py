@@ -6,6 +6,11 @@ Each call fills one :class:`Record`; records are summed per ``"op/algorithm"`` (
 headers and padding are included. ``measure_error`` adds the relative error and cosine
 similarity against the dense mean; that costs one extra dense allreduce, whose bytes are not
 counted.
+
+Times: on the host clock for CPU tensors; for a call whose tensors are on a CUDA device (the
+``Comm`` says so: :attr:`Record.device`) each phase is bracketed by two CUDA events on the
+current stream, so the time is the GPU's, not that of queueing its work, and nothing waits for
+them until the counters are read (:func:`telemetry`, which then waits for the events).
 """
 from __future__ import annotations
 
@@ -13,8 +18,10 @@ import math
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
-from typing import Any, Dict, Iterator, Optional
+from dataclasses import asdict, dataclass, field
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+import torch
 
 _SUMMED = ("calls", "bytes_sent", "bytes_recv", "dense_bytes", "payload_bytes",
            "compress_s", "comm_s", "decompress_s")
@@ -38,6 +45,10 @@ class Record:
     decompress_s: float = 0.0
     rel_error: Optional[float] = None  # ||result - dense mean|| / ||dense mean||
     cos_sim: Optional[float] = None
+    # the tensors' device, set by the Comm: CUDA phases are timed with events
+    device: Optional[torch.device] = field(default=None, repr=False, compare=False)
+    # CUDA phases not read yet: (phase, start event, end event)
+    _pending: List[Tuple[str, Any, Any]] = field(default_factory=list, repr=False, compare=False)
 
     @property
     def ratio(self) -> float:
@@ -46,7 +57,18 @@ class Record:
 
     @contextmanager
     def timing(self, phase: str) -> Iterator[None]:
-        """Add the time spent in the block to ``<phase>_s`` (compress, comm or decompress)."""
+        """Add the time spent in the block to ``<phase>_s`` (compress, comm or decompress): the
+        GPU's time on the current stream for a call on a CUDA device, read later (:meth:`settle`)."""
+        if self.device is not None and self.device.type == "cuda":
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record()
+            try:
+                yield
+            finally:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record()
+                self._pending.append((phase, begin, end))
+            return
         start = time.perf_counter()
         try:
             yield
@@ -54,14 +76,25 @@ class Record:
             name = f"{phase}_s"
             setattr(self, name, getattr(self, name) + time.perf_counter() - start)
 
+    def settle(self) -> None:
+        """Add the CUDA phases' times, waiting for their events (a host sync: called when the
+        counters are read, never on the collectives' path)."""
+        for phase, begin, end in self._pending:
+            end.synchronize()
+            name = f"{phase}_s"
+            setattr(self, name, getattr(self, name) + begin.elapsed_time(end) / 1000.0)
+        self._pending.clear()
+
     def as_dict(self) -> Dict[str, Any]:
-        d = asdict(self)
+        self.settle()
+        d = {k: v for k, v in asdict(self).items() if k not in ("device", "_pending")}
         d["ratio"] = self.ratio
         return d
 
 
 _lock = threading.Lock()
 _by_op: Dict[str, Dict[str, Any]] = {}
+_unsettled: Dict[str, List[Record]] = {}  # committed records whose CUDA phases are not read yet
 _last: Optional[Record] = None
 _measure_error = False
 
@@ -74,6 +107,8 @@ def commit(record: Record) -> None:
         agg = _by_op.setdefault(name, {**{k: 0 for k in _SUMMED}, "measured": 0,
                                        "rel_error_sum": 0.0, "cos_sim_sum": 0.0})
         agg["calls"] += 1
+        if record._pending:  # added when read (telemetry()), so nothing waits here
+            _unsettled.setdefault(name, []).append(record)
         for k in _SUMMED[1:]:
             agg[k] += getattr(record, k)
         if record.rel_error is not None:
@@ -102,6 +137,14 @@ def telemetry() -> Dict[str, Any]:
     ``rel_error`` and ``cos_sim``; ``last`` is the most recent call's record.
     """
     with _lock:
+        for name, records in _unsettled.items():
+            agg = _by_op[name]
+            for record in records:
+                before = {k: getattr(record, k) for k in ("compress_s", "comm_s", "decompress_s")}
+                record.settle()
+                for k, v in before.items():
+                    agg[k] += getattr(record, k) - v
+        _unsettled.clear()
         by_op = {k: _finish(v) for k, v in sorted(_by_op.items())}
         total = {k: 0 for k in _SUMMED}
         total.update(measured=0, rel_error_sum=0.0, cos_sim_sum=0.0)
@@ -117,6 +160,7 @@ def reset_telemetry() -> None:
     global _last
     with _lock:
         _by_op.clear()
+        _unsettled.clear()
         _last = None
 
 

@@ -92,3 +92,33 @@ def test_async_results_are_ordered_on_the_callers_stream(tmp_path):
             device, got = result[what]
             assert device == "cuda:0", (what, device)
             assert torch.equal(got, torch.full_like(got, value)), f"{what}: read before the work it waits for"
+
+
+def test_cuda_phases_are_timed_by_events_and_read_later():
+    """A record on a CUDA device times its phases with CUDA events on the current stream: the
+    time is the GPU's (here a loop of products that takes far longer to run than to queue), and
+    nothing waits for it until the counters are read."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from gradcomp.collectives import _telemetry as tele
+
+    tele.reset_telemetry()
+    a = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    rec = tele.Record("allreduce", "probe", "none", "k", 1, device=torch.device("cuda", 0))
+    with rec.timing("compress"):
+        for _ in range(20):
+            a = a @ a * 1e-3
+    tele.commit(rec)
+    assert rec.compress_s == 0.0 and rec._pending  # not read yet: no wait on the path
+    out = tele.telemetry()["by_op"]["allreduce/probe"]
+    torch.cuda.synchronize()
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(20):
+        a = a @ a * 1e-3
+    end.record()
+    end.synchronize()
+    gpu_s = start.elapsed_time(end) / 1000.0
+    assert 0.5 * gpu_s < out["compress_s"] < 2.0 * gpu_s, (out["compress_s"], gpu_s)
