@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 
+from gradcomp.compress import transaction
 from gradcomp.compress.payload import max_wire_bytes, memory_bytes
 
 from . import _telemetry as telemetry
@@ -44,14 +45,19 @@ def send(tensor: torch.Tensor, dst: int, compressor: Any = "none", *, key: Optio
     check_input(tensor)
     comm = _comm("send", dst, group, spec, key, tensor.device)
     rec = comm.record
-    with rec.timing("compress"):
+    with rec.timing("compress"), transaction.deferring() as refused:
         acc = tensor.detach()
         if spec.feedback is not None:
             acc = spec.feedback.accumulate(acc, key)
             payload, sent = spec.base.compress_decoded(acc.to(tensor.dtype), key)
-            spec.feedback.update(key, acc, sent)
         else:
             payload = spec.base.compress(acc, key)
+    error = transaction.Deferred(refused).resolve() if refused else None
+    if error is not None:  # a send is checked: a refused input raises here, before anything is sent or kept
+        raise error
+    if spec.feedback is not None:
+        spec.feedback.update(key, acc, sent)
+    with rec.timing("compress"):
         buf = encode(payload, comm.device)
     head = torch.tensor([MAGIC, _KIND, buf.numel(), h64(repr(spec.base)), dtype_code(tensor.dtype)],
                         dtype=torch.int64, device=comm.device)

@@ -217,6 +217,22 @@ def _p2p(rank, w):
         except ValueError as exc:
             out["bounded"] = str(exc)
         out["after bound"] = recv(0, "fp16", max_numel=100)
+    # a refused input (qsgd: a norm beyond float32) raises at the send, also inside a step's
+    # transaction, before anything is sent: the channel stays in step
+    if rank == 0:
+        from gradcomp.compress.transaction import Transaction
+
+        huge = torch.ones(64)
+        huge[:2] = 3e38
+        with Transaction().active():
+            try:
+                send(huge, 1, "qsgd")
+                out["refused send"] = "sent"
+            except ValueError as exc:
+                out["refused send"] = str(exc)
+        send(torch.ones(3), 1, "fp16")
+    elif rank == 1:
+        out["after refused"] = recv(0, "fp16")
     return out
 
 
@@ -510,6 +526,8 @@ def test_p2p_delivers_what_the_sender_compressed(runs):
                     assert same_bits(results[dst]["p2p"][(src, name, step)], expected), (w, name, step)
         assert "more than the limit 100" in results[1]["p2p"]["bounded"]
         assert torch.equal(results[1]["p2p"]["after bound"], torch.ones(3))
+        assert "float32 range" in results[0]["p2p"]["refused send"]
+        assert torch.equal(results[1]["p2p"]["after refused"], torch.ones(3))
 
 
 def test_hierarchical_same_bits_everywhere(runs):
