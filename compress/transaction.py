@@ -77,6 +77,15 @@ class Transaction:
         self._flags.append((bad.reshape(-1), problem))
         self._verdict = None
 
+    def flagged(self) -> Optional[torch.Tensor]:
+        """A 0-d bool device tensor, true when any flag noted so far is set (nothing read), or
+        None when there are none: for an owner that reduces it over ranks with its own flags."""
+        if not self._flags:
+            return None
+        here = self._flags[0][0].device
+        return torch.cat([f.ne(0).reshape(-1) if f.device == here else f.ne(0).reshape(-1).to(here)
+                          for f, _ in self._flags]).any()
+
     @property
     def finite(self) -> bool:
         """Whether every result observed so far is finite (one host read of every witness and

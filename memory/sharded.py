@@ -288,15 +288,22 @@ class ShardedOptimizer(Wrapper):
             self._reset()
             txn.rollback()
             raise error
-        # both flags reduced over the ranks on the device and read once: the step's one host read
+        # both flags reduced over the ranks on the device and read once: the step's one host read.
+        # A failure is this rank's error, or a flag of its transaction (a refused input, an
+        # invalid received payload), which every rank then learns of through the reduction.
         witness = nonfinite([p for p in pieces if p is not None] if error is None else [], self.masters[0].device)
-        failed, infinite = any_rank([error is not None, witness if error is None else True], self.group)
+        local = txn.flagged() if error is None else None
+        failed, infinite = any_rank([True if error is not None else False if local is None else local,
+                                     witness if error is None else True], self.group)
         bad = failed or infinite
+        problems = txn.problems if failed and local is not None else []  # read only when something failed
         self._reset()
         if bad:
             txn.rollback()
             if error is not None:
                 raise error
+            if problems:
+                raise ValueError("ShardedOptimizer: " + "; ".join(problems) + "; this step changed nothing")
             if failed:
                 raise ValueError("ShardedOptimizer: the gradient exchange failed on another rank (the error is raised "
                                  "there); this step changed nothing")

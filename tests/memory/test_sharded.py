@@ -325,6 +325,28 @@ def case_nonfinite(rank, world):
             "goes_on": _run(model, opt, rank, world, 1, start=10)}
 
 
+def case_refused(rank, world):
+    """qsgd refuses rank 0's gradient (a bucket's norm beyond float32, decided on the device):
+    rank 0 raises its reason, rank 1 that another rank failed, nothing changes anywhere."""
+    model = Net(width=160)
+    opt = _sharded(model, compressor="qsgd")
+    _run(model, opt, rank, world, 1, check=False)
+    before_params, before_opt = _flat(model), opt.state_dict()
+    opt.zero_grad()
+    # every element finite, the norm of any bucket of them beyond float32
+    hooks = [p.register_hook(lambda g: torch.full_like(g, 1e38)) for p in model.parameters()
+             if p.requires_grad] if rank == 0 else []
+    _loss(model, rank, 9).backward()
+    for h in hooks:
+        h.remove()
+    out = {}
+    _catch(out, "error", opt.step)
+    after_opt = opt.state_dict()
+    out["unchanged"] = torch.equal(before_params, _flat(model)) and all(
+        _equal(after_opt[k], before_opt[k]) for k in before_opt)
+    return out
+
+
 def _catch(out, key, fn):
     """``out[key]``: the ValueError's message ``fn()`` raised, or None."""
     try:
@@ -438,6 +460,7 @@ def spawn_two(rank, world, saves4):
             "layerwise": case_layerwise(rank, world), "compressed": case_compressed(rank, world),
             "planner": case_planner(rank, world), "lamb": case_lamb(rank, world),
             "resume": case_resume(rank, world), "nonfinite": case_nonfinite(rank, world),
+            "refused": case_refused(rank, world),
             "errors": case_errors(rank, world, saves4["dense"]["shard"]),
             "reshard": case_reshard(rank, world, saves4), "saves": case_saves(rank, world)}
 
@@ -549,6 +572,13 @@ def test_nonfinite_step_changes_nothing_anywhere(results):
     for r in results[2]:
         n = r["nonfinite"]
         assert n["unchanged"] and n["skipped"] == 1 and n["goes_on"]
+
+
+def test_a_refused_gradient_raises_everywhere_and_changes_nothing(results):
+    r0, r1 = (r["refused"] for r in results[2])
+    assert r0["error"] and "float32 range" in r0["error"], r0
+    assert r1["error"] and "failed on another rank" in r1["error"], r1
+    assert r0["unchanged"] and r1["unchanged"]
 
 
 def test_errors_are_the_same_on_every_rank(results):
