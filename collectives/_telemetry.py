@@ -76,6 +76,10 @@ class Record:
             name = f"{phase}_s"
             setattr(self, name, getattr(self, name) + time.perf_counter() - start)
 
+    def done(self) -> bool:
+        """Whether every CUDA phase has finished (asked without waiting)."""
+        return all(end.query() for _, _, end in self._pending)
+
     def settle(self) -> None:
         """Add the CUDA phases' times, waiting for their events (a host sync: called when the
         counters are read, never on the collectives' path)."""
@@ -107,7 +111,11 @@ def commit(record: Record) -> None:
         agg = _by_op.setdefault(name, {**{k: 0 for k in _SUMMED}, "measured": 0,
                                        "rel_error_sum": 0.0, "cos_sim_sum": 0.0})
         agg["calls"] += 1
-        if record._pending:  # added when read (telemetry()), so nothing waits here
+        # CUDA phases are added when they have finished: the earlier records' now, when their
+        # events say so without waiting (so the list holds only the calls still in flight),
+        # the rest when the counters are read (telemetry())
+        _settle_unsettled(finished_only=True)
+        if record._pending:
             _unsettled.setdefault(name, []).append(record)
         for k in _SUMMED[1:]:
             agg[k] += getattr(record, k)
@@ -116,6 +124,25 @@ def commit(record: Record) -> None:
             agg["rel_error_sum"] += record.rel_error
             agg["cos_sim_sum"] += record.cos_sim
         _last = record
+
+
+def _settle_unsettled(finished_only: bool) -> None:
+    """Add the CUDA phases of committed records to their aggregates: of those whose events
+    have finished (``finished_only``, no wait), or of all (waiting for them). Under ``_lock``."""
+    for name in list(_unsettled):
+        agg, waiting = _by_op[name], []
+        for record in _unsettled[name]:
+            if finished_only and not record.done():
+                waiting.append(record)
+                continue
+            before = {k: getattr(record, k) for k in ("compress_s", "comm_s", "decompress_s")}
+            record.settle()
+            for k, v in before.items():
+                agg[k] += getattr(record, k) - v
+        if waiting:
+            _unsettled[name] = waiting
+        else:
+            del _unsettled[name]
 
 
 def _finish(agg: Dict[str, Any]) -> Dict[str, Any]:
@@ -137,14 +164,7 @@ def telemetry() -> Dict[str, Any]:
     ``rel_error`` and ``cos_sim``; ``last`` is the most recent call's record.
     """
     with _lock:
-        for name, records in _unsettled.items():
-            agg = _by_op[name]
-            for record in records:
-                before = {k: getattr(record, k) for k in ("compress_s", "comm_s", "decompress_s")}
-                record.settle()
-                for k, v in before.items():
-                    agg[k] += getattr(record, k) - v
-        _unsettled.clear()
+        _settle_unsettled(finished_only=False)
         by_op = {k: _finish(v) for k, v in sorted(_by_op.items())}
         total = {k: 0 for k in _SUMMED}
         total.update(measured=0, rel_error_sum=0.0, cos_sim_sum=0.0)

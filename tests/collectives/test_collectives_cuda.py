@@ -122,3 +122,13 @@ def test_cuda_phases_are_timed_by_events_and_read_later():
     end.synchronize()
     gpu_s = start.elapsed_time(end) / 1000.0
     assert 0.5 * gpu_s < out["compress_s"] < 2.0 * gpu_s, (out["compress_s"], gpu_s)
+    # a job that never reads telemetry keeps only the calls still in flight, not every call
+    for _ in range(200):
+        r = tele.Record("allreduce", "probe", "none", "k", 1, device=torch.device("cuda", 0))
+        with r.timing("compress"):
+            a = a * 1.0
+        tele.commit(r)
+    torch.cuda.synchronize()
+    tele.commit(tele.Record("allreduce", "probe", "none", "k", 1, device=torch.device("cuda", 0)))
+    assert sum(len(v) for v in tele._unsettled.values()) == 0
+    assert tele.telemetry()["by_op"]["allreduce/probe"]["calls"] == 202
