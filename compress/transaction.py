@@ -153,7 +153,7 @@ def refuse(bad: torch.Tensor, problem: str) -> None:
         return
     txn = _current.get()
     if txn is not None:
-        txn.flag(bad, lambda _: problem)
+        txn.flag(bad, _saying(problem))
     elif bool(bad.any()):
         raise ValueError(problem)
 
