@@ -293,8 +293,8 @@ class ShardedOptimizer(Wrapper):
         # invalid received payload), which every rank then learns of through the reduction.
         witness = nonfinite([p for p in pieces if p is not None] if error is None else [], self.masters[0].device)
         local = txn.flagged() if error is None else None
-        failed, infinite = any_rank([True if error is not None else False if local is None else local,
-                                     witness if error is None else True], self.group)
+        failure = error is not None if local is None else local
+        failed, infinite = any_rank([failure, witness if error is None else True], self.group)
         bad = failed or infinite
         problems = txn.problems if failed and local is not None else []  # read only when something failed
         self._reset()
