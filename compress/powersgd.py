@@ -25,6 +25,16 @@ at most 2**-24, so that neither the products nor a sum over ranks can overflow; 
 exact and taken out of ``P`` again, and NaN/Inf input stays non-finite through the repeat.
 Entries of ``P Q^T`` beyond the largest finite value of the gradient's dtype (an fp16 matrix
 near 65504, say) saturate to it.
+
+That repeat is a host decision, taken on CPU tensors only, where reading a flag costs nothing.
+Off the CPU (``_factors_on_device``) the number of rounds is fixed, two, and nothing is read:
+each round's other factor is scaled beforehand by powers of two, per column, to an l1 norm of
+at most 2**-2, so that no product, no partial sum and no average over ranks (``Comm.mean_``
+scales by ``1/w`` before summing) can overflow; the scale is exact and taken out of ``P``
+again, and the orthonormalisation does not see it, so for operands of normal magnitude the
+result has the bits of the CPU form. The kept ``Q`` is then the scaled one (the next ``P``
+round is blind to its scale); ``P Q^T`` is formed scaled down by a power of two where a bound
+on the device says it could overflow, and clamped to the dtype's range.
 """
 from __future__ import annotations
 
@@ -36,7 +46,7 @@ import torch
 
 from gradcomp.kernels.memory import empty
 from gradcomp.kernels.linalg import METHODS, orthonormalize
-from gradcomp.kernels.quant import may_hold
+from gradcomp.kernels.quant import may_hold, pow2
 
 from .base import (FLOAT_DTYPES, Capabilities, Compressor, CompressorConfig, Encoded, Rounds, expect, numel_of,
                    option, positive_int, seed_option, work_dtype)
@@ -102,11 +112,15 @@ class PowerSGD(Compressor):
         return _deliver(approx.reshape(tensor.shape).to(tensor.dtype), out)
 
     def _factors(self, mat: torch.Tensor, key: str, r: int
-                 ) -> Generator[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor, float, float]]:
+                 ) -> Generator[torch.Tensor, torch.Tensor,
+                                Tuple[torch.Tensor, torch.Tensor, Optional[float], Optional[float]]]:
         """One power iteration on ``mat`` with the averaging done by the caller; returns
         ``(P, Q, max |P|, max |Q|)``, the third 1 for orthonormal ``P``, the fourth read with
-        Q's finiteness (``_product`` then needs no pass and no read of its own)."""
+        Q's finiteness (``_product`` then needs no pass and no read of its own); both None from
+        the device form."""
         mat = mat.to(work_dtype(mat.dtype))
+        if _on_device(mat):
+            return (yield from self._factors_on_device(mat, key, r))
         q = self._start(key, mat.shape[1], r, mat.device, mat.dtype)
         # = mat @ q; on CPU this form is ~2x faster (MKL at small rank), on GPUs the plain one is the norm
         p = mat @ q if mat.is_cuda else (q.T @ mat.T).T.contiguous()
@@ -144,6 +158,27 @@ class PowerSGD(Compressor):
             replace(self._q, key)  # an open transaction may have to undo it
             self._q[key] = q_avg.detach().clone()
         return p, q_avg, p_top, q_top
+
+    def _factors_on_device(self, mat: torch.Tensor, key: str, r: int
+                           ) -> Generator[torch.Tensor, torch.Tensor, Tuple[torch.Tensor, torch.Tensor, None, None]]:
+        """``_factors`` without a host read (see the module docstring): two rounds, each factor
+        that multiplies ``mat`` scaled first (``_scaled``), so that neither round can overflow;
+        ``Q`` is kept where its average is finite, decided by ``torch.where``. The bounds are
+        None: ``_product`` then finds them on the device."""
+        q_start = self._start(key, mat.shape[1], r, mat.device, mat.dtype)
+        q, _ = _scaled(q_start)  # P's columns scale with Q's, and orthonormalize takes that out again
+        p = mat @ q if mat.is_cuda else (q.T @ mat.T).T.contiguous()
+        p_avg = yield p
+        _expect_like(p_avg, p, "P")
+        p = orthonormalize(p_avg, self.config.orthogonalize)
+        small, k = _scaled(p)
+        q = (small.T @ mat).T.contiguous()
+        q_avg = yield q
+        _expect_like(q_avg, q, "Q")
+        p = p * pow2(k, p.dtype)  # P Q^T unchanged: Q came out smaller by exactly this factor
+        replace(self._q, key)  # an open transaction may have to undo it
+        self._q[key] = torch.where(torch.isfinite(q_avg).all(), q_avg, q_start)  # the scaled Q, or the old one
+        return p, q_avg, None, None
 
     def _start(self, key: str, m: int, r: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """The warm-start ``Q`` of ``key``; zero columns (left by a zero gradient) are drawn anew,
@@ -231,12 +266,64 @@ def _fit(f: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     return f / lift, lift
 
 
+_DEVICE_HEADROOM = -2  # exponent of the l1 norm each factor column gets in the device form
+
+
+def _on_device(t: torch.Tensor) -> bool:
+    """Whether ``t`` takes the forms that read nothing back (all but CPU tensors; the tests
+    run them on CPU tensors too)."""
+    return t.device.type != "cpu"
+
+
+def _scaled(f: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(f / 2**k, k)``, ``k`` an int64 exponent per column chosen on the device so that each
+    column's l1 norm is below 2**-2: then ``|M (f / 2**k)| <= max|M| / 4`` entry by entry and
+    partial sum by partial sum. ``k`` comes from the column's largest entry and its length
+    (no sum that could overflow), the division is done in float64, in two steps where ``k``
+    lies beyond float64's powers of two: exact wherever the result is a normal number of
+    ``f``'s dtype. A zero or non-finite column is divided by ``2**k`` all the same (NaN stays NaN)."""
+    _, exp = torch.frexp(f.abs().amax(dim=0))  # |entries| < 2**exp; 0 for zero and non-finite columns
+    k = exp.long() + ((f.shape[0] - 1).bit_length() - _DEVICE_HEADROOM)  # l1 < rows * 2**exp <= 2**(k - 2)
+    first = k.clamp(-1000, 1000)
+    wide = f.double() * pow2(-first, torch.float64) * pow2(first - k, torch.float64)
+    return wide.to(f.dtype), k
+
+
 def _product(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None,
              p_top: Optional[float] = None, q_top: Optional[float] = None) -> torch.Tensor:
     """``P Q^T`` in the factors' dtype (into ``out`` if given); entries of finite factors beyond
-    ``dtype``'s largest finite value saturate to it. The bound ``r max|P| max|Q|`` on the
+    ``dtype``'s largest finite value saturate to it. On CPU the bound ``r max|P| max|Q|`` on the
     entries (``p_top``, ``q_top``: max |P|, max |Q| when known) rules that out without a pass
-    over the result, except near that value."""
+    over the result, except near that value; elsewhere ``_product_on_device`` reads nothing."""
+    if _on_device(p):
+        return _product_on_device(p, q, dtype, out)
+    return _product_cpu(p, q, dtype, out, p_top, q_top)
+
+
+def _product_on_device(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``_product`` with its bound on the device: where ``r max|P| max|Q|`` may exceed a quarter
+    of the factors' largest value, the factors are scaled down by powers of two first, so that
+    no sum overflows, and the product scaled back (beyond the factors' range, inf), then
+    clamped to ``dtype``'s range (NaN stays NaN). Elsewhere every scale is 1: the bits of the
+    plain product."""
+    if not p.numel() or not q.numel():
+        return torch.mm(p, q.T, out=out)
+    top = torch.finfo(dtype).max
+    room = math.frexp(torch.finfo(p.dtype).max)[1] - 2  # a sum below 2**room cannot overflow
+    p_top, q_top = p.abs().amax(), q.abs().amax()
+    _, p_exp = torch.frexp(p_top)
+    _, q_exp = torch.frexp(q_top)
+    bits = p_exp.long() + q_exp.long() + (p.shape[1] - 1).bit_length()  # r max|P| max|Q| < 2**bits
+    k = torch.where(torch.isfinite(p_top) & torch.isfinite(q_top), (bits - room).clamp(min=0), 0)
+    k_p = k.clamp(max=room)  # each scale a normal number of the factors' dtype
+    k_q = k - k_p
+    res = torch.mm(p * pow2(-k_p, p.dtype), (q * pow2(-k_q, q.dtype)).T, out=out)
+    return res.mul_(pow2(k_p, p.dtype)).mul_(pow2(k_q, p.dtype)).clamp_(-top, top)
+
+
+def _product_cpu(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None,
+                 p_top: Optional[float] = None, q_top: Optional[float] = None) -> torch.Tensor:
     res = torch.mm(p, q.T, out=out)
     top = torch.finfo(dtype).max
     if not res.numel():

@@ -73,6 +73,12 @@ CPU_ONLY: Dict[Tuple[str, str, str], str] = {
     ("compress/signum.py", "_signal_cpu", "*"): "signum's momentum step for a CPU gradient; other devices take "
                                                 "_signal_on_device, which reads nothing back",
     ("kernels/quant.py", "_gather_blocks", "*"): "called by bucket_norms' CPU branch only",
+    ("compress/powersgd.py", "_finite_and_absmax", "*"): "PowerSGD's retry decisions and bound for CPU factors; "
+                                                          "other devices take _factors_on_device, two rounds, "
+                                                          "nothing read",
+    ("compress/powersgd.py", "_product_cpu", "*"): "P Q^T of CPU factors near the dtype's top; other devices take "
+                                                   "_product_on_device, whose bound stays there",
+    ("compress/powersgd.py", "_absmax", "*"): "called by _product_cpu only",
     ("kernels/cpu.py", "*", "*"): "the fused CPU loops' entry points, taken for CPU tensors only (cpu.applies)",
     ("optim/onebit_adam.py", "_compressed_step", "__float__"): "the step counter, a CPU tensor wherever the "
                                                                "parameters are (as torch.optim.Adam keeps it)",

@@ -276,3 +276,121 @@ def test_cuda_matches_cpu(method):
     for _ in range(2):
         out = c.decompress(c.compress(m, key="m"))
     assert out.is_cuda and (out - m).norm() / m.norm() < 1e-5
+
+
+# ---- the device form (two rounds always, nothing read), run here on CPU tensors -------------------
+
+def _device_form(monkeypatch):
+    from gradcomp.compress import powersgd
+
+    monkeypatch.setattr(powersgd, "_on_device", lambda t: True)
+
+
+def _steps(x_of_step, method="qr", ef=False, steps=3):
+    """Decodings of ``steps`` steps of one compressor (error feedback's rounds when ``ef``)."""
+    c = get_compressor("powersgd", rank=2, orthogonalize=method)
+    codec = ErrorFeedback(c) if ef else c
+    outs = []
+    for step in range(steps):
+        x = x_of_step(step)
+        if ef:
+            outs.append(_averaged_rounds([codec], [x], "k", [torch.empty_like(x)])[0][0])
+        else:
+            outs.append(c.decompress(c.compress(x, key="k")))
+    return outs, c
+
+
+def _ordinary(dtype, shape=(40, 3, 11)):
+    def x_of_step(step):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(shape, generator=g).to(dtype)
+        if step == 1:
+            x.view(shape[0], -1)[:, 4] = 0.0  # a column the warm start loses, drawn anew next step
+        if step == 2:
+            x.view(shape[0], -1)[5, :] *= 1e3  # a row that dominates
+        return x
+    return x_of_step
+
+
+@pytest.mark.parametrize("ef", [False, True])
+@pytest.mark.parametrize("method", METHODS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_device_form_gives_the_cpu_bits_on_ordinary_data(dtype, method, ef, monkeypatch):
+    """Off the CPU the factors are scaled by powers of two before each product and the rounds
+    are never repeated; on data of ordinary magnitude that changes no bit of any decoding, over
+    warm-started steps, a dead column and error feedback's residual."""
+    reference, _ = _steps(_ordinary(dtype), method, ef)
+    _device_form(monkeypatch)
+    got, c = _steps(_ordinary(dtype), method, ef)
+    for step, (a, b) in enumerate(zip(reference, got)):
+        assert a.dtype == b.dtype == dtype and torch.equal(a, b), (step, float((a.double() - b.double()).abs().max()))
+    assert torch.isfinite(c._q["k"]).all()
+
+
+MAGNITUDES = [1e-40, 1e-30, 1e-20, 1e-10, 1.0, 1e10, 1e20, 1e30, 3e38]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
+def test_device_form_is_finite_at_every_magnitude(dtype, monkeypatch):
+    """As tests/compress/test_finite.py asks of every compressor, over warm-started steps
+    (where the CPU form repeats a round): finite input decodes to a finite tensor of sane error
+    at every magnitude, up to the dtype's largest value; NaN and Inf stay non-finite and leave
+    the warm start as it was."""
+    _device_form(monkeypatch)
+    fi = torch.finfo(dtype)
+    for mag in sorted({min(max(m, fi.tiny * fi.eps), fi.max) for m in MAGNITUDES} | {fi.tiny, fi.max}):
+        def x_of_step(step):
+            g = torch.Generator().manual_seed(step)
+            u = torch.rand(64, 48, generator=g, dtype=torch.float64) * 0.5 + 0.5
+            u[0, 0] = 1.0
+            sign = torch.where(torch.rand(64, 48, generator=g) < 0.5, -1.0, 1.0).double()
+            return (u * sign * mag).to(dtype)
+        outs, c = _steps(x_of_step)
+        for step, out in enumerate(outs):
+            x = x_of_step(step)
+            assert torch.isfinite(out).all(), (mag, step)
+            top = x.double().abs().max()
+            rel = float((out.double() / top - x.double() / top).norm() / (x.double() / top).norm())
+            assert rel <= 1.5, (mag, step, rel)
+        kept = c._q["k"].clone()
+        for bad in (math.nan, math.inf):
+            x = x_of_step(5)
+            x[3, 4] = bad
+            assert not torch.isfinite(c.decompress(c.compress(x, key="k"))).all(), (mag, bad)
+            assert torch.equal(c._q["k"], kept), (mag, bad)
+
+
+def test_device_form_product_saturates_where_the_plain_product_overflows(monkeypatch):
+    """P Q^T near fp32's top: the device bound scales the factors down, so the sum cannot
+    overflow to inf - inf = NaN, and entries beyond the dtype saturate to its largest value,
+    as the CPU form's float64 product does; fp16 output saturates at 65504."""
+    from gradcomp.compress.powersgd import _product_cpu, _product_on_device
+
+    p = torch.tensor([[1.0, 1.0], [1.0, -1.0], [0.5, 0.25]])
+    q = torch.tensor([[3e38, -3e38], [3e38, 3e38], [1.0, 2.0]])
+    plain = torch.mm(p, q.T)
+    assert not torch.isfinite(plain).all()
+    want = _product_cpu(p, q, torch.float32)
+    got = _product_on_device(p, q, torch.float32)
+    assert torch.isfinite(got).all() and torch.equal(got, want), (got, want)
+    small = torch.tensor([[300.0, 1.0], [-300.0, 2.0]])
+    assert torch.equal(_product_on_device(small, small, torch.float16), _product_cpu(small, small, torch.float16))
+    assert _product_on_device(small, small, torch.float16).abs().max() == 65504.0
+    nan = p.clone()
+    nan[0, 0] = math.nan
+    assert torch.isnan(_product_on_device(nan, q, torch.float32)[0]).all()
+
+
+def test_device_form_reads_nothing_back(monkeypatch):
+    """What the hook calls on every step (rounds, with error feedback) makes no host read in
+    the device form: the counter of tests/training/test_host_syncs.py sees none."""
+    from syncs import HostSyncs
+
+    _device_form(monkeypatch)
+    codec = ErrorFeedback(get_compressor("powersgd", rank=2))
+    x_of_step = _ordinary(torch.float32)
+    _averaged_rounds([codec], [x_of_step(0)], "k", [torch.empty(40, 3, 11)])
+    with HostSyncs() as syncs:
+        for step in (1, 2):
+            _averaged_rounds([codec], [x_of_step(step)], "k", [torch.empty(40, 3, 11)])
+    assert syncs.count == 0, syncs.report()
