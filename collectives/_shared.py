@@ -191,8 +191,8 @@ def status_problem(values: List[int]) -> str:
         parts.append(f"rank(s) {failed} failed to compress their gradients (the error is raised there)")
     if changed:
         parts.append(f"the payloads of rank(s) {changed} no longer fit the layout agreed at the bucket's first "
-                     f"exchange (a compressor whose payload structure changes between steps must declare "
-                     f"fixed_size=False)")
+                     f"exchange (only a payload's sizes may change between steps, and only for a compressor "
+                     f"that declares fixed_size=False)")
     return "; ".join(parts) or "an agreed exchange failed"
 
 
@@ -220,3 +220,107 @@ def checked(comp: Any, payload: Payload, key: str, rank: int, flags: Flags) -> P
     if bad is not None:
         flags.add(bad, lambda _: f"the payload of {key!r} from rank {rank} is invalid")
     return payload
+
+
+# ---- agreed layouts of variable-size payloads ------------------------------------------------
+# A compressor whose payload sizes depend on the data (``fixed_size=False``: threshold's
+# ``[values, indices]``) keeps everything of its payload's structure from one step to the next
+# except each tensor's leading dimension. On an agreed layout those dimensions travel first, in
+# one small all-gathered int64 vector per exchange, with each rank's status in front: its read
+# is the exchange's one host read (the self-describing path reads a header, the lengths and every
+# payload's checks). Every rank then knows every rank's sizes, checks them (the same values on
+# every rank, so all raise alike) and cuts the payloads out of one all-gather padded to the
+# largest rank's bytes, which NCCL needs (its all-gather takes equal sizes).
+
+
+def int64_vector(values: Sequence[int], device: torch.device) -> torch.Tensor:
+    """A small int64 tensor of host ``values`` on ``device``, built without making the host
+    wait for the device where that is a GPU (pinned memory, asynchronous copy)."""
+    if device.type == "cuda":
+        return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
+    return torch.tensor(values, dtype=torch.int64, device=device)
+
+
+class _Shape:
+    """A payload's structure with given leading dimensions: what :class:`Template` reads off a
+    payload (its tensors as meta tensors)."""
+
+    def __init__(self, structure: Any, dims: Sequence[int]) -> None:
+        self.compressor, self.shape, self.dtype, self.meta = structure.compressor, structure.shape, \
+            structure.dtype, structure.meta
+        lead = iter(dims)
+        self.tensors = [torch.empty((next(lead), *tail) if nd else (), dtype=dtype, device="meta")
+                        for dtype, nd, tail in structure.slots]
+
+
+class _Structure:
+    """One payload's agreed structure: compressor, shape, dtype, meta and each tensor's dtype,
+    dimensionality and trailing shape; ``ties[j]``: the first varying tensor whose leading
+    dimension equalled tensor ``j``'s when the layout was agreed (a values/indices pair), so a
+    peer announcing unequal ones is refused."""
+
+    def __init__(self, payload: Any) -> None:
+        self.compressor, self.shape, self.dtype = payload.compressor, tuple(payload.shape), payload.dtype
+        self.meta = dict(payload.meta)
+        self.numel = int(payload.numel)
+        self.slots = [(t.dtype, t.dim(), tuple(t.shape[1:])) for t in payload.tensors]
+        lead = [t.shape[0] for t in payload.tensors if t.dim()]
+        self.ties = [lead.index(d) for d in lead]
+
+    def dims(self, payload: Any) -> Optional[List[int]]:
+        """``payload``'s leading dimensions, or None when its structure is not this one."""
+        if not (payload.compressor == self.compressor and tuple(payload.shape) == self.shape
+                and payload.dtype == self.dtype and payload.meta == self.meta
+                and [(t.dtype, t.dim(), tuple(t.shape[1:])) for t in payload.tensors] == self.slots):
+            return None
+        return [t.shape[0] for t in payload.tensors if t.dim()]
+
+    def invalid(self, dims: Sequence[int]) -> bool:
+        """Whether announced dimensions cannot be this structure's: negative, beyond the
+        tensor's number of elements (a sparse payload keeps at most every element) or breaking
+        a tie."""
+        return any(d < 0 or d > max(self.numel, 1) for d in dims) or \
+            any(dims[j] != dims[i] for j, i in enumerate(self.ties))
+
+
+class SizedLayout:
+    """One agreed set of variable-size payloads (see above): a structure per tensor (None for an
+    empty one); ``count`` leading dimensions per rank."""
+
+    def __init__(self, payloads: Sequence[Any]) -> None:
+        self.structures = [None if p is None else _Structure(p) for p in payloads]
+        self.counts = [0 if s is None else len(s.ties) for s in self.structures]
+        self.count = sum(self.counts)
+
+    def dims(self, payloads: Sequence[Any]) -> Optional[List[int]]:
+        """This rank's leading dimensions, in order, or None when a payload left the layout."""
+        out: List[int] = []
+        for p, s in zip(payloads, self.structures):
+            if (p is None) != (s is None):
+                return None
+            if s is not None:
+                d = s.dims(p)
+                if d is None:
+                    return None
+                out += d
+        return out
+
+    def place(self, dims: Sequence[int], rank: int) -> Tuple[List[Optional[Template]], int]:
+        """The templates of a rank that announced ``dims`` and its bytes; ValueError (the same
+        on every rank, which all read the same sizes) when they cannot be this layout's."""
+        templates: List[Optional[Template]] = []
+        offset, at = 0, 0
+        for s, n in zip(self.structures, self.counts):
+            if s is None:
+                templates.append(None)
+                continue
+            mine = list(dims[at:at + n])
+            at += n
+            if s.invalid(mine):
+                raise ValueError(f"allreduce_fused: rank {rank} announced payload sizes {mine} that a "
+                                 f"{s.compressor} payload of {s.numel} elements cannot have; ranks run different "
+                                 f"gradcomp versions or the data was corrupted")
+            t = Template(_Shape(s, mine), offset)
+            templates.append(t)
+            offset = t.end
+        return templates, offset

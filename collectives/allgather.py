@@ -14,13 +14,15 @@ payload is never decoded twice.
 """
 from __future__ import annotations
 
+import torch
+
 from gradcomp.compress import transaction
 from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, register_algorithm, wdtype
 from ._header import sizes as header_sizes
-from ._shared import (OK, Flags, Layout, agreed_buffer, checked, device_of, exact_sizes, header, pack, signature,
-                      split, status_problem, statuses, verify_many)
+from ._shared import (CHANGED, FAILED, OK, Flags, Layout, SizedLayout, agreed_buffer, checked, device_of, exact_sizes,
+                      header, int64_vector, pack, signature, split, status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
 
 
@@ -64,8 +66,10 @@ class AllGather(Algorithm):
         layout the ranks agreed on (``layouts``, see ``collectives/_shared.py``) after its first
         exchange, one all-gather of the raw payload tensors and nothing else."""
         device, exact = device_of(items), exact_sizes(specs)
-        sig = signature(cls.name, comm.size, items, specs) if layouts is not None and not exact else None
+        sig = signature(cls.name, comm.size, items, specs) if layouts is not None else None
         if sig is not None and sig in layouts:
+            if exact:
+                return cls._agreed_sized(comm, items, algos, error, layouts[sig], device)
             return cls._agreed(comm, items, algos, error, layouts[sig], device)
         error = transaction.resolve(error)  # the checked header says it: refusals read now
         buf = pack([None if a is None or error is not None else a.buf for a in algos], device, error)
@@ -75,7 +79,50 @@ class AllGather(Algorithm):
         per_rank = [split(b, len(items), r) for r, b in enumerate(bufs)]
         out = [None if a is None else a.combine([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
         if sig is not None:  # every rank got here: the layout is checked, later exchanges send it raw
-            layouts[sig] = Layout([None if a is None else a.payload for a in algos])
+            payloads = [None if a is None else a.payload for a in algos]
+            layouts[sig] = SizedLayout(payloads) if exact else Layout(payloads)
+        return out
+
+    @classmethod
+    def _agreed_sized(cls, comm, items, algos, error, layout, device):
+        """An agreed set of variable-size payloads (``collectives/_shared.py``): every rank's
+        status and leading dimensions in one small all-gather, read at once (the exchange's one
+        host read), then the payloads in one all-gather padded to the largest rank's bytes."""
+        payloads = [None if a is None else a.payload for a in algos]
+        deferred = error if isinstance(error, transaction.Deferred) else None
+        status = FAILED if error is not None and deferred is None else OK
+        dims = layout.dims(payloads) if status == OK else None
+        if status == OK and dims is None:
+            status = CHANGED
+        head = int64_vector([status, *(dims or [0] * layout.count)], device)
+        if deferred is not None:  # a refusal found on the device: this rank's status word says it
+            bad = deferred.bad()
+            head[:1] = torch.where(bad.to(device), FAILED, head[:1])
+        table = comm.all_gather(head).tolist()  # every rank's status and sizes: the one host read
+        states = [row[0] for row in table]
+        if any(states):
+            if states[comm.rank] == FAILED and error is not None:
+                raise transaction.resolve(error) or error
+            raise ValueError(status_problem(states))
+        placed = [layout.place(row[1:], r) for r, row in enumerate(table)]
+        templates, nbytes = placed[comm.rank]
+        width = max(n for _, n in placed)
+        buf = torch.empty(width, dtype=torch.uint8, device=device)
+        for p, t in zip(payloads, templates):
+            if t is not None:
+                t.write(p, buf)
+        buf[nbytes:].zero_()  # the padding: the same bits on the wire every time
+        rows = comm.all_gather(buf)
+        flags = Flags(transaction.current())
+        out = []
+        for i, ((key, _, _), a) in enumerate(zip(items, algos)):
+            if a is None:
+                out.append(None)
+                continue
+            peers = [None if r == comm.rank else checked(a.comp, placed[r][0][i].read(rows[r]), key, r, flags)
+                     for r in range(comm.size)]
+            out.append(a.average(peers))
+        flags.settle()
         return out
 
     @classmethod

@@ -15,7 +15,8 @@ from gradcomp.kernels.sparse import index_dtype
 
 from .base import Capabilities, Compressor, CompressorConfig, Encoded, option
 from .registry import register
-from .sparse import check_sparse, decode_sparse, decode_sparse_into, sparse_payload, sparse_residual
+from .sparse import (check_sparse, decode_sparse, decode_sparse_into, sparse_on_device, sparse_payload,
+                     sparse_residual)
 
 
 @register("threshold")
@@ -48,6 +49,10 @@ class Threshold(Compressor):
     def _wire_bytes(self, numel):
         """The worst case, every element kept: the real size depends on the data."""
         return numel * (4 + index_dtype(numel).itemsize)
+
+    @classmethod
+    def check_on_device(cls, payload):
+        return sparse_on_device(payload)
 
     @classmethod
     def _check_tensors(cls, payload):
