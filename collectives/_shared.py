@@ -324,3 +324,44 @@ class SizedLayout:
             templates.append(t)
             offset = t.end
         return templates, offset
+
+
+def announce(comm: Any, status: int, dims: Optional[Sequence[int]], count: int, error: Optional[BaseException],
+             device: torch.device) -> List[List[int]]:
+    """Every rank's status and ``count`` sizes (``dims``; zeros when None), all-gathered and read
+    at once: the one host read of a variable-size agreed exchange. A refusal still on the
+    device (``error`` a :class:`~gradcomp.compress.transaction.Deferred`) sets this rank's
+    status there. When any rank is not OK every rank raises here, alike: the failing rank its
+    own error, the others which rank failed. Returns the rows (status first)."""
+    deferred = error if isinstance(error, Deferred) else None
+    head = int64_vector([status, *(list(dims) if dims is not None else [0] * count)], device)
+    if deferred is not None:
+        head[:1] = torch.where(deferred.bad().to(device), FAILED, head[:1])
+    table = comm.all_gather(head).tolist()
+    states = [row[0] for row in table]
+    if any(states):
+        if states[comm.rank] == FAILED and error is not None:
+            raise (deferred.resolve() or deferred) if deferred is not None else error
+        raise ValueError(status_problem(states))
+    return table
+
+
+def local_status(layout: SizedLayout, payloads: Sequence[Any], error: Optional[BaseException]
+                 ) -> Tuple[int, Optional[List[int]]]:
+    """This rank's status and sizes for :func:`announce`: FAILED for a local error (a refusal
+    still on the device is decided there), CHANGED when a payload left the layout."""
+    if error is not None and not isinstance(error, Deferred):
+        return FAILED, None
+    dims = layout.dims(payloads)
+    return (OK, dims) if dims is not None else (CHANGED, None)
+
+
+def padded_buffer(templates: Sequence[Optional[Template]], payloads: Sequence[Any], nbytes: int, width: int,
+                  device: torch.device) -> torch.Tensor:
+    """``payloads`` at their templates' places in ``width`` bytes, the rest zeros."""
+    buf = torch.empty(width, dtype=torch.uint8, device=device)
+    for p, t in zip(payloads, templates):
+        if t is not None:
+            t.write(p, buf)
+    buf[nbytes:].zero_()  # the same bits on the wire every time
+    return buf

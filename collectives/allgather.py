@@ -14,15 +14,13 @@ payload is never decoded twice.
 """
 from __future__ import annotations
 
-import torch
-
 from gradcomp.compress import transaction
 from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, register_algorithm, wdtype
 from ._header import sizes as header_sizes
-from ._shared import (CHANGED, FAILED, OK, Flags, Layout, SizedLayout, agreed_buffer, checked, device_of, exact_sizes,
-                      header, int64_vector, pack, signature, split, status_problem, statuses, verify_many)
+from ._shared import (OK, Flags, Layout, SizedLayout, agreed_buffer, announce, checked, device_of, exact_sizes, header,
+                      local_status, pack, padded_buffer, signature, split, status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
 
 
@@ -89,29 +87,11 @@ class AllGather(Algorithm):
         status and leading dimensions in one small all-gather, read at once (the exchange's one
         host read), then the payloads in one all-gather padded to the largest rank's bytes."""
         payloads = [None if a is None else a.payload for a in algos]
-        deferred = error if isinstance(error, transaction.Deferred) else None
-        status = FAILED if error is not None and deferred is None else OK
-        dims = layout.dims(payloads) if status == OK else None
-        if status == OK and dims is None:
-            status = CHANGED
-        head = int64_vector([status, *(dims or [0] * layout.count)], device)
-        if deferred is not None:  # a refusal found on the device: this rank's status word says it
-            bad = deferred.bad()
-            head[:1] = torch.where(bad.to(device), FAILED, head[:1])
-        table = comm.all_gather(head).tolist()  # every rank's status and sizes: the one host read
-        states = [row[0] for row in table]
-        if any(states):
-            if states[comm.rank] == FAILED and error is not None:
-                raise transaction.resolve(error) or error
-            raise ValueError(status_problem(states))
+        status, dims = local_status(layout, payloads, error)
+        table = announce(comm, status, dims, layout.count, error, device)  # the one host read
         placed = [layout.place(row[1:], r) for r, row in enumerate(table)]
         templates, nbytes = placed[comm.rank]
-        width = max(n for _, n in placed)
-        buf = torch.empty(width, dtype=torch.uint8, device=device)
-        for p, t in zip(payloads, templates):
-            if t is not None:
-                t.write(p, buf)
-        buf[nbytes:].zero_()  # the padding: the same bits on the wire every time
+        buf = padded_buffer(templates, payloads, nbytes, max(n for _, n in placed), device)
         rows = comm.all_gather(buf)
         flags = Flags(transaction.current())
         out = []

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -29,7 +29,8 @@ from gradcomp.kernels.memory import empty
 
 from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, wdtype
 from ._header import sizes as header_sizes
-from ._shared import (OK, Flags, Layout, agreed_buffer, checked, device_of, exact_sizes, header, pack, signature,
+from ._shared import (OK, Flags, Layout, SizedLayout, agreed_buffer, announce, checked, device_of, exact_sizes,
+                      header, local_status, pack, padded_buffer, signature,
                       split, status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
 
@@ -109,8 +110,10 @@ class ScatterReduce(Algorithm):
         per tensor (None for an empty one)."""
         w, n = comm.size, len(items)
         device, exact = device_of(items), exact_sizes(specs)
-        sig = signature(cls.name, w, items, specs) if layouts is not None and not exact else None
+        sig = signature(cls.name, w, items, specs) if layouts is not None else None
         if sig is not None and sig in layouts:
+            if exact:
+                return cls._agreed_sized(comm, items, algos, error, layouts[sig], device)
             return cls._agreed(comm, items, algos, error, layouts[sig], device)
         error = transaction.resolve(error)  # the checked header says it: refusals read now
         # what goes to rank j: every tensor's chunk-j payload, behind n lengths
@@ -140,9 +143,63 @@ class ScatterReduce(Algorithm):
         per_rank = [split(b, n, r) for r, b in enumerate(gather_bytes(comm, buf, sizes, exact=exact))]
         out = [None if a is None else a.finish([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
         if sig is not None:  # every rank got here: the layout is checked, later exchanges send it raw
+            kind = SizedLayout if exact else Layout
             layouts[sig] = (
-                [Layout([None if a is None else a.payloads[j] for a in algos]) for j in range(w)],
-                [Layout([None if a is None else a.reduced[j] for a in algos]) for j in range(w)])
+                [kind([None if a is None else a.payloads[j] for a in algos]) for j in range(w)],
+                [kind([None if a is None else a.reduced[j] for a in algos]) for j in range(w)])
+        return out
+
+    @classmethod
+    def _agreed_sized(cls, comm, items, algos, error, layout, device):
+        """Both phases on an agreed layout of variable-size payloads (``_shared.py``): every
+        rank's sizes for every destination in one small all-gather, read at once, then one
+        all-to-all of the chunk payloads at their exact sizes; after the reduction the reduced
+        chunks' sizes the same way, then one all-gather padded to the largest. Two host reads,
+        one per phase; a failure in either is in the statuses read and raises on every rank."""
+        w, me = comm.size, comm.rank
+        sends, back = layout
+        flags = Flags(transaction.current())
+        keys = [k for k, _, _ in items]
+        # phase 1: every chunk payload to its destination
+        states = [local_status(sends[j], [None if a is None else a.payloads[j] for a in algos], error)
+                  for j in range(w)]
+        status = max(st for st, _ in states)
+        dims = None if status != OK else [d for _, ds in states for d in ds]
+        table = announce(comm, status, dims, sum(x.count for x in sends), error, device)
+        starts = [sum(x.count for x in sends[:j]) for j in range(w)]
+        placed = [[sends[j].place(table[r][1 + starts[j]:1 + starts[j] + sends[j].count], r) for j in range(w)]
+                  for r in range(w)]  # rank r's templates and bytes for destination j
+        bufs = [padded_buffer(placed[me][j][0], [None if a is None else a.payloads[j] for a in algos],
+                              placed[me][j][1], placed[me][j][1], device) for j in range(w)]
+        in_splits = [placed[r][me][1] for r in range(w)]
+        got = comm.all_to_all(torch.cat(bufs), [placed[me][j][1] for j in range(w)], in_splits).split(in_splits)
+        failure: Optional[BaseException] = None
+        reduced: List[Any] = [None] * len(items)
+        with transaction.deferring() as refused:  # the reduced chunks' compression may refuse too
+            try:  # a failure here is mine alone: the others learn it from my status below
+                for i, a in enumerate(algos):
+                    if a is not None:
+                        reduced[i] = a.reduce_payloads(
+                            [None if r == me else checked(a.comp, placed[r][me][0][i].read(got[r]), keys[i], r, flags)
+                             for r in range(w)])
+            except Exception as exc:
+                failure = exc
+        if failure is None and refused:
+            failure = transaction.Deferred(refused)
+        # phase 2: every rank's reduced chunks to every rank
+        count = max(x.count for x in back)
+        status, dims = local_status(back[me], reduced, failure)
+        table = announce(comm, status, None if dims is None else dims + [0] * (count - len(dims)), count, failure,
+                         device)
+        placed2 = [back[r].place(table[r][1:1 + back[r].count], r) for r in range(w)]
+        buf = padded_buffer(placed2[me][0], reduced, placed2[me][1], max(n for _, n in placed2), device)
+        rows = comm.all_gather(buf)
+        out = []
+        for i, a in enumerate(algos):
+            out.append(None if a is None else a.finish_payloads(
+                [None if r == me else checked(a.comp, placed2[r][0][i].read(rows[r]), keys[i], r, flags)
+                 for r in range(w)]))
+        flags.settle()
         return out
 
     @classmethod
