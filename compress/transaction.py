@@ -86,6 +86,16 @@ class Transaction:
         return torch.cat([f.ne(0).reshape(-1) if f.device == here else f.ne(0).reshape(-1).to(here)
                           for f, _ in self._flags]).any()
 
+    def nonfinite(self, device: torch.device) -> torch.Tensor:
+        """A float64 0-d tensor, 1.0 when some result observed so far is not finite (nothing
+        read; on the witnesses' device, ``device`` when there are none): for an owner that
+        reduces it over ranks with its own flags."""
+        if not self._witnesses:
+            return torch.zeros((), dtype=torch.float64, device=device)
+        here = self._witnesses[0].device
+        ws = torch.cat([w if w.device == here else w.to(here) for w in self._witnesses])
+        return (~torch.isfinite(ws).all()).double()
+
     @property
     def finite(self) -> bool:
         """Whether every result observed so far is finite (one host read of every witness and

@@ -169,6 +169,7 @@ class ShardedOptimizer(Wrapper):
         # every rank's buckets and pieces are the same: after its first exchange, each bucket's
         # payloads travel on their agreed layout (no size exchange, no parsing)
         self._layouts: Dict[Any, Any] = {}
+        self._gathered: Optional[Transaction] = None  # the last weight all-gather, decided at the next step
         self._reset()
 
     # ---- construction -----------------------------------------------------------------------
@@ -294,19 +295,30 @@ class ShardedOptimizer(Wrapper):
         witness = nonfinite([p for p in pieces if p is not None] if error is None else [], self.masters[0].device)
         local = txn.flagged() if error is None else None
         failure = error is not None if local is None else local
-        failed, infinite = any_rank([failure, witness if error is None else True], self.group)
-        bad = failed or infinite
+        # the last step's weight all-gather (its error feedback's state, the payloads it received) is
+        # decided here too, with the same read: its flags and finiteness join the reduction
+        gathered, self._gathered = self._gathered, None
+        device = self.masters[0].device
+        g_flag = None if gathered is None else gathered.flagged()
+        g_bad = False if gathered is None else gathered.nonfinite(device)
+        failed, infinite, g_failed, g_infinite = any_rank(
+            [failure, witness if error is None else True, False if g_flag is None else g_flag, g_bad], self.group)
+        bad = failed or infinite or g_failed or g_infinite
         problems = txn.problems if failed and local is not None else []  # read only when something failed
+        g_problems = gathered.problems if gathered is not None and g_failed and g_flag is not None else []
         self._reset()
+        if gathered is not None:
+            gathered.rollback() if g_failed or g_infinite else gathered.commit()
         if bad:
             txn.rollback()
             if error is not None:
                 raise error
-            if problems:
-                raise ValueError("ShardedOptimizer: " + "; ".join(problems) + "; this step changed nothing")
-            if failed:
-                raise ValueError("ShardedOptimizer: the gradient exchange failed on another rank (the error is raised "
-                                 "there); this step changed nothing")
+            if problems or g_problems:
+                said = "; ".join(problems + [f"the last step's weight all-gather: {p}" for p in g_problems])
+                raise ValueError(f"ShardedOptimizer: {said}; this step changed nothing")
+            if failed or g_failed:
+                raise ValueError("ShardedOptimizer: the gradient exchange or the last weight all-gather failed on "
+                                 "another rank (the error is raised there); this step changed nothing")
             self.skipped += 1
             return None
         txn.commit()
@@ -322,7 +334,20 @@ class ShardedOptimizer(Wrapper):
         return grads
 
     def _gather(self) -> None:
-        """Every rank's master shards into every rank's parameters (compressed when asked)."""
+        """Every rank's master shards into every rank's parameters (compressed when asked).
+        Compressed, the gather's state changes (error feedback) and the flags of the payloads
+        it received form a transaction of their own, decided at the next step's one read
+        (:meth:`_reduced`), not by a read of its own."""
+        txn = Transaction()
+        try:
+            with txn.active():
+                self._gather_all()
+        except BaseException:
+            txn.rollback()
+            raise
+        self._gathered = txn
+
+    def _gather_all(self) -> None:
         for g, (m, lay) in enumerate(zip(self.masters, self.layouts)):
             ps = self._trainable[g]
             if not ps:

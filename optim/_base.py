@@ -63,6 +63,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for name in exchanges:  # one codec: its per-key state is kept apart by the keys
             self.exchanges[name] = MomentumExchange(codec, process_group, key=f"{self.display_name}/{name}")
         self._ddp = False  # comm_hook() was taken: DDP hands step() the gradients it needs
+        self._dense_agreed: set = set()  # dense means checked once on every rank (common.dense_mean)
         self.steps = 0  # completed steps
         #: steps that changed nothing (a gradient not finite or out of the second moment's range)
         self.skipped_steps = 0
@@ -185,7 +186,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return grads
         for dtype, idx in _by_dtype(grads).items():
             flat = common.dense_mean(torch.cat([grads[i].reshape(-1) for i in idx]), self.process_group,
-                                     key=f"{self.display_name}/dense/{dtype}")
+                                     key=f"{self.display_name}/dense/{dtype}", agreed=self._dense_agreed)
             for i, piece in zip(idx, flat.split([grads[i].numel() for i in idx])):
                 grads[i] = piece.view_as(grads[i])
         return grads

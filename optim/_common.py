@@ -13,8 +13,9 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import allreduce, rank_of, world_of
+from gradcomp.collectives import allreduce, exchange_bucket, rank_of, world_of
 from gradcomp.collectives.identity import Identity, agree, describe_params, fingerprint, refuse_on_every_rank
+from gradcomp.collectives.worker import submit
 
 
 # ---- option checks ---------------------------------------------------------------------------
@@ -80,12 +81,26 @@ def is_distributed(group) -> bool:
     return dist.is_available() and dist.is_initialized() and world_of(group) > 1
 
 
-def dense_mean(flat: torch.Tensor, group, key: str = "dense") -> torch.Tensor:
+def dense_mean(flat: torch.Tensor, group, key: str = "dense", agreed: Optional[set] = None) -> torch.Tensor:
     """The mean of ``flat`` over ``group``, dense (DDP's bits, counted in telemetry); ``flat``
-    itself with one process."""
+    itself with one process.
+
+    ``agreed``: a set the caller keeps across steps. The first call of a key, size and dtype is
+    a checked ``allreduce`` (its header makes every rank agree on the call) and is then noted
+    there; later ones average ``flat`` in place as DDP's reducer does, one all-reduce with no
+    header and nothing read back (the caller's step reads its finiteness once, as it must to
+    decide the step). Without it every call is checked."""
     if not is_distributed(group):
         return flat
-    return allreduce(flat, "none", key=key, group=group)
+    sig = (key, flat.numel(), flat.dtype, flat.device)
+    if agreed is None or sig not in agreed:
+        out = allreduce(flat, "none", key=key, group=group)
+        if agreed is not None:
+            agreed.add(sig)
+        return out
+    world = world_of(group)
+    return submit(lambda twin: exchange_bucket([(key, flat, None)], twin(group), world, buffer=flat, label=key,
+                                               observe=False)[0], (group,), False, device=flat.device, inputs=[flat])
 
 
 def agree_config(config: Mapping[str, str], group, what: str) -> None:

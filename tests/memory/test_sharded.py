@@ -347,6 +347,32 @@ def case_refused(rank, world):
     return out
 
 
+def case_bad_weight_payload(rank, world):
+    """A weight payload that rank 1 finds invalid on the device (its check flags it, nothing is
+    read then): the gather's own transaction is decided at the next step's one read, where every
+    rank raises (rank 1 naming the weight all-gather), the masters stay as they were and the
+    weight error feedback goes back to before the flagged gather."""
+    model = Net(width=160)
+    opt = _sharded(model, compressor="int8", weight_compressor="int8")
+    _run(model, opt, rank, world, 2, check=False)  # the second gather is on its agreed layout
+    residual = opt.state_dict()["weight_feedback"]
+    base = opt.weight_feedback.base
+    if rank == 1:
+        base.check_on_device = lambda payload: (payload, torch.ones(1, dtype=torch.bool))
+    _run(model, opt, rank, world, 1, start=2, check=False)  # its gather flagged, not read yet
+    if rank == 1:
+        del base.check_on_device
+    masters = opt.state_dict()["master"]
+    out = {}
+    opt.zero_grad()
+    _loss(model, rank, 3).backward()
+    _catch(out, "error", opt.step)
+    after = opt.state_dict()
+    out["unchanged"] = _equal(after["master"], masters) and _equal(after["weight_feedback"], residual)
+    out["goes_on"] = _run(model, opt, rank, world, 2, start=4)
+    return out
+
+
 def _catch(out, key, fn):
     """``out[key]``: the ValueError's message ``fn()`` raised, or None."""
     try:
@@ -460,7 +486,7 @@ def spawn_two(rank, world, saves4):
             "layerwise": case_layerwise(rank, world), "compressed": case_compressed(rank, world),
             "planner": case_planner(rank, world), "lamb": case_lamb(rank, world),
             "resume": case_resume(rank, world), "nonfinite": case_nonfinite(rank, world),
-            "refused": case_refused(rank, world),
+            "refused": case_refused(rank, world), "bad_weight": case_bad_weight_payload(rank, world),
             "errors": case_errors(rank, world, saves4["dense"]["shard"]),
             "reshard": case_reshard(rank, world, saves4), "saves": case_saves(rank, world)}
 
@@ -579,6 +605,14 @@ def test_a_refused_gradient_raises_everywhere_and_changes_nothing(results):
     assert r0["error"] and "float32 range" in r0["error"], r0
     assert r1["error"] and "failed on another rank" in r1["error"], r1
     assert r0["unchanged"] and r1["unchanged"]
+
+
+def test_a_flagged_weight_payload_raises_at_the_next_step_everywhere(results):
+    r0, r1 = (r["bad_weight"] for r in results[2])
+    assert r1["error"] and "weight all-gather" in r1["error"] and "invalid" in r1["error"], r1
+    assert r0["error"] and "failed on another rank" in r0["error"], r0
+    assert r0["unchanged"] and r1["unchanged"]
+    assert r0["goes_on"] and r1["goes_on"]
 
 
 def test_errors_are_the_same_on_every_rank(results):

@@ -99,8 +99,26 @@ def _nonfinite(rank, world, kind, at):
     return torch.equal(before[0], _flat(model)) and before[1] == opt.steps
 
 
+def _dense_means(rank, world):
+    """``dense_mean`` with an agreed set (the variance phase's gradients): the first call is the
+    checked allreduce, later ones a plain all-reduce: the same bits, and nothing read back."""
+    from gradcomp.collectives import allreduce
+    from gradcomp.optim import _common as common
+    from syncs import HostSyncs
+
+    agreed, same, reads = set(), [], []
+    for step in range(3):
+        g = torch.randn(1000, generator=torch.Generator().manual_seed(10 * step + rank))
+        want = allreduce(g.clone(), "none", key="check")
+        with HostSyncs() as syncs:
+            got = common.dense_mean(g.clone(), None, key="zo/dense", agreed=agreed)
+        same.append(torch.equal(want, got))
+        reads.append(syncs.count)
+    return {"same": same, "reads": reads, "agreed": len(agreed)}
+
+
 def _everything(rank, world):
-    res = {}
+    res = {"dense_means": _dense_means(rank, world)}
     for kind in ("zo", "lamb"):
         res[f"{kind}_plain"] = _run(rank, world, kind)
         res[f"{kind}_ddp"] = _run(rank, world, kind, ddp=True)
@@ -135,6 +153,14 @@ def test_synchronize_brings_replicas_together(runs):
     assert not res[0]["zo_plain"]["trace"][-1][0]  # the last step was local
     for mode in ("plain", "ddp"):
         assert all(torch.equal(r[f"zo_{mode}"]["synced"], res[0][f"zo_{mode}"]["synced"]) for r in res)
+
+
+def test_dense_mean_is_checked_once_then_plain(runs):
+    world, res = runs
+    for r in res:
+        d = r["dense_means"]
+        assert d["same"] == [True] * 3 and d["agreed"] == 1, d
+        assert d["reads"][0] > 0 and d["reads"][1:] == [0, 0], d
 
 
 @pytest.mark.parametrize("kind", ["zo", "lamb"])
