@@ -4,7 +4,7 @@ On ``--world-size`` ranks (one pipeline stage each), loopback or ``--netem RATE`
 
 - throughput: samples/s of gradcomp's ``Pipeline`` under each schedule (``--schedules``) and
   pair of boundary compressors (``--codecs``, ``ACT+GRAD``), and of ``torch.distributed.pipelining``
-  (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, and beside ``zb-h1``
+  (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, and beside ``zb-h1`` and ``zb-h2``
   ``ScheduleInterleavedZeroBubble`` on one chunk per rank and ``ScheduleZBVZeroBubble``) on the same model, ranks,
   link and batch; median step time over ``--repeats`` steps after ``--warmup`` (each step
   starts at a barrier; a step's time is its slowest rank's); the measured bubble (the share
@@ -39,12 +39,14 @@ from . import cli
 from . import env as envmod
 from .train import _data
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1")
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-h2")
+# torch's nearest schedule to each of gradcomp's (zb-h2: torch has no ZB-H2 of its own; its zero-bubble
+# schedule on one chunk per rank is the one compared with, measured once for both zero-bubble rows)
 TORCH = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved": "ScheduleInterleaved1F1B",
-         "zb-h1": "ScheduleInterleavedZeroBubble"}
+         "zb-h1": "ScheduleInterleavedZeroBubble", "zb-h2": "ScheduleInterleavedZeroBubble"}
 # torch's schedules without a gradcomp row of their own, measured beside the one named: ZBV
 # (zero bubble on two model chunks per rank in a V: rank r holds stages r and 2p - 1 - r)
-TORCH_BESIDE = {"zb-h1": "ScheduleZBVZeroBubble"}
+TORCH_BESIDE = {"zb-h1": "ScheduleZBVZeroBubble", "zb-h2": "ScheduleZBVZeroBubble"}
 VIRTUAL = {"interleaved": 2, "ScheduleInterleaved1F1B": 2, "ScheduleZBVZeroBubble": 2}  # chunks per rank
 BUSY = ("F", "B", "I", "W")  # the event kinds that are a rank's own passes
 DEFAULT_CODECS = "none+none,int8+fp16"
@@ -248,6 +250,8 @@ def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[...,
             methods.append(_ours(cfg, schedule, codecs, world, model))
         if cfg["torch"]:
             for name in [TORCH[schedule]] + ([TORCH_BESIDE[schedule]] if schedule in TORCH_BESIDE else []):
+                if f"torch {name}" in labels:  # zb-h1 and zb-h2 share torch's
+                    continue
                 labels.append(f"torch {name}")
                 methods.append(_torch(cfg, name, rank, world, model))
     if cfg["balance"]:

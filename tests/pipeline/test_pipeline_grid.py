@@ -20,7 +20,7 @@ from _pipeline_helpers import (LOSS, chain, data, gathered_params, micro_step, p
                                same_params, sgd)
 from ranks import run_ranks  # noqa: E402
 
-BALANCE = {"gpipe": [2, 2, 2, 2], "1f1b": [2, 2, 2, 2], "interleaved": [1] * 8, "zb-h1": [2, 2, 2, 2]}
+BALANCE = {"gpipe": [2, 2, 2, 2], "1f1b": [2, 2, 2, 2], "interleaved": [1] * 8, "zb-h1": [2, 2, 2, 2], "zb-h2": [2, 2, 2, 2]}
 DP = [("none", {}), ("topk", {"ratio": 0.5, "min_numel": 0})]
 STEPS = 3
 

@@ -28,6 +28,13 @@ def _shapes():
 @pytest.mark.parametrize("schedule,p,m,v", list(_shapes()))
 def test_schedule_never_deadlocks_and_has_the_textbook_bubble(schedule, p, m, v):
     sim = simulate(schedule, p, m, v)  # raises on a deadlock or a missing pass
+    if schedule == "zb-h2":  # the bound of unit passes for m >= p, never above ZB-H1's, stage 0 at 2p - 1
+        assert ideal_bubble(p, m, v, schedule) - 1e-12 <= sim.bubble <= simulate("zb-h1", p, m).bubble + 1e-12
+        if m >= p:
+            assert sim.bubble == pytest.approx(ideal_bubble(p, m, v, schedule))
+        assert all(k <= min(2 * p - 1 - r, m) for r, k in enumerate(sim.peak_in_flight)), sim.peak_in_flight
+        assert sim.peak_in_flight[0] == min(2 * p - 1, m, max(sim.peak_in_flight))
+        return
     if schedule == "zb-h1":  # between the paper's bound (reached on 2 ranks, m even) and 1F1B's bubble
         assert ideal_bubble(p, m, v, schedule) - 1e-12 <= sim.bubble < simulate("1f1b", p, m).bubble
         if p == 2 and m % 2 == 0:

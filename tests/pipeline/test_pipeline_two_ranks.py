@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from _pipeline_helpers import LOSS, chain, data, gathered_params, reference, seq_loss, same_params, sgd  # noqa: E402
 from ranks import run_ranks  # noqa: E402
 
-BALANCE = {"gpipe": [4, 3], "1f1b": [4, 3], "interleaved": [2, 2, 2, 1], "zb-h1": [4, 3]}
+BALANCE = {"gpipe": [4, 3], "1f1b": [4, 3], "interleaved": [2, 2, 2, 1], "zb-h1": [4, 3], "zb-h2": [4, 3]}
 CODECS = [("fp16", {}), ("bf16", {}), ("int8", {}), ("qsgd", {}), ("topk", {"ratio": 0.25})]
 STEPS = 3
 MODEL_BALANCE = {"conv_bn": [5, 6], "cnn1d": [4, 4], "transformer": [2, 3], "many_small": [14, 13]}
