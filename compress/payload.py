@@ -39,6 +39,7 @@ MAGIC = b"GCMP"
 VERSION = 1
 _PREFIX = struct.Struct("<4sHI")
 MAX_HEADER = 1 << 16  # bytes of JSON header; no compressor writes more than a few hundred
+_HEAD_GUESS = 1024  # JSON header bytes read with the prefix in one go (the rest, if longer, in a second)
 MAX_BRACKETS = 256  # "[" and "{" in a header: bounds nesting and containers before parsing
 MAX_COMMAS = 1 << 14  # "," in a header: bounds the parsed values before parsing
 MAX_META_DEPTH = 4  # lists nested in a meta value
@@ -114,11 +115,10 @@ class Payload:
         """Self-describing bytes; inverse of :meth:`from_bytes`. No pickle."""
         return self.to_tensor().numpy().tobytes()
 
-    def to_tensor(self) -> torch.Tensor:
-        """The bytes of :meth:`to_bytes` as one new 1-D CPU uint8 tensor, each tensor copied
-        once, straight into place. The JSON header is padded with spaces to a multiple of 8
-        bytes after the prefix, so the first tensor starts aligned and a receiver can view it
-        where it lies (:meth:`from_bytes` with ``copy=False``)."""
+    def wire_head(self) -> bytes:
+        """The wire format's first bytes: magic, version, the JSON header's length and the JSON
+        header, padded with spaces to a multiple of 8 bytes after the prefix, so that the first
+        tensor starts aligned and a receiver can view it where it lies."""
         header = {
             "c": self.compressor,
             "shape": [int(s) for s in self.shape],
@@ -131,16 +131,84 @@ class Payload:
         if len(hbytes) > MAX_HEADER:
             raise ValueError(f"payload header of {len(hbytes)} bytes exceeds the limit of {MAX_HEADER}; keys and meta "
                              f"must be short")
-        head = _PREFIX.pack(MAGIC, VERSION, len(hbytes)) + hbytes
-        sizes = [t.numel() * t.element_size() for t in self.tensors]
-        out = torch.empty(len(head) + sum(sizes), dtype=torch.uint8)
-        out[:len(head)] = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        return _PREFIX.pack(MAGIC, VERSION, len(hbytes)) + hbytes
+
+    @property
+    def wire_nbytes(self) -> int:
+        """Length of the wire format: :meth:`wire_head` and the tensors' bytes."""
+        return len(self.wire_head()) + self.nbytes
+
+    def write_wire(self, out: torch.Tensor, head: Optional[bytes] = None) -> int:
+        """Write the wire format into the 1-D uint8 tensor ``out`` (any device, at least
+        :attr:`wire_nbytes` long) from its start: the head copied from the host once (pinned
+        and asynchronous on a GPU), each tensor copied once straight into place on ``out``'s
+        device. ``head``: :meth:`wire_head`, when the caller made it. Returns the length."""
+        head = self.wire_head() if head is None else head
+        host = torch.frombuffer(bytearray(head), dtype=torch.uint8)
+        if out.device.type == "cuda":
+            out[:len(head)].copy_(host.pin_memory(), non_blocking=True)
+        else:
+            out[:len(head)].copy_(host)
         pos = len(head)
-        for t, size in zip(self.tensors, sizes):
+        for t in self.tensors:
+            size = t.numel() * t.element_size()
             if size:
                 out[pos:pos + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
             pos += size
+        return pos
+
+    def to_tensor(self) -> torch.Tensor:
+        """The bytes of :meth:`to_bytes` as one new 1-D CPU uint8 tensor, each tensor copied
+        once, straight into place (:meth:`write_wire`)."""
+        head = self.wire_head()
+        out = torch.empty(len(head) + self.nbytes, dtype=torch.uint8)
+        self.write_wire(out, head)
         return out
+
+    @classmethod
+    def from_tensor(cls, data: torch.Tensor, *, max_numel: Optional[int] = None,
+                    head: Optional[bytes] = None) -> "Payload":
+        """:meth:`from_bytes` for wire bytes held in a 1-D uint8 tensor on any device, which the
+        caller owns and will not change: only the prefix and the JSON header are read to the
+        host (``head``: the first bytes of ``data`` when the caller has read them already; read
+        here as far as they fall short), and the tensors are views of ``data`` where they lie,
+        on its device (copies where a tensor's bytes are not aligned for its dtype). Validated
+        as :meth:`from_bytes` validates, by the compressor's ``check_payload``."""
+        if data.dtype != torch.uint8 or data.dim() != 1:
+            raise ValueError(f"Payload.from_tensor expects a 1-D uint8 tensor, got {data.dtype} of shape "
+                             f"{tuple(data.shape)}")
+        if data.device.type == "cpu":
+            return cls.from_bytes(data.numpy().data, max_numel=max_numel, copy=False)
+        return cls._from_tensor_views(data, max_numel, head)
+
+    @classmethod
+    def _from_tensor_views(cls, data: torch.Tensor, max_numel: Optional[int], head: Optional[bytes]) -> "Payload":
+        """:meth:`from_tensor` off the CPU (tested on CPU tensors too): the head read, the
+        tensors viewed on ``data``'s device."""
+        n = data.numel()
+        if head is None or len(head) < min(n, _PREFIX.size):
+            head = data[:min(n, _PREFIX.size + _HEAD_GUESS)].cpu().numpy().tobytes()  # one small host read
+        if len(head) >= _PREFIX.size:
+            want = _PREFIX.size + _PREFIX.unpack_from(head, 0)[2]
+            if len(head) < want <= min(n, _PREFIX.size + MAX_HEADER):  # a long header: the rest of it
+                head = head + data[len(head):want].cpu().numpy().tobytes()
+        header, pos = _read_prefix(memoryview(head[:n]))
+        name, shape, dtype, meta, sized = _read_header(header, max_numel)
+        klass = compressor_class(name)
+        tensors = []
+        for tdtype, tshape, size in sized:
+            if size > n - pos:
+                raise ValueError(f"payload truncated: a tensor needs {size} bytes, {n - pos} remain")
+            raw = data[pos:pos + size]
+            if size and (pos + data.storage_offset()) % tdtype.itemsize:
+                raw = raw.clone()
+            tensors.append(raw.view(tdtype).reshape(tshape))
+            pos += size
+        if pos != n:
+            raise ValueError(f"payload has {n - pos} trailing bytes after its last tensor")
+        payload = cls(name, shape, dtype, tensors, meta)
+        klass.check_payload(payload)
+        return payload
 
     @classmethod
     def from_bytes(cls, data: bytes | bytearray | memoryview, *, max_numel: Optional[int] = None,

@@ -14,8 +14,9 @@ Invariants (why, and what was measured: docs/pipeline.md, "No deadlock" and "Sha
   operations are waited in issue order.
 - **One message per tensor.** A uint8 device tensor: a 64-byte header (magic, message code,
   payload length, the boundary compressor's hash, dtype), then the payload in the wire format
-  (self-describing, so shapes may change at any step). Both ends know each channel's capacity
-  (the previous message's length, the header alone at a step's start); a longer payload sends
+  (self-describing, so shapes may change at any step), built in one buffer on the device and
+  parsed where it arrived. Both ends know each channel's capacity (the previous message's
+  length, kept across steps; the header alone for its first message); a longer payload sends
   its rest right after, posted by the receiver once it has read the header.
 
 A failed or timed-out operation is a ``CommunicationError`` and leaves the transport broken: its
@@ -39,6 +40,7 @@ MESSAGES = ("act", "grad")  # the message kinds of schedule.PASSES' sends
 MAGIC = 0x67706970650001  # "gpipe" + version 1
 HEADER = 8  # int64 fields: magic, message code, payload length, compressor hash, dtype, 3 spare
 HEADER_BYTES = HEADER * 8
+HEAD_GUESS = 512  # payload bytes read with the header: a payload's own JSON header is a few hundred
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 FLOAT_DTYPES = frozenset(_DTYPES)
 
@@ -86,7 +88,7 @@ def h63(text: str) -> int:
 class _Slot:
     """One message of this rank's step: what was posted for it and what came back."""
 
-    __slots__ = ("msg", "out", "peer", "buf", "tail", "works", "length", "read", "hdr")
+    __slots__ = ("msg", "out", "peer", "buf", "tail", "works", "length", "read", "hdr", "head")
 
     def __init__(self, msg: Message, out: bool, peer: int) -> None:
         self.msg, self.out, self.peer = msg, out, peer
@@ -96,6 +98,7 @@ class _Slot:
         self.length = -1  # payload bytes
         self.read = False  # receive: header read and the tail (if any) posted
         self.hdr: List[int] = []
+        self.head: Optional[bytes] = None  # receive: the payload's first bytes, read with the header
 
 
 class Transport:
@@ -129,7 +132,9 @@ class Transport:
                 self._seq.append(_Slot(m, out, self.rank_of_stage(m.dst if out else m.src)))
         self._slot = {s.msg: s for s in self._seq}
         self.idle = not self._seq
-        self._pos, self._cap, self.sent_bytes, self.payload_bytes, self.messages = 0, {}, 0, 0, 0
+        # the channels' capacities carry over from the last step (both ends saw its last message),
+        # so a step's first message on a channel is not cut into the header and a tail
+        self._pos, self.sent_bytes, self.payload_bytes, self.messages = 0, 0, 0, 0
         self._works, self._waited = [], 0
 
     def send(self, msg: Message, tensor: torch.Tensor, compressor: Any) -> None:
@@ -142,7 +147,7 @@ class Transport:
             raise ValueError(f"pipeline: a stage output of dtype {tensor.dtype} cannot cross a boundary; "
                              f"use float16, bfloat16, float32 or float64")
         base, payload = _encode(msg, tensor, compressor)
-        self._frame(slot, base, payload.to_tensor(), tensor.dtype)
+        self._frame(slot, base, payload, tensor.dtype)
         self.payload_bytes += payload.nbytes
         before = len(self._works)
         # The message leaves now: the receives ahead of it in the agreed order are waited for
@@ -156,22 +161,29 @@ class Transport:
         if slot.works and self._waited < before:
             self._wait_index(before)
 
-    def _frame(self, slot: _Slot, base: Compressor, body: torch.Tensor, dtype: torch.dtype) -> None:
-        """Header + payload into the slot: padded to the channel's capacity, or cut into the
-        first ``capacity`` bytes and a tail."""
+    def _frame(self, slot: _Slot, base: Compressor, payload: Payload, dtype: torch.dtype) -> None:
+        """Header + payload into the slot, built in one buffer on the transport's device (the
+        headers copied from the host, each payload tensor copied once into place): padded to
+        the channel's capacity, or cut into the first ``capacity`` bytes and a tail."""
         msg = slot.msg
-        body = body if body.device == self.device else body.to(self.device)
-        head = torch.tensor([MAGIC, msg.code, body.numel(), h63(repr(base)), _DTYPES.index(dtype), 0, 0, 0],
-                            dtype=torch.int64, device=self.device)
+        head = payload.wire_head()
+        length = len(head) + payload.nbytes
+        ours = torch.tensor([MAGIC, msg.code, length, h63(repr(base)), _DTYPES.index(dtype), 0, 0, 0],
+                            dtype=torch.int64).view(torch.uint8).numpy().tobytes()
         cap = self._capacity(msg)
-        whole = torch.cat([head.view(torch.uint8), body])
-        if whole.numel() <= cap:
-            slot.buf = torch.cat([whole, whole.new_zeros(cap - whole.numel())]) if whole.numel() < cap else whole
+        whole = HEADER_BYTES + length
+        buf = torch.empty(max(whole, cap), dtype=torch.uint8, device=self.device)
+        payload.write_wire(buf, head=ours + head)  # both headers in one copy from the host, then the tensors
+        if whole < cap:
+            buf[whole:].zero_()
+            slot.buf = buf
+        elif whole == cap:
+            slot.buf = buf
         else:
-            slot.buf, slot.tail = whole[:cap], whole[cap:]
-        self._cap[(msg.kind, msg.boundary)] = whole.numel()
-        slot.length = body.numel()
-        self.sent_bytes += whole.numel()
+            slot.buf, slot.tail = buf[:cap], buf[cap:]
+        self._cap[(msg.kind, msg.boundary)] = whole
+        slot.length = length
+        self.sent_bytes += whole
 
     def take(self, msg: Message, compressor: Any) -> torch.Tensor:
         """The decoded tensor of ``msg`` (waits for it), through ``compressor`` as :meth:`send`."""
@@ -192,12 +204,10 @@ class Transport:
             raise ValueError(f"pipeline: {msg.key} from rank {slot.peer} was sent with another boundary compressor "
                              f"than {base!r}; every rank must be built with the same activation_codec and "
                              f"grad_codec")
-        try:  # the bytes are this rank's own: the payload may view them
-            payload = Payload.from_bytes(data.cpu().numpy().data, copy=False)
+        try:  # the bytes are this rank's own: the payload may view them where they lie, on the device
+            payload = Payload.from_tensor(data, head=slot.head)
         except ValueError as exc:
             raise ValueError(f"pipeline: the payload of {msg.key} from rank {slot.peer} is invalid: {exc}") from None
-        if self.device.type != "cpu":
-            payload = payload.to(self.device)
         out = base.decompress(payload)
         if feedback is not None:
             out = feedback.combine(msg.key, out)
@@ -288,8 +298,12 @@ class Transport:
         """The received header: checked, the capacity of the channel's next message noted, the
         tail of a longer payload allocated (posted by the caller, next in order)."""
         assert slot.buf is not None
-        hdr = slot.buf[:HEADER_BYTES].view(torch.int64).tolist()  # one host read per message
+        # one host read per message: this header and, where the buffer holds them, the payload's
+        # first bytes (its own header, which Payload.from_tensor then need not read again)
+        first = slot.buf[:HEADER_BYTES + HEAD_GUESS].cpu()
+        hdr = first[:HEADER_BYTES].view(torch.int64).tolist()
         slot.hdr = hdr
+        slot.head = first[HEADER_BYTES:].numpy().tobytes()
         if hdr[0] != MAGIC:
             raise ValueError(f"pipeline: the message from rank {slot.peer} expected as {slot.msg.key} is not a "
                              f"pipeline message (header {hdr[:3]}): the ranks are out of step")

@@ -172,3 +172,83 @@ def test_tensor_data_beyond_the_bound_is_refused():
 def test_a_header_too_long_to_be_read_is_not_written():
     with pytest.raises(ValueError, match="exceeds the limit of 65536; keys and meta must be short"):
         get_compressor("randomk").compress(torch.randn(10), key="k" * 70000).to_bytes()
+
+
+# ---- the wire format in a tensor (the pipeline's messages): the form off the CPU, on CPU tensors ----
+
+def _views(raw: bytes, head=None, offset=0):
+    buf = torch.zeros(offset + len(raw), dtype=torch.uint8)
+    buf[offset:] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    return Payload._from_tensor_views(buf[offset:], None, head)
+
+
+@pytest.mark.parametrize("offset", [0, 8, 3])  # aligned where it lies, and not: then copies
+def test_tensor_views_parse_as_from_bytes(offset):
+    for raw in SAMPLES:
+        want = Payload.from_bytes(raw)
+        for head in (None, raw[:5], raw[:40], raw):  # read here, partly given, all given
+            got = _views(raw, head, offset)
+            assert (got.compressor, got.shape, got.dtype, got.meta) == (want.compressor, want.shape, want.dtype,
+                                                                        want.meta)
+            assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got.tensors, want.tensors))
+
+
+def test_write_wire_is_to_bytes_and_long_headers_are_read_whole():
+    c = get_compressor("topk")
+    p = c.compress(torch.randn(50), key="k")
+    out = torch.full((p.wire_nbytes + 5,), 7, dtype=torch.uint8)
+    assert p.write_wire(out) == p.wire_nbytes and out[:p.wire_nbytes].numpy().tobytes() == p.to_bytes()
+    long = Payload(p.compressor, p.shape, p.dtype, p.tensors, {"note": "x" * 3000})  # past the first read
+    got = _views(long.to_bytes())
+    assert got.meta == long.meta and all(torch.equal(a, b) for a, b in zip(got.tensors, long.tensors))
+
+
+@pytest.mark.parametrize("cut", [0, 3, 9, 20])
+def test_tensor_views_refuse_what_from_bytes_refuses(cut):
+    for raw in SAMPLES:
+        with pytest.raises(ValueError):
+            _views(raw[:cut] if cut < len(raw) else raw[:-1])
+        with pytest.raises(ValueError):
+            _views(raw[:-1])
+    with pytest.raises(ValueError, match="trailing"):
+        _views(SAMPLES[0] + b"\0")
+    body = b'{"c":"fp16","shape":[10],"dtype":"float32","meta":{},"t":[["float16",[3]]]}'
+    with pytest.raises(ValueError, match="fp16"):
+        _views(struct.pack("<4sHI", b"GCMP", 1, len(body)) + body + b"\0" * 6)
+    with pytest.raises(ValueError):
+        Payload.from_tensor(torch.zeros(4, dtype=torch.int32))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.sampled_from(SAMPLES), st.data())
+def test_tensor_views_of_mutated_bytes_agree_with_from_bytes(raw, data):
+    buf = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] = data.draw(st.integers(0, 255))
+    try:
+        want = Payload.from_bytes(bytes(buf))
+    except ValueError:
+        with pytest.raises(ValueError):
+            _views(bytes(buf))
+        return
+    got = _views(bytes(buf))
+    assert got.compressor == want.compressor and all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                                                      for a, b in zip(got.tensors, want.tensors))
+
+
+@pytest.mark.gpu
+def test_wire_format_on_a_gpu_stays_there():
+    """On a GPU the wire bytes are written on the device and parsed there: only the head is
+    read back, the tensors are views of the received buffer."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    for name in available_compressors():
+        c = get_compressor(name)
+        p = c.compress(torch.randn(7, 9, device="cuda"), key="g")
+        buf = torch.empty(p.wire_nbytes, dtype=torch.uint8, device="cuda")
+        p.write_wire(buf)
+        assert buf.cpu().numpy().tobytes() == p.to_bytes(), name
+        q = Payload.from_tensor(buf)
+        assert all(t.device.type == "cuda" for t in q.tensors), name
+        assert torch.equal(c.decompress(q), c.decompress(p)), name
