@@ -81,10 +81,7 @@ def test_random_bytes_behind_a_valid_prefix(body, hlen):
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(SAMPLES), st.data())
 def test_mutated_bytes_give_value_error_or_a_valid_payload(raw, data):
-    buf = bytearray(raw)
-    for _ in range(data.draw(st.integers(1, 4))):
-        i = data.draw(st.integers(0, len(buf) - 1))
-        buf[i] = data.draw(st.integers(0, 255))
+    buf = _mutated(raw, data)
     try:
         p = Payload.from_bytes(bytes(buf))
     except ValueError:
@@ -92,6 +89,15 @@ def test_mutated_bytes_give_value_error_or_a_valid_payload(raw, data):
     # the samples were made with default options, so a default compressor decodes them
     out = get_compressor(p.compressor).decompress(p)  # must not crash
     assert out.shape == p.shape
+
+
+def _mutated(raw: bytes, data) -> bytearray:
+    """``raw`` with one to four bytes changed, drawn by hypothesis."""
+    buf = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 4))):
+        i = data.draw(st.integers(0, len(buf) - 1))
+        buf[i] = data.draw(st.integers(0, 255))
+    return buf
 
 
 def _framed(body: bytes) -> bytes:
@@ -222,10 +228,7 @@ def test_tensor_views_refuse_what_from_bytes_refuses(cut):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.sampled_from(SAMPLES), st.data())
 def test_tensor_views_of_mutated_bytes_agree_with_from_bytes(raw, data):
-    buf = bytearray(raw)
-    for _ in range(data.draw(st.integers(1, 4))):
-        i = data.draw(st.integers(0, len(buf) - 1))
-        buf[i] = data.draw(st.integers(0, 255))
+    buf = _mutated(raw, data)
     try:
         want = Payload.from_bytes(bytes(buf))
     except ValueError:
