@@ -431,4 +431,7 @@ class ShardedOptimizer(Wrapper):
         size; every rank raises the same error when any rank's checkpoint does not fit."""
         self._drain()
         self._layouts.clear()  # the next exchanges are checked again
+        if self._gathered is not None:  # the last gather's undo would restore what the checkpoint replaces
+            self._gathered.commit()
+            self._gathered = None
         self.skipped = _shardckpt.load(self._checkpoint_view(), state_dict)
