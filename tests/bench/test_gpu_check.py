@@ -182,7 +182,7 @@ def test_environment_and_compile_helpers_without_a_gpu(capsys):
 def test_tests_are_picked_by_marker_and_file():
     files = gc.gpu_test_files(ROOT)
     assert gc.KERNEL_TESTS in files and "tests/collectives/test_collectives_cuda.py" in files
-    assert "tests/compress/test_payload.py" not in files  # no gpu marker: never collected there
+    assert "tests/compress/test_finite.py" not in files  # no gpu marker: never collected there
     assert gc.part_of("tests/kernels/test_cuda_kernels.py::test_topk_exact[1]") == "kernel tests: select, sparse"
     assert gc.part_of("tests/kernels/test_cuda_kernels.py::test_quantize[x]").endswith("quant, plumbing, compressors")
     assert gc.part_of("tests/training/test_x.py::t") == gc.part_of("tests/memory/test_x.py::t") == \
