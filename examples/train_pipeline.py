@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradcomp.collectives import telemetry
-from gradcomp.pipeline import Pipeline
+from gradcomp.pipeline import SCHEDULES, Pipeline
 from gradcomp.training import shutdown
 
 
@@ -53,7 +53,7 @@ def model(width: int) -> nn.Sequential:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--schedule", default="1f1b", choices=("gpipe", "1f1b", "interleaved", "zb-h1"))
+    p.add_argument("--schedule", default="1f1b", choices=tuple(SCHEDULES))
     p.add_argument("--microbatches", "--chunks", type=int, default=4, help="micro-batches per step")
     p.add_argument("--act", default="int8", help="the activations' boundary compressor (a gradcomp compressor "
                                                  "name, or none)")
