@@ -242,6 +242,13 @@ class Compressor(_ReadsCapabilities, ABC):
         """Compress ``tensor`` (left unchanged). ``key`` names it across steps."""
         return self._run(tensor, key, step, want_decoded=False)[0]
 
+    def compress_view(self, tensor: torch.Tensor, key: Optional[str] = None, *, step: Optional[int] = None) -> Payload:
+        """:meth:`compress` for a caller that copies the payload's tensors out before ``tensor``
+        changes (the pipeline's transport, which frames them at once): the same payload, whose
+        tensors may be views of ``tensor`` where the compressor would only copy it. By default
+        :meth:`compress` itself; the identity codec's is a view."""
+        return self.compress(tensor, key, step=step)
+
     def compress_decoded(self, tensor: torch.Tensor, key: Optional[str] = None, *,
                          step: Optional[int] = None) -> Tuple[Payload, torch.Tensor]:
         """``(payload, decompress(payload))`` — what error feedback needs — in as few passes as

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from .base import Capabilities, Compressor, Encoded, tensor_spec
+from .payload import Payload
 from .registry import register
 
 
@@ -13,6 +14,15 @@ class NoCompression(Compressor):
 
     def _compress(self, flat, shape, key, step, want_decoded):
         return Encoded([flat.clone()], {})
+
+    def compress_view(self, tensor, key=None, *, step=None):
+        """The input itself as the payload's tensor (flattened; copied only when not
+        contiguous), the key's counter advanced as :meth:`compress` advances it."""
+        self._check_input(tensor)
+        self._step(key, step)
+        flat = tensor.detach().reshape(-1)
+        return Payload(self.name, tuple(tensor.shape), tensor.dtype, [flat if flat.is_contiguous() else flat.contiguous()],
+                       {}, self.payloads_checked)
 
     def _decompress(self, payload):
         return payload.tensors[0]

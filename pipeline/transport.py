@@ -337,8 +337,8 @@ def _encode(msg: Message, tensor: torch.Tensor, compressor: Any) -> Tuple[Compre
     """``tensor`` compressed under ``msg.key``, through the feedback wrapper if there is one."""
     base, feedback = _split(compressor)
     acc = tensor.detach()
-    if feedback is None:
-        return base, base.compress(acc, msg.key)
+    if feedback is None:  # framed at once: the payload may view the tensor (the identity's does)
+        return base, base.compress_view(acc, msg.key)
     acc = feedback.accumulate(acc, msg.key)
     payload, sent = base.compress_decoded(acc.to(tensor.dtype), msg.key)
     feedback.update(msg.key, acc, sent)

@@ -249,3 +249,30 @@ def test_identity_decoding_is_the_payload_itself():
     assert view is not None and view.data_ptr() == p.tensors[0].data_ptr() and torch.equal(view, x)
     assert view.shape == x.shape
     assert get_compressor("fp16").decoding_of(get_compressor("fp16").compress(x, "k")) is None
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compress_view_is_compress_without_a_copy_of_the_input(name):
+    """``compress_view`` gives ``compress``'s payload and advances the same counters; only the
+    identity's shares the input's memory (which its caller frames at once)."""
+    x = torch.randn(12, 9, generator=torch.Generator().manual_seed(3))
+    a, b = get_compressor(name), get_compressor(name)
+    for step in range(2):
+        p, q = a.compress(x, key="k"), b.compress_view(x, key="k")
+        assert (p.compressor, p.shape, p.dtype, p.meta) == (q.compressor, q.shape, q.dtype, q.meta), name
+        assert all(torch.equal(u, v) for u, v in zip(p.tensors, q.tensors)), (name, step)
+        shares = [t.untyped_storage().data_ptr() == x.untyped_storage().data_ptr() for t in q.tensors]
+        assert any(shares) == (name == "none"), (name, shares)
+    assert _same_state(a.state_dict(), b.state_dict()), name
+    with pytest.raises(ValueError):
+        b.compress_view(torch.zeros(3, dtype=torch.int64), key="k")
+
+
+def _same_state(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same_state(x, y) for x, y in zip(a, b))
+    return a == b
