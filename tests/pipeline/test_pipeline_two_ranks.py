@@ -46,6 +46,20 @@ def _train(schedule, *, microbatches=4, act=None, grad=None, tokens=None, loss_f
     return losses, gathered_params(pipe)
 
 
+def _messages():
+    """Operations this rank posts per step (1F1B, 4 micro-batches): the first step's first
+    message on each channel is a header and a tail; later steps fit the capacity carried over,
+    until a larger batch grows each channel's first message once more."""
+    from gradcomp.pipeline import Pipeline
+
+    pipe = Pipeline(chain(), balance=BALANCE["1f1b"], schedule="1f1b", microbatches=4, optimizer=sgd)
+    counts = []
+    for x, y in _batches(steps=3) + _batches(steps=1, n=32):
+        pipe.step(x, y, LOSS)
+        counts.append(pipe._transport.messages)
+    return counts
+
+
 def _torch_1f1b(rank, world):
     """torch.distributed.pipelining on the same model, split and data."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -262,6 +276,7 @@ def _rank(rank, world):
     for schedule in BALANCE:
         res[("exact", schedule)] = _train(schedule)
     res["torch_1f1b"] = _torch_1f1b(rank, world)
+    res["messages"] = _messages()
     for schedule in ("1f1b", "interleaved"):
         res[("explicit", schedule)] = _explicit(rank, schedule)
     for name, options in CODECS:
@@ -289,6 +304,13 @@ def _rank(rank, world):
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     return run_ranks(_rank, 2, tmp_path_factory.mktemp("pipeline2"), timeout_s=120)
+
+
+def test_capacities_carry_over_between_steps(results):
+    # each rank sends 4 messages on one channel and receives 4 on the other: 8 operations, plus a
+    # tail each way for a channel's first message (the first step) and for a message that grew
+    for r in results:
+        assert r["messages"] == [10, 8, 8, 10], r["messages"]
 
 
 @pytest.mark.parametrize("schedule", list(BALANCE))
