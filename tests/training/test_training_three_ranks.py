@@ -49,8 +49,10 @@ def _three(rank, world):
     servers = state.state_dict()["servers"]
     resumed, *_ = _run(rank, "topk", 3, start=3, checkpoint=saved, seed=7, ratio=0.05)
     psgd, *_ = _run(rank, "powersgd", 4, rank=1)
+    # variable-size payloads through scatter-reduce on their agreed layout (each phase's sizes read once)
+    thr, *_ = _run(rank, "threshold", 4, tau=0.01)
     return {"straight": flat_params(straight), "resumed": flat_params(resumed), "servers": sorted(servers),
-            "powersgd": flat_params(psgd), **same}
+            "powersgd": flat_params(psgd), "threshold": flat_params(thr), **same}
 
 
 def test_three_ranks(tmp_path):
@@ -62,3 +64,5 @@ def test_three_ranks(tmp_path):
         assert torch.equal(r["straight"], r["resumed"])
         assert torch.equal(r["straight"], results[0]["straight"])
         assert torch.equal(r["powersgd"], results[0]["powersgd"])
+        assert torch.equal(r["threshold"], results[0]["threshold"])
+    assert not torch.equal(results[0]["threshold"], results[0]["plain"])  # it trained, and not densely
