@@ -20,19 +20,18 @@ scaler skips) does not poison the warm start.
 Finite input gives finite output at every magnitude. A factor can overflow where the matrix
 does not (``P = M Q`` sums ``m`` products): when the average of ``P`` (the sum of its entries)
 or of ``Q`` comes back non-finite, which every rank sees alike, that round is repeated once
-with the other factor, ``Q`` or ``P``, scaled by powers of two, per column, to an l1 norm of
-at most 2**-24, so that neither the products nor a sum over ranks can overflow; the scale is
-exact and taken out of ``P`` again, and NaN/Inf input stays non-finite through the repeat.
+with the other factor, ``Q`` or ``P``, scaled by powers of two, per column, to an l1 norm
+below 2**-2 (``_scaled``), so that no product, no partial sum and no average over ranks
+(``Comm.mean_`` scales by ``1/w`` before summing) can overflow; the scale is exact and taken
+out of ``P`` again, and NaN/Inf input stays non-finite through the repeat.
 Entries of ``P Q^T`` beyond the largest finite value of the gradient's dtype (an fp16 matrix
 near 65504, say) saturate to it.
 
 That repeat is a host decision, taken on CPU tensors only, where reading a flag costs nothing.
 Off the CPU (``_factors_on_device``) the number of rounds is fixed, two, and nothing is read:
-each round's other factor is scaled beforehand by powers of two, per column, to an l1 norm of
-at most 2**-2, so that no product, no partial sum and no average over ranks (``Comm.mean_``
-scales by ``1/w`` before summing) can overflow; the scale is exact and taken out of ``P``
-again, and the orthonormalisation does not see it, so for operands of normal magnitude the
-result has the bits of the CPU form. The kept ``Q`` is then the scaled one (the next ``P``
+each round's other factor is scaled so beforehand, in every round; the orthonormalisation
+does not see the scale, so for operands of normal magnitude the result has the bits of the
+CPU form. The kept ``Q`` is then the scaled one (the next ``P``
 round is blind to its scale); ``P Q^T`` is formed scaled down by a power of two where a bound
 on the device says it could overflow, and clamped to the dtype's range.
 """
@@ -138,7 +137,7 @@ class PowerSGD(Compressor):
         _expect_like(q_avg, q, "Q")
         p_finite, finite, q_top = _finite_and_absmax(q_avg, p_ok)  # the retries' decisions, _product's bound
         if not p_finite:
-            p = mat @ _fit(q_start)[0]
+            p = mat @ _scaled(q_start)[0]
             p_avg = yield p
             _expect_like(p_avg, p, "P")
             p = orthonormalize(p_avg, self.config.orthogonalize)
@@ -147,7 +146,8 @@ class PowerSGD(Compressor):
             _expect_like(q_avg, q, "Q")
             _, finite, q_top = _finite_and_absmax(q_avg)
         if not finite:
-            small, lift = _fit(p)
+            small, k = _scaled(p)
+            lift = pow2(k, p.dtype)
             q = (small.T @ mat).T.contiguous()
             q_avg = yield q
             _expect_like(q_avg, q, "Q")
@@ -255,18 +255,7 @@ class PowerSGD(Compressor):
         self._q = {k: v.clone() for k, v in state.get("q", {}).items()}
 
 
-_HEADROOM = -24  # exponent of the l1 norm a repeated round gives each factor column
-
-
-def _fit(f: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(f / lift, lift)`` with ``lift`` a power of two per column that brings every column's
-    l1 norm to at most 2**-24: ``|M (f / lift)|`` then stays 2**24 below the largest ``|M|``."""
-    _, exp = torch.frexp(f.double().abs().sum(dim=0))  # l1 < 2**exp
-    lift = torch.ldexp(torch.ones_like(exp, dtype=f.dtype), exp - _HEADROOM)
-    return f / lift, lift
-
-
-_DEVICE_HEADROOM = -2  # exponent of the l1 norm each factor column gets in the device form
+_HEADROOM = -2  # exponent of the l1 norm a factor column gets before it multiplies the matrix
 
 
 def _on_device(t: torch.Tensor) -> bool:
@@ -283,7 +272,7 @@ def _scaled(f: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     lies beyond float64's powers of two: exact wherever the result is a normal number of
     ``f``'s dtype. A zero or non-finite column is divided by ``2**k`` all the same (NaN stays NaN)."""
     _, exp = torch.frexp(f.abs().amax(dim=0))  # |entries| < 2**exp; 0 for zero and non-finite columns
-    k = exp.long() + ((f.shape[0] - 1).bit_length() - _DEVICE_HEADROOM)  # l1 < rows * 2**exp <= 2**(k - 2)
+    k = exp.long() + ((f.shape[0] - 1).bit_length() - _HEADROOM)  # l1 < rows * 2**exp <= 2**(k - 2)
     first = k.clamp(-1000, 1000)
     wide = f.double() * pow2(-first, torch.float64) * pow2(first - k, torch.float64)
     return wide.to(f.dtype), k

@@ -330,13 +330,15 @@ def test_device_form_gives_the_cpu_bits_on_ordinary_data(dtype, method, ef, monk
 MAGNITUDES = [1e-40, 1e-30, 1e-20, 1e-10, 1.0, 1e10, 1e20, 1e30, 3e38]
 
 
+@pytest.mark.parametrize("form", ["cpu", "device"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16], ids=str)
-def test_device_form_is_finite_at_every_magnitude(dtype, monkeypatch):
+def test_both_forms_are_finite_at_every_magnitude(dtype, form, monkeypatch):
     """As tests/compress/test_finite.py asks of every compressor, over warm-started steps
-    (where the CPU form repeats a round): finite input decodes to a finite tensor of sane error
+    (where the CPU form repeats rounds): finite input decodes to a finite tensor of sane error
     at every magnitude, up to the dtype's largest value; NaN and Inf stay non-finite and leave
     the warm start as it was."""
-    _device_form(monkeypatch)
+    if form == "device":
+        _device_form(monkeypatch)
     fi = torch.finfo(dtype)
     for mag in sorted({min(max(m, fi.tiny * fi.eps), fi.max) for m in MAGNITUDES} | {fi.tiny, fi.max}):
         def x_of_step(step):
