@@ -16,6 +16,7 @@ import torch
 
 from gradcomp.compress import Payload
 from gradcomp.compress.transaction import Deferred, Transaction
+from gradcomp.kernels.memory import copy_from_host
 
 from ._header import IDX, build, check_same_call, h64, verify
 
@@ -172,10 +173,15 @@ def agreed_buffer(layout: Layout, payloads: Sequence[Any], device: torch.device,
             if t is not None:
                 t.write(p, buf)
         if deferred is not None:
-            word = buf[:_ALIGN].view(torch.int64)
-            bad = deferred.bad()
-            word.copy_(torch.where(bad if bad.device == buf.device else bad.to(buf.device), FAILED, word))
+            _fail_where_refused(buf[:_ALIGN].view(torch.int64), deferred)
     return buf, status
+
+
+def _fail_where_refused(word: torch.Tensor, deferred: Deferred) -> None:
+    """This rank's one-element int64 status ``word`` set to FAILED where a refusal of
+    ``deferred`` holds, decided on the word's device (nothing read)."""
+    bad = deferred.bad()
+    word.copy_(torch.where(bad if bad.device == word.device else bad.to(word.device), FAILED, word))
 
 
 def statuses(rows: torch.Tensor) -> torch.Tensor:
@@ -236,9 +242,10 @@ def checked(comp: Any, payload: Payload, key: str, rank: int, flags: Flags) -> P
 def int64_vector(values: Sequence[int], device: torch.device) -> torch.Tensor:
     """A small int64 tensor of host ``values`` on ``device``, built without making the host
     wait for the device where that is a GPU (pinned memory, asynchronous copy)."""
-    if device.type == "cuda":
-        return torch.tensor(values, dtype=torch.int64).pin_memory().to(device, non_blocking=True)
-    return torch.tensor(values, dtype=torch.int64, device=device)
+    if device.type == "cpu":
+        return torch.tensor(values, dtype=torch.int64, device=device)
+    return copy_from_host(torch.empty(len(values), dtype=torch.int64, device=device),
+                          torch.tensor(values, dtype=torch.int64))
 
 
 class _Shape:
@@ -336,7 +343,7 @@ def announce(comm: Any, status: int, dims: Optional[Sequence[int]], count: int, 
     deferred = error if isinstance(error, Deferred) else None
     head = int64_vector([status, *(list(dims) if dims is not None else [0] * count)], device)
     if deferred is not None:
-        head[:1] = torch.where(deferred.bad().to(device), FAILED, head[:1])
+        _fail_where_refused(head[:1], deferred)
     table = comm.all_gather(head).tolist()
     states = [row[0] for row in table]
     if any(states):

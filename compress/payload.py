@@ -33,6 +33,8 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
+from gradcomp.kernels.memory import copy_from_host
+
 from .registry import compressor_class
 
 MAGIC = b"GCMP"
@@ -144,11 +146,7 @@ class Payload:
         and asynchronous on a GPU), each tensor copied once straight into place on ``out``'s
         device. ``head``: :meth:`wire_head`, when the caller made it. Returns the length."""
         head = self.wire_head() if head is None else head
-        host = torch.frombuffer(bytearray(head), dtype=torch.uint8)
-        if out.device.type == "cuda":
-            out[:len(head)].copy_(host.pin_memory(), non_blocking=True)
-        else:
-            out[:len(head)].copy_(host)
+        copy_from_host(out[:len(head)], torch.frombuffer(bytearray(head), dtype=torch.uint8))
         pos = len(head)
         for t in self.tensors:
             size = t.numel() * t.element_size()

@@ -17,3 +17,12 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") ->
     if inp is None:
         return torch.empty(numel, dtype=dtype)
     return torch.from_numpy(np.empty(numel, dtype=inp)).view(dtype)
+
+
+def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """``dst.copy_(host)`` for a small host tensor, without making the host wait for a GPU:
+    there ``host`` goes through pinned memory and the copy is asynchronous on the current
+    stream (the caching host allocator keeps the pinned block until the copy is done)."""
+    if dst.device.type == "cuda":
+        return dst.copy_(host.pin_memory(), non_blocking=True)
+    return dst.copy_(host)
