@@ -90,11 +90,7 @@ class Transaction:
         """A float64 0-d tensor, 1.0 when some result observed so far is not finite (nothing
         read; on the witnesses' device, ``device`` when there are none): for an owner that
         reduces it over ranks with its own flags."""
-        if not self._witnesses:
-            return torch.zeros((), dtype=torch.float64, device=device)
-        here = self._witnesses[0].device
-        ws = torch.cat([w if w.device == here else w.to(here) for w in self._witnesses])
-        return (~torch.isfinite(ws).all()).double()
+        return _any_nonfinite(self._witnesses, device)
 
     @property
     def finite(self) -> bool:
@@ -302,7 +298,12 @@ def nonfinite(results: Any, device: Optional[torch.device] = None) -> torch.Tens
     """A float64 0-d tensor on the results' device (``device`` when there are none): 1.0 when
     some element of ``results`` is not finite, else 0.0 — nothing is read back, so it can be
     reduced over ranks on the device and read once with other flags."""
-    ws = _witnesses(results)
+    return _any_nonfinite(_witnesses(results), device)
+
+
+def _any_nonfinite(ws: List[torch.Tensor], device: Optional[torch.device]) -> torch.Tensor:
+    """1.0 (float64, 0-d, on the first witness's device; ``device`` when there are none) when a
+    witness is not finite, else 0.0; nothing read."""
     if not ws:
         return torch.zeros((), dtype=torch.float64, device=device)
     here = ws[0].device
