@@ -45,7 +45,7 @@ import torch
 
 from gradcomp.kernels.memory import empty
 from gradcomp.kernels.linalg import METHODS, orthonormalize
-from gradcomp.kernels.quant import may_hold, pow2
+from gradcomp.kernels.quant import may_hold, mul_pow2_on_device_, pow2
 
 from .base import (FLOAT_DTYPES, Capabilities, Compressor, CompressorConfig, Encoded, Rounds, expect, numel_of,
                    option, positive_int, seed_option, work_dtype)
@@ -267,15 +267,13 @@ def _on_device(t: torch.Tensor) -> bool:
 def _scaled(f: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(f / 2**k, k)``, ``k`` an int64 exponent per column chosen on the device so that each
     column's l1 norm is below 2**-2: then ``|M (f / 2**k)| <= max|M| / 4`` entry by entry and
-    partial sum by partial sum. ``k`` comes from the column's largest entry and its length
-    (no sum that could overflow), the division is done in float64, in two steps where ``k``
-    lies beyond float64's powers of two: exact wherever the result is a normal number of
-    ``f``'s dtype. A zero or non-finite column is divided by ``2**k`` all the same (NaN stays NaN)."""
+    partial sum by partial sum. ``k`` comes from the column's largest entry and its length (no
+    sum that could overflow), the division is done in float64 (``mul_pow2_on_device_``): exact
+    wherever the result is a normal number of ``f``'s dtype. A zero or non-finite column is
+    divided by ``2**k`` all the same (NaN stays NaN)."""
     _, exp = torch.frexp(f.abs().amax(dim=0))  # |entries| < 2**exp; 0 for zero and non-finite columns
     k = exp.long() + ((f.shape[0] - 1).bit_length() - _HEADROOM)  # l1 < rows * 2**exp <= 2**(k - 2)
-    first = k.clamp(-1000, 1000)
-    wide = f.double() * pow2(-first, torch.float64) * pow2(first - k, torch.float64)
-    return wide.to(f.dtype), k
+    return mul_pow2_on_device_(f.to(torch.float64, copy=True), -k).to(f.dtype), k
 
 
 def _product(p: torch.Tensor, q: torch.Tensor, dtype: torch.dtype, out: Optional[torch.Tensor] = None,

@@ -382,6 +382,15 @@ def mul_pow2_(t: torch.Tensor, k: int) -> torch.Tensor:
     return t.mul_(2.0 ** k)  # 2**k >= 2**-149 (fp32) / 2**-1074 (fp64) is exact
 
 
+def mul_pow2_on_device_(t: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """:func:`mul_pow2_` for an int64 tensor ``k`` (broadcast against ``t``), nothing read
+    back: factors beyond the dtype's range are split in two, each an exact power of two, so
+    the product is rounded at most once. ``|k|`` at most twice the dtype's step."""
+    step = _POW2_STEP[t.dtype]
+    first = k.clamp(-step, step)
+    return t.mul_(pow2(first, t.dtype)).mul_(pow2(k - first, t.dtype))
+
+
 def _scaled_fp32(x: torch.Tensor, k: int) -> torch.Tensor:
     """``x * 2**k`` as a new float32 tensor (float64 input is scaled first, then rounded)."""
     wd = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -451,8 +460,7 @@ def _natural_encode_on_device(x: torch.Tensor, u: torch.Tensor, overwrite_u: boo
     top = xs.abs().amax() if x.numel() else torch.zeros((), dtype=wd, device=x.device)
     exp = torch.where(top > 0, torch.frexp(top).exponent, 0).to(torch.int32)
     k = (-2 - exp).long()
-    up = torch.clamp(k, max=_POW2_STEP[wd])  # upward factors beyond the dtype are split in two (exact)
-    y = xs.mul_(pow2(up, wd)).mul_(pow2(k - up, wd)).to(torch.float32)  # float64 scaled first, then rounded
+    y = mul_pow2_on_device_(xs, k).to(torch.float32)  # float64 scaled first, then rounded
     codes = natural_codes(y, u, overwrite_u=overwrite_u)
     nan, inf = torch.isnan(x), torch.isinf(x)
     special = torch.where(nan, NATURAL_NAN, torch.where(x > 0, NATURAL_INF, NATURAL_INF | 0x80)).to(torch.uint8)
