@@ -298,12 +298,14 @@ class Transport:
         """The received header: checked, the capacity of the channel's next message noted, the
         tail of a longer payload allocated (posted by the caller, next in order)."""
         assert slot.buf is not None
-        # one host read per message: this header and, where the buffer holds them, the payload's
-        # first bytes (its own header, which Payload.from_tensor then need not read again)
-        first = slot.buf[:HEADER_BYTES + HEAD_GUESS].cpu()
+        # one host read per message: this header and, off the CPU, where the buffer holds them, the
+        # payload's first bytes (its own header, which Payload.from_tensor then need not read again;
+        # on CPU it parses the bytes where they lie)
+        on_host = self.device.type == "cpu"
+        first = slot.buf[:HEADER_BYTES if on_host else HEADER_BYTES + HEAD_GUESS].cpu()
         hdr = first[:HEADER_BYTES].view(torch.int64).tolist()
         slot.hdr = hdr
-        slot.head = first[HEADER_BYTES:].numpy().tobytes()
+        slot.head = None if on_host else first[HEADER_BYTES:].numpy().tobytes()
         if hdr[0] != MAGIC:
             raise ValueError(f"pipeline: the message from rank {slot.peer} expected as {slot.msg.key} is not a "
                              f"pipeline message (header {hdr[:3]}): the ranks are out of step")
