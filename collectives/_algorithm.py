@@ -49,6 +49,9 @@ class Algorithm:
     code: ClassVar[int] = 0
     order: ClassVar[int] = 100
     compresses_residual: ClassVar[bool] = False
+    # with compresses_residual: local() takes the residual before the gradient is added to it
+    # (``sum_of``) and lets the compressor add in its first pass
+    sums_in_place: ClassVar[bool] = False
     needs: ClassVar[Optional[str]] = None  # a capability the compressor must declare (and is then preferred for)
 
     def __init__(self, compressor: Compressor, key: str, comm: Comm, *, feedback: bool = False,
@@ -65,6 +68,7 @@ class Algorithm:
         self.verify = verify
         self.payload_bytes = 0
         self.sent: Optional[torch.Tensor] = None
+        self.sum_of: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # see sums_in_place
 
     @classmethod
     def unsuitable(cls, compressor: Compressor) -> Optional[str]:

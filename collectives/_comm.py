@@ -248,27 +248,36 @@ class Comm:
                 self.record.bytes_recv += _nbytes(t)
         return t
 
-    def all_gather(self, t: torch.Tensor) -> torch.Tensor:
-        """``(w, *t.shape)``: every rank's ``t`` in rank order (same shape on every rank)."""
+    def all_gather(self, t: torch.Tensor, while_sending: Optional[Callable[[], None]] = None) -> torch.Tensor:
+        """``(w, *t.shape)``: every rank's ``t`` in rank order (same shape on every rank).
+        ``while_sending``: local work run while the all-gather is in flight (it must not write
+        ``t``; the calling thread issues nothing else on the group meanwhile)."""
         if self.size == 1:
+            if while_sending is not None:
+                while_sending()
             return t.unsqueeze(0).clone()
         src = self._wire(t)
         out = src.new_empty((self.size, *t.shape))
-        self._run("all_gather", lambda: dist.all_gather(list(out.unbind(0)), src, group=self.group))
+        self._overlapped("all_gather", lambda asy: dist.all_gather(list(out.unbind(0)), src, group=self.group,
+                                                                  async_op=asy), while_sending)
         moved = _nbytes(t) * (self.size - 1)
         self.record.bytes_sent += moved
         self.record.bytes_recv += moved
         return out if out.device == t.device else out.to(t.device)
 
-    def all_to_all(self, inp: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int]) -> torch.Tensor:
+    def all_to_all(self, inp: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int],
+                   while_sending: Optional[Callable[[], None]] = None) -> torch.Tensor:
         """Block ``j`` of the 1-D ``inp`` goes to rank ``j``; the result holds, in rank order,
-        the blocks every rank addressed to this one."""
+        the blocks every rank addressed to this one. ``while_sending``: as for :meth:`all_gather`."""
         if self.size == 1:
+            if while_sending is not None:
+                while_sending()
             return inp.clone()
         src = self._wire(inp)
         out = src.new_empty(int(sum(out_splits)))
-        self._run("all_to_all", lambda: dist.all_to_all_single(
-            out, src, [int(s) for s in out_splits], [int(s) for s in in_splits], group=self.group))
+        self._overlapped("all_to_all", lambda asy: dist.all_to_all_single(
+            out, src, [int(s) for s in out_splits], [int(s) for s in in_splits], group=self.group, async_op=asy),
+            while_sending)
         item = inp.element_size()
         self.record.bytes_sent += item * (int(sum(in_splits)) - int(in_splits[self.rank]))
         self.record.bytes_recv += item * (int(sum(out_splits)) - int(out_splits[self.rank]))
@@ -302,6 +311,19 @@ class Comm:
         """All-gather a small int64 vector: ``(w, len(values))`` on the CPU."""
         row = torch.tensor(values, dtype=torch.int64, device=self.device)
         return self.all_gather(row).cpu()
+
+    def _overlapped(self, what: str, issue: Callable[[bool], Any], while_sending: Optional[Callable[[], None]]) -> None:
+        """``issue(False)`` (a blocking collective), or with ``while_sending`` the collective
+        issued asynchronously, the work run, and then waited for, also when the work raises (the
+        collective completes on every rank either way). The work's time is not comm time."""
+        if while_sending is None:
+            self._run(what, lambda: issue(False))
+            return
+        work = self._run(what, lambda: issue(True))
+        try:
+            while_sending()
+        finally:
+            self._run(what, work.wait)
 
     # ---- errors ----------------------------------------------------------------------------
     def _run(self, what: str, fn: Callable[[], T]) -> T:

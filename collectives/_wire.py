@@ -6,7 +6,7 @@ by ``Payload.from_bytes`` (index ranges included) before anything decodes it.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -42,23 +42,27 @@ def decode(buf: torch.Tensor, device: torch.device, numel: Optional[int] = None,
     return payload if device.type == "cpu" else payload.to(device)
 
 
-def gather_bytes(comm: Comm, buf: torch.Tensor, sizes: Sequence[int], *, exact: bool) -> List[torch.Tensor]:
+def gather_bytes(comm: Comm, buf: torch.Tensor, sizes: Sequence[int], *, exact: bool,
+                 while_sending: Optional[Callable[[], None]] = None) -> List[torch.Tensor]:
     """Every rank's byte tensor, in rank order; ``sizes[r]`` is rank r's length.
 
     ``exact``: point-to-point blocks of the exact sizes (for payloads whose size varies with
     the data); otherwise one all_gather of blocks padded to the largest (sizes nearly equal).
+    ``while_sending``: local work run while the bytes are on the wire (see ``Comm.all_gather``).
     """
     sizes = [int(s) for s in sizes]
     if comm.size == 1:
+        if while_sending is not None:
+            while_sending()
         return [buf]
     if exact:
         in_splits = [0 if r == comm.rank else sizes[comm.rank] for r in range(comm.size)]
         out_splits = [0 if r == comm.rank else sizes[r] for r in range(comm.size)]
-        out = comm.all_to_all(buf.repeat(comm.size - 1), in_splits, out_splits)
+        out = comm.all_to_all(buf.repeat(comm.size - 1), in_splits, out_splits, while_sending)
         parts = list(out.split(out_splits))
         parts[comm.rank] = buf
         return parts
     padded = buf.new_zeros(max(sizes))
     padded[:buf.numel()] = buf
-    rows = comm.all_gather(padded)
+    rows = comm.all_gather(padded, while_sending)
     return [rows[r, :sizes[r]] for r in range(comm.size)]

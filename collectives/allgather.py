@@ -10,12 +10,14 @@ decoding is cheap.
 Cost: one pass per payload over the output (``decompress_into``: a sparse payload touches only
 its own positions) and one division; no decoded temporaries. Under error feedback whose
 residual can be kept in place, compression also leaves the new residual behind, so this rank's
-payload is never decoded twice.
+payload is never decoded twice; the gradient is added to the residual in the compressor's first
+pass, and a compressor that can (the sign family on large CPU tensors) leaves the residual's
+own pass to run while the payloads are on the wire.
 """
 from __future__ import annotations
 
 from gradcomp.compress import transaction
-from gradcomp.kernels.memory import empty
+from gradcomp.kernels.memory import empty, zeros
 
 from ._algorithm import Algorithm, as_dtype, register_algorithm, wdtype
 from ._header import sizes as header_sizes
@@ -30,14 +32,16 @@ class AllGather(Algorithm):
     code = 2
     order = 2
     compresses_residual = True
+    sums_in_place = True
 
     @classmethod
     def prefers(cls, compressor, world_size):
         return world_size <= 2
 
     def local(self, acc, dtype):
+        self.pending = []  # the residual's pass, where the compressor left it for the wire's time
         if self.in_place:  # acc is the residual: compressed whole, the error stays in it
-            payload = self.comp.compress_residual(acc, self.key)
+            payload = self.comp.compress_residual(acc, self.key, sum_of=self.sum_of, defer=self.pending)
         elif self.want_sent:
             payload, self.sent = self.comp.compress_decoded(as_dtype(acc, dtype), self.key)
         else:
@@ -48,6 +52,23 @@ class AllGather(Algorithm):
         self.device = acc.device
         self.dtype = wdtype(acc)
         return 0, None
+
+    def finish_local(self):
+        """Run what ``local`` left to do (the residual's pass): before anything reads the
+        residual, at the latest when the average is made."""
+        if self.pending:
+            with self.rec.timing("compress"):
+                while self.pending:
+                    self.pending.pop(0)()
+
+    @staticmethod
+    def _finish_all(algos):
+        """What the exchange of ``algos`` runs while its payloads are on the wire."""
+        def run():
+            for a in algos:
+                if a is not None:
+                    a.finish_local()
+        return run
 
     @property
     def buf(self):
@@ -73,7 +94,8 @@ class AllGather(Algorithm):
         buf = pack([None if a is None or error is not None else a.buf for a in algos], device, error)
         table = comm.exchange(header(comm.size, cls.name, items, specs, error, [buf.numel()]))
         verify_many(table, items, specs, error)
-        bufs = gather_bytes(comm, buf, header_sizes(table)[:, 0].tolist(), exact=exact)
+        bufs = gather_bytes(comm, buf, header_sizes(table)[:, 0].tolist(), exact=exact,
+                            while_sending=cls._finish_all(algos))
         per_rank = [split(b, len(items), r) for r, b in enumerate(bufs)]
         out = [None if a is None else a.combine([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
         if sig is not None:  # every rank got here: the layout is checked, later exchanges send it raw
@@ -92,7 +114,7 @@ class AllGather(Algorithm):
         placed = [layout.place(row[1:], r) for r, row in enumerate(table)]
         templates, nbytes = placed[comm.rank]
         buf = padded_buffer(templates, payloads, nbytes, max(n for _, n in placed), device)
-        rows = comm.all_gather(buf)
+        rows = comm.all_gather(buf, cls._finish_all(algos))
         flags = Flags(transaction.current())
         out = []
         for i, ((key, _, _), a) in enumerate(zip(items, algos)):
@@ -109,7 +131,7 @@ class AllGather(Algorithm):
     def _agreed(cls, comm, items, algos, error, layout, device):
         payloads = [None if a is None else a.payload for a in algos]
         buf, status = agreed_buffer(layout, payloads, device, error)
-        rows = comm.all_gather(buf)
+        rows = comm.all_gather(buf, cls._finish_all(algos))
         flags = Flags(transaction.current())
         flags.add(statuses(rows), status_problem)
         if isinstance(error, transaction.Deferred):  # which refusal: said here, when the flags are read
@@ -132,7 +154,8 @@ class AllGather(Algorithm):
 
     def run(self, table):
         sizes = header_sizes(table)[:, 0].tolist()
-        return self.combine(gather_bytes(self.comm, self.buf, sizes, exact=not self.comp.fixed_size))
+        return self.combine(gather_bytes(self.comm, self.buf, sizes, exact=not self.comp.fixed_size,
+                                         while_sending=self.finish_local))
 
     def combine(self, bufs):
         """Decode every rank's payload bytes (``bufs``, in rank order) and average them:
@@ -145,11 +168,15 @@ class AllGather(Algorithm):
     def average(self, payloads):
         """Average every rank's payload (``payloads`` in rank order, None for this rank's own):
         ``(average, sent)``."""
+        self.finish_local()
         with self.rec.timing("decompress"):
-            out = empty(self.payload.numel, self.dtype, self.device)
             if self.sent is None:  # every payload decoded, this rank's too: the compressor's combine
-                self.comp.decompress_mean_into([self.payload if p is None else p for p in payloads], out)
+                # fresh zeros cost no more than an empty buffer's first touch, and a sparse
+                # combine then writes only the positions sent
+                out = zeros(self.payload.numel, self.dtype, self.device)
+                self.comp.decompress_mean_into([self.payload if p is None else p for p in payloads], out, zeroed=True)
                 return out, self.sent
+            out = empty(self.payload.numel, self.dtype, self.device)
             for r, payload in enumerate(payloads):
                 if r != self.comm.rank:
                     self.comp.decompress_into(payload, out, accumulate=r > 0)

@@ -153,7 +153,11 @@ def start(cls: Type[Algorithm], tensor: Any, spec: Spec, comm: Comm, key: str, f
                verify=spec.verify)
     with comm.record.timing("compress"):
         acc = tensor.detach()
-        if in_place:
+        if in_place and cls.sums_in_place and hasattr(feedback, "in_place_sum"):
+            # the residual's sum with the gradient left to the compressor's first pass
+            acc, res = feedback.in_place_sum(acc, key)
+            algo.sum_of = (res, tensor.detach())
+        elif in_place:
             acc = feedback.accumulate_in_place(acc, key)
         elif feedback is not None:
             acc = feedback.accumulate(acc, key)

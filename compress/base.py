@@ -25,6 +25,10 @@ Optional hooks, each a faster form with a generic default, used where overridden
 - ``_compress_residual(flat, key, step) -> Encoded``: compress ``flat`` and leave
   ``flat - decoding`` in it, one pass. Overriding it is what makes :attr:`compresses_in_place`
   true, so error feedback keeps its residual in one buffer (``compress_residual``);
+- ``_compress_residual_sum(flat, a, b, key, step, defer) -> Encoded | None``: the same for
+  ``flat = a + b`` with the sum inside the compressor's first pass (error feedback's residual
+  plus gradient), or None where that form does not apply (the base then adds first); given a
+  list ``defer``, it may leave the residual's pass to a callable it appends there;
 - ``_decompress_into(payload, out, alpha, accumulate)``: add the decoding into a buffer;
 - ``_decode(payload, a, b)``: elements ``a:b`` of the decoding, so that ``_decompress_into`` can
   decode in cache-sized runs with :meth:`_decode_runs_into`;
@@ -259,14 +263,35 @@ class Compressor(_ReadsCapabilities, ABC):
         return payload, decoded.to(payload.dtype).reshape(payload.shape)
 
     def compress_residual(self, acc: torch.Tensor, key: Optional[str] = None, *,
-                          step: Optional[int] = None) -> Payload:
+                          step: Optional[int] = None,
+                          sum_of: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                          defer: Optional[List[Callable[[], None]]] = None) -> Payload:
         """Compress ``acc`` and leave the compression error in it: afterwards ``acc`` holds
         ``acc - decompress(payload)``, bit for bit up to the sign of a NaN. Changes ``acc``, which
         must be contiguous; error feedback's residual update without a decoded temporary (one
-        pass where :attr:`compresses_in_place`)."""
+        pass where :attr:`compresses_in_place`).
+
+        ``sum_of=(a, b)`` (tensors of ``acc``'s shape and dtype; either may be ``acc``): ``acc``
+        is first overwritten with ``a + b``, the bits of ``torch.add(a, b, out=acc)``, inside
+        the compressor's first pass where it has that form (one pass over memory fewer).
+        ``defer`` (a list, with ``sum_of``): the compressor may append a callable that completes
+        ``acc``'s residual later, the payload being complete already; the caller runs it before
+        anything reads ``acc`` (a collective: while the payload is on the wire)."""
         self._check_input(acc)
         if not acc.is_contiguous():
             raise ValueError(f"{self.name}: compress_residual needs a contiguous tensor to update in place")
+        if sum_of is not None:
+            a, b = (t.detach() for t in sum_of)
+            if a.shape != acc.shape or b.shape != acc.shape or a.dtype != acc.dtype or b.dtype != acc.dtype:
+                raise ValueError(f"{self.name}: compress_residual's sum_of must match acc's shape and dtype")
+            if self.compresses_in_place and acc.numel() and a.is_contiguous() and b.is_contiguous():
+                skey, step = self._step(key, step)
+                enc = self._compress_residual_sum(acc.detach().view(-1), a.view(-1), b.view(-1), skey, step, defer)
+                if enc is not None:
+                    return Payload(self.name, tuple(acc.shape), acc.dtype, list(enc.tensors), dict(enc.meta),
+                                   self.payloads_checked)
+                return self._compress_residual_now(torch.add(a, b, out=acc), skey, step)
+            torch.add(a, b, out=acc)
         if not self.compresses_in_place:
             payload, decoded = self.compress_decoded(acc, key, step=step)
             # the payload must not see the subtraction below (a compressor may send views of acc)
@@ -277,7 +302,10 @@ class Compressor(_ReadsCapabilities, ABC):
         flat = acc.detach().view(-1)
         if not flat.numel():
             return self._run(acc, key, step, want_decoded=False)[0]
-        tensors, meta, _ = self._compress_residual(flat, skey, step)
+        return self._compress_residual_now(acc, skey, step)
+
+    def _compress_residual_now(self, acc: torch.Tensor, skey: str, step: int) -> Payload:
+        tensors, meta, _ = self._compress_residual(acc.detach().view(-1), skey, step)
         return Payload(self.name, tuple(acc.shape), acc.dtype, list(tensors), dict(meta), self.payloads_checked)
 
     def count(self, key: Optional[str]) -> int:
@@ -343,11 +371,13 @@ class Compressor(_ReadsCapabilities, ABC):
             self._decompress_into(payload, flat, float(alpha), bool(accumulate))
         return out
 
-    def decompress_mean_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor:
+    def decompress_mean_into(self, payloads: Sequence[Payload], out: torch.Tensor, *,
+                             zeroed: bool = False) -> torch.Tensor:
         """``out`` = the mean of the payloads' decodings, a collective's combine: the bits of
         ``decompress_into`` of each in turn (the first writing) and one ``out.div_``. A
         compressor may override it with one pass (the sign family and top-k on large CPU
-        tensors do)."""
+        tensors do). ``zeroed``: ``out`` holds +0.0 everywhere (a fresh zeroed buffer), which a
+        combine that starts from zeros need not write again."""
         for r, payload in enumerate(payloads):
             self.decompress_into(payload, out, accumulate=r > 0)
         return out.div_(len(payloads))
@@ -435,6 +465,14 @@ class Compressor(_ReadsCapabilities, ABC):
         """Encode ``flat`` and subtract the decoding from it in place; overriding it makes
         :attr:`compresses_in_place` true. Never called otherwise."""
         raise NotImplementedError(f"{self.name}: _compress_residual is not overridden; call compress_residual")
+
+    def _compress_residual_sum(self, flat: torch.Tensor, a: torch.Tensor, b: torch.Tensor, key: str,
+                               step: int, defer: Optional[List[Callable[[], None]]] = None) -> Optional[Encoded]:
+        """``_compress_residual`` of ``flat = a + b`` (flat, contiguous, one dtype; ``a`` or ``b``
+        may be ``flat``) with the sum inside the first pass, or None (nothing written) where this
+        compressor has no such form for these tensors. With a list ``defer`` it may append a
+        callable that does the residual's pass and return the payload before it. By default None."""
+        return None
 
     def _decompress_into(self, payload: Payload, out: torch.Tensor, alpha: float, accumulate: bool) -> None:
         """``decompress_into`` on a flat ``out``; subclasses override with a pass that needs no

@@ -278,6 +278,15 @@ class ErrorFeedback(_Feedback):
         """Add ``tensor`` to the residual of ``key`` and return the residual itself: compress it
         with ``compressor.compress_residual`` (whole or in pieces), which leaves the new
         residual there. Only when :meth:`keeps_residual_in_place` says so."""
+        buf, res = self.in_place_sum(tensor, key)
+        # the same bits and passes as res.add_(tensor); inside a transaction into the other buffer
+        return torch.add(res, tensor.detach(), out=buf)
+
+    def in_place_sum(self, tensor: torch.Tensor, key: Optional[str]) -> Tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`accumulate_in_place` with the sum left to the caller: ``(buf, res)``, where
+        ``buf`` is to hold ``res + tensor`` (``res``, the residual of ``key``, itself outside a
+        transaction) — for ``compressor.compress_residual(buf, key, sum_of=(res, tensor))``,
+        which adds inside its first pass."""
         self.compressor._check_input(tensor)
         if not self.keeps_residual_in_place(tensor):
             raise ValueError(f"ef: {self.compressor.name} on a {tensor.dtype} tensor cannot update its residual in "
@@ -286,13 +295,13 @@ class ErrorFeedback(_Feedback):
         res = self._slot(skey, tensor)
         if not res.is_contiguous():  # e.g. loaded from a state_dict; the compressor needs it flat
             res = self._set(skey, res.contiguous())
-        # the same bits and passes as res.add_(tensor); inside a transaction into the other buffer
-        return torch.add(res, tensor.detach(), out=self._writable(skey))
+        return self._writable(skey), res
 
     def _compress_step(self, tensor: torch.Tensor, key: Optional[str], step: Optional[int]) -> Payload:
         """Compress ``tensor + residual``; the residual becomes the new compression error."""
         if isinstance(tensor, torch.Tensor) and self.keeps_residual_in_place(tensor):
-            return self.compressor.compress_residual(self.accumulate_in_place(tensor, key), key, step=step)
+            buf, res = self.in_place_sum(tensor, key)
+            return self.compressor.compress_residual(buf, key, step=step, sum_of=(res, tensor.detach()))
         acc = self.accumulate(tensor, key)
         payload, decoded = self._send(acc, tensor.dtype, key, step)
         self.update(key, acc, decoded)

@@ -21,7 +21,7 @@ from gradcomp.kernels.sign import sign_pack, sign_unpack_values
 
 from .base import Capabilities, Compressor, Encoded, tensor_spec
 from .payload import Payload
-from .transaction import refuse
+from .transaction import refuse, vouch_finite
 
 _FP32_BOUNDED = (torch.float32, torch.float16, torch.bfloat16)  # input dtypes whose values fit the fp32 wire
 
@@ -54,6 +54,11 @@ class SignCompressor(Compressor):
         x, nonfinite = self._signal(flat, key)
         stats = "none" if nonfinite is True else self.stats
         bits, sums = cpu.sign_pack(x, stats) if cpu.applies(x.numel(), x) else sign_pack(x, stats)
+        return self._encoded(flat, x, nonfinite, bits, sums, want_decoded)
+
+    def _encoded(self, flat, x, nonfinite, bits, sums, want_decoded):
+        """The payload of the packed ``bits`` of ``x`` (the sent tensor: ``flat`` or its
+        signal) and their ``sums``."""
         if nonfinite is True:
             wire = torch.full((self.n_values,), math.nan, dtype=torch.float32, device=flat.device)
         else:
@@ -73,12 +78,25 @@ class SignCompressor(Compressor):
         return Encoded([bits, wire], {}, decoded)
 
     def _compress_residual(self, flat, key, step):
-        tensors, meta, _ = self._compress(flat, tuple(flat.shape), key, step, False)
-        bits, values = tensors
+        return self._subtract(flat, self._compress(flat, tuple(flat.shape), key, step, False))
+
+    def _compress_residual_sum(self, flat, a, b, key, step, defer=None):
+        # the sent tensor must be flat itself (no signal of its own, e.g. signum's momentum)
+        if type(self)._signal is not SignCompressor._signal or not cpu.applies(flat.numel(), flat, a, b):
+            return None
+        bits, sums = cpu.sign_pack_sum(a, b, flat, self.stats)
+        enc = self._encoded(flat, flat, False, bits, sums, False)
+        if defer is None:
+            return self._subtract(flat, enc)
+        defer.append(lambda: self._subtract(flat, enc))  # the payload needs no more of flat
+        return Encoded(enc.tensors, enc.meta)
+
+    def _subtract(self, flat, enc):
+        bits, values = enc.tensors
         pair = self._pair(values, flat.dtype)
         # flat - decoded, as flat + (-decoded): negation is exact, so these are the same bits
         _decode_into(bits, flat.numel(), -pair, flat, True)
-        return Encoded(tensors, meta)
+        return Encoded(enc.tensors, enc.meta)
 
     @classmethod
     def _pair(cls, values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -101,7 +119,8 @@ class SignCompressor(Compressor):
         pair = self._pair(values, payload.dtype)  # rounded as decompress rounds them
         _decode_into(bits, payload.numel, pair * alpha, out, accumulate)
 
-    def decompress_mean_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor:
+    def decompress_mean_into(self, payloads: Sequence[Payload], out: torch.Tensor, *,
+                             zeroed: bool = False) -> torch.Tensor:
         """``out`` = the mean of the payloads' decodings (a collective's combine): the bits of
         ``decompress_into`` of each in turn (the first writing) and ``out.div_(len(payloads))``,
         in one pass over ``out`` where the fused CPU loops apply."""
@@ -110,7 +129,8 @@ class SignCompressor(Compressor):
                 not cpu.applies(out.numel(), out, *bits) or any(p.numel != out.numel() for p in payloads)):
             return mean_into(self, payloads, out)
         values = [self._pair(p.tensors[1], p.dtype) for p in payloads]
-        cpu.sign_decode_mean(bits, values, out.view(-1), len(payloads))
+        if cpu.sign_decode_mean(bits, values, out.view(-1), len(payloads)):
+            vouch_finite(out)
         return out
 
     def _wire_bytes(self, numel):

@@ -23,6 +23,7 @@ from .base import Capabilities, Compressor, CompressorConfig, Encoded
 from .payload import Payload
 from .registry import register
 from .sign import mean_into
+from .transaction import vouch_finite
 from .sparse import (check_sparse, decode_sparse, decode_sparse_into, ratio_option, sparse_on_device, sparse_payload,
                      sparse_residual)
 
@@ -56,13 +57,20 @@ class TopK(Compressor):
     def _compress_residual(self, flat, key, step):
         return Encoded(sparse_residual(flat, self._select(flat, self._k(flat.numel()), key, step)), {})
 
+    def _compress_residual_sum(self, flat, a, b, key, step, defer=None):
+        k = self._k(flat.numel())
+        if type(self)._select is not TopK._select or not (0 < 4 * k < flat.numel() and cpu.applies(flat.numel(), flat, a, b)):
+            return None
+        return Encoded(sparse_residual(flat, cpu.topk_abs_indices(flat, k, sum_of=(a, b))), {})
+
     def _decompress(self, payload):
         return decode_sparse(payload)
 
     def _decompress_into(self, payload, out, alpha, accumulate):
         decode_sparse_into(payload, out, alpha, accumulate)
 
-    def decompress_mean_into(self, payloads: Sequence[Payload], out: torch.Tensor) -> torch.Tensor:
+    def decompress_mean_into(self, payloads: Sequence[Payload], out: torch.Tensor, *,
+                             zeroed: bool = False) -> torch.Tensor:
         """``out`` = the mean of the payloads' decodings, with the bits of
         ``SignCompressor.decompress_mean_into``'s reference (decode each in turn, divide once);
         where the fused CPU loops apply, zeros and one visit of each sent position, no dense
@@ -75,7 +83,8 @@ class TopK(Compressor):
             if not p.checked:  # range and strict order: what the merge relies on
                 check_sparse(p, self.name)
         values = [p.tensors[0].to(p.dtype).to(out.dtype) for p in payloads]
-        cpu.sparse_mean([p.tensors[1] for p in payloads], values, out.view(-1), len(payloads))
+        if cpu.sparse_mean([p.tensors[1] for p in payloads], values, out.view(-1), len(payloads), zeroed):
+            vouch_finite(out)
         return out
 
     def _wire_bytes(self, numel):

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,6 +46,9 @@ class Transaction:
         self._seen: Dict[Tuple[int, Any], bool] = {}
         self._witnesses: List[torch.Tensor] = []  # device scalars: each observed result's min and max
         self._flags: List[Tuple[torch.Tensor, Callable[[List[int]], str]]] = []  # device flags, what they mean
+        # results whose witness their combine computed on the way (see vouch): the tensor (held,
+        # so its memory is not reused while this lives), its version then, the witness
+        self._vouched: List[Tuple[torch.Tensor, int, torch.Tensor]] = []
         self._verdict: Optional[Tuple[bool, List[str]]] = None
         self.failed = False  # an exchange of this step raised
 
@@ -66,7 +69,7 @@ class Transaction:
         without reading anything back: the witnesses stay on the tensors' device until
         :attr:`finite` is read, once for the whole transaction (one host sync per iteration on
         the GPU, however many buckets it has)."""
-        self._witnesses += _witnesses(results)
+        self._witnesses += _witnesses(results, self._vouched)
         self._verdict = None
 
     def flag(self, bad: torch.Tensor, problem: Callable[[List[int]], str]) -> None:
@@ -128,7 +131,7 @@ class Transaction:
     def _clear(self) -> None:
         self._undo.clear()
         self._seen.clear()
-        self._witnesses, self._flags, self._verdict = [], [], None
+        self._witnesses, self._flags, self._verdict, self._vouched = [], [], None, []
         self.failed = False
 
     @contextlib.contextmanager
@@ -281,14 +284,45 @@ def step() -> Iterator[Step]:
         raise ValueError("; ".join(problems))
 
 
-def _witnesses(results: Any) -> List[torch.Tensor]:
+def vouch(t: torch.Tensor, witness: torch.Tensor) -> None:
+    """Tell the open transaction (if any) that ``witness`` (a float64 device tensor, finite
+    exactly when every element of ``t`` is) is ``t``'s: a combine that learnt it on its way
+    (e.g. from the few values a sign mean is made of) spares :meth:`Transaction.observe` its
+    pass over ``t``. It holds while ``t``'s version counter stands: an in-place change of
+    ``t`` or a view of it voids it. Observing any tensor over exactly ``t``'s memory uses it."""
+    txn = _current.get()
+    if txn is not None and t.is_contiguous() and t.numel():
+        txn._vouched.append((t, t._version, witness))
+
+
+def vouch_finite(t: torch.Tensor) -> None:
+    """:func:`vouch` that ``t`` (a CPU tensor whose every element its combine saw) is finite."""
+    vouch(t, torch.zeros(1, dtype=torch.float64, device=t.device))
+
+
+def _vouched_for(t: torch.Tensor, vouched: Sequence[Tuple[torch.Tensor, int, torch.Tensor]]) -> Optional[torch.Tensor]:
+    if not vouched or not t.is_contiguous():
+        return None
+    for v, version, witness in vouched:
+        if (v.data_ptr() == t.data_ptr() and v.dtype == t.dtype and v.numel() == t.numel()
+                and v._version == version):
+            return witness
+    return None
+
+
+def _witnesses(results: Any, vouched: Sequence[Tuple[torch.Tensor, int, torch.Tensor]] = ()) -> List[torch.Tensor]:
     """Each floating-point tensor's minimum and maximum, in float64, on its device: all of
     them are finite exactly when every element is (a NaN propagates, an infinity is an
-    extreme, and no sum can overflow), one read-only pass per tensor."""
+    extreme, and no sum can overflow), one read-only pass per tensor; or what a combine
+    vouched for (see :func:`vouch`)."""
     tensors = [results] if isinstance(results, torch.Tensor) else list(results)
     out = []
     for t in tensors:
         if t is not None and t.numel() and t.is_floating_point():
+            known = _vouched_for(t.detach(), vouched)
+            if known is not None:
+                out.append(known)
+                continue
             lo, hi = torch.aminmax(t.detach().reshape(-1))
             out.append(torch.stack([lo, hi]).double())
     return out

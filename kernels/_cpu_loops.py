@@ -28,6 +28,13 @@ def lanes(v: float, mode: int) -> Tuple[float, float]:
 
 @_jit
 def pack(x: Any, bits: Any, mode: int) -> Tuple[float, float]:
+    return pack_sum(x, x, x, bits, mode, False)
+
+
+@_jit
+def pack_sum(a: Any, b: Any, x: Any, bits: Any, mode: int, add: bool) -> Tuple[float, float]:
+    # with ``add``, x = a + b first, 64 elements at a time (still in L1 when they are packed):
+    # error feedback's sum and the pack in one pass over memory; without, x alone is read
     n = x.size
     words = n // 64
     w = bits[:words * 8].view(np.uint64)
@@ -37,43 +44,48 @@ def pack(x: Any, bits: Any, mode: int) -> Tuple[float, float]:
     q0 = q1 = q2 = q3 = q4 = q5 = q6 = q7 = 0.0
     for j in range(words):
         base = 64 * j
-        b = np.uint64(0)
+        if add:
+            for i in range(base, base + 64):
+                x[i] = a[i] + b[i]
+        word = np.uint64(0)
         for i in range(64):
-            b |= np.uint64(x[base + i] >= 0) << np.uint64(i)
-        w[j] = b
+            word |= np.uint64(x[base + i] >= 0) << np.uint64(i)
+        w[j] = word
         if mode != 0:
             for i in range(base, base + 64, 8):
-                a, c = lanes(np.float64(x[i]), mode)
-                p0 += a
+                u, c = lanes(np.float64(x[i]), mode)
+                p0 += u
                 q0 += c
-                a, c = lanes(np.float64(x[i + 1]), mode)
-                p1 += a
+                u, c = lanes(np.float64(x[i + 1]), mode)
+                p1 += u
                 q1 += c
-                a, c = lanes(np.float64(x[i + 2]), mode)
-                p2 += a
+                u, c = lanes(np.float64(x[i + 2]), mode)
+                p2 += u
                 q2 += c
-                a, c = lanes(np.float64(x[i + 3]), mode)
-                p3 += a
+                u, c = lanes(np.float64(x[i + 3]), mode)
+                p3 += u
                 q3 += c
-                a, c = lanes(np.float64(x[i + 4]), mode)
-                p4 += a
+                u, c = lanes(np.float64(x[i + 4]), mode)
+                p4 += u
                 q4 += c
-                a, c = lanes(np.float64(x[i + 5]), mode)
-                p5 += a
+                u, c = lanes(np.float64(x[i + 5]), mode)
+                p5 += u
                 q5 += c
-                a, c = lanes(np.float64(x[i + 6]), mode)
-                p6 += a
+                u, c = lanes(np.float64(x[i + 6]), mode)
+                p6 += u
                 q6 += c
-                a, c = lanes(np.float64(x[i + 7]), mode)
-                p7 += a
+                u, c = lanes(np.float64(x[i + 7]), mode)
+                p7 += u
                 q7 += c
     for k in range(words * 8, bits.size):
         b8 = np.uint8(0)
         for i in range(8 * k, min(8 * k + 8, n)):
+            if add:
+                x[i] = a[i] + b[i]
             b8 |= np.uint8(x[i] >= 0) << np.uint8(i - 8 * k)
             if mode != 0:
-                a, c = lanes(np.float64(x[i]), mode)
-                p0 += a
+                u, c = lanes(np.float64(x[i]), mode)
+                p0 += u
                 q0 += c
         bits[k] = b8
     return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
@@ -105,7 +117,6 @@ def decode(bits: Any, table: Any, out: Any, accumulate: bool) -> None:
 def at_least(bits: Any, key: Any, mask: Any, out: Any) -> int:
     # 64 branch-free compares into a word (a loop the compiler vectorises), then only its
     # set bits, lowest first (de Bruijn: the position of the lowest set bit)
-    cap = out.size
     n = bits.size
     found = 0
     words = n // 64
@@ -114,17 +125,46 @@ def at_least(bits: Any, key: Any, mask: Any, out: Any) -> int:
         w = np.uint64(0)
         for i in range(64):
             w |= np.uint64((bits[base + i] & mask) >= key) << np.uint64(i)
-        while w:
-            low = w & (~w + np.uint64(1))
-            if found < cap:
-                out[found] = base + lowest[(low * debruijn) >> np.uint64(58)]
-            found += 1
-            w ^= low
+        found = positions(w, base, out, found)
     for i in range(64 * words, n):
         if (bits[i] & mask) >= key:
-            if found < cap:
-                out[found] = i
-            found += 1
+            found = positions(np.uint64(1), i, out, found)
+    return found
+
+
+@_jit
+def positions(w: Any, base: int, out: Any, found: int) -> int:
+    # the set bits of word w, lowest first, as base + bit into out from out[found] on (those
+    # beyond its size only counted); the new count
+    cap = out.size
+    while w:
+        low = w & (~w + np.uint64(1))
+        if found < cap:
+            out[found] = base + lowest[(low * debruijn) >> np.uint64(58)]
+        found += 1
+        w ^= low
+    return found
+
+
+@_jit
+def at_least_sum(a: Any, b: Any, x: Any, t: float, out: Any) -> int:
+    # x = a + b, 64 at a time, and at_least's positions of the sum (|x| >= t or NaN, t >= 0),
+    # compared as floats: for t >= 0 the same set as at_least's compare of the bits
+    n = x.size
+    found = 0
+    words = n // 64
+    for j in range(words):
+        base = 64 * j
+        for i in range(base, base + 64):
+            x[i] = a[i] + b[i]
+        w = np.uint64(0)
+        for i in range(64):
+            w |= np.uint64(not abs(x[base + i]) < t) << np.uint64(i)
+        found = positions(w, base, out, found)
+    for i in range(64 * words, n):
+        x[i] = a[i] + b[i]
+        if not abs(x[i]) < t:
+            found = positions(np.uint64(1), i, out, found)
     return found
 
 
@@ -167,22 +207,52 @@ def decode_mean(bits: Any, tables: Any, out: Any, divisor: Any) -> None:
 
 
 @_jit
-def sparse_mean(indices: Any, values: Any, starts: Any, out: Any, divisor: Any) -> None:
+def decode_pair(b0: Any, b1: Any, lut: Any, out: Any) -> None:
+    # two ranks' sign bits into their mean: an element's value depends on its two bits only,
+    # so a 16 x 16 table of nibble pairs (4 values each, 4 KB) gives 4 elements per look-up
+    # (built by the caller with the arithmetic of decode_mean: the same bits)
+    n = out.size
+    full = n // 8
+    for j in range(full):
+        x0 = np.int64(b0[j])
+        x1 = np.int64(b1[j])
+        lo = ((x0 & 15) << 4) | (x1 & 15)
+        hi = (x0 & 240) | (x1 >> 4)
+        base = 8 * j
+        for i in range(4):
+            out[base + i] = lut[lo, i]
+        for i in range(4):
+            out[base + 4 + i] = lut[hi, i]
+    for k in range(8 * full, n):
+        i = k - 8 * full
+        shift = 4 * (i >> 2)
+        x0 = (np.int64(b0[full]) >> shift) & 15
+        x1 = (np.int64(b1[full]) >> shift) & 15
+        out[k] = lut[(x0 << 4) | x1, i & 3]
+
+
+@_jit
+def sparse_mean(indices: Any, values: Any, starts: Any, out: Any, divisor: Any) -> int:
     # out is zero; payload r holds indices[starts[r]:starts[r + 1]] (strictly increasing) and
     # values alike. A merge of the R sorted runs visits each position once, adds its values in
     # rank order onto 0 (as scattering each payload into zeros in turn does) and divides.
+    # Returns how many of the values written are not finite.
     ranks = starts.size - 1
     pos = starts[:-1].copy()
+    bad = 0
     while True:
         low = -1
         for r in range(ranks):
             if pos[r] < starts[r + 1] and (low < 0 or indices[pos[r]] < low):
                 low = indices[pos[r]]
         if low < 0:
-            return
+            return bad
         acc = out[low]  # +0.0
         for r in range(ranks):
             if pos[r] < starts[r + 1] and indices[pos[r]] == low:
                 acc += values[pos[r]]
                 pos[r] += 1
-        out[low] = acc / divisor
+        v = acc / divisor
+        out[low] = v
+        if not np.isfinite(v):
+            bad += 1

@@ -75,8 +75,22 @@ def sign_pack(x: torch.Tensor, stats: str) -> Tuple[torch.Tensor, torch.Tensor]:
     n = x.numel()
     bits = np.empty((n + 7) // 8, dtype=np.uint8)
     s0, s1 = _get().pack(x.numpy(), bits, _STATS[stats])
-    count = (0, 1, 1, 2)[_STATS[stats]]
-    return torch.from_numpy(bits), torch.tensor([s0, s1][:count], dtype=torch.float64)
+    return torch.from_numpy(bits), _sums(s0, s1, stats)
+
+
+def sign_pack_sum(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor,
+                  stats: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``torch.add(a, b, out=out)`` and then :func:`sign_pack` of ``out``, in one pass over
+    memory (the same bits as the two apart); 1-D contiguous CPU tensors of one float dtype,
+    ``out`` may be ``a`` or ``b``."""
+    n = out.numel()
+    bits = np.empty((n + 7) // 8, dtype=np.uint8)
+    s0, s1 = _get().pack_sum(a.numpy(), b.numpy(), out.numpy(), bits, _STATS[stats], True)
+    return torch.from_numpy(bits), _sums(s0, s1, stats)
+
+
+def _sums(s0: float, s1: float, stats: str) -> torch.Tensor:
+    return torch.tensor([s0, s1][:(0, 1, 1, 2)[_STATS[stats]]], dtype=torch.float64)
 
 
 def sign_decode(bits: torch.Tensor, values: torch.Tensor, out: torch.Tensor, accumulate: bool) -> torch.Tensor:
@@ -94,36 +108,51 @@ def _table(values: torch.Tensor, dtype: torch.dtype) -> np.ndarray:
 
 
 def sign_decode_mean(bits: List[torch.Tensor], values: List[torch.Tensor], out: torch.Tensor,
-                     divisor: int) -> torch.Tensor:
+                     divisor: int) -> bool:
     """``out = (decode_0 + decode_1 + ...) / divisor`` for sign payloads (``bits[r]``, decode
     values ``values[r]`` as in :func:`sign_decode`), summed in rank order: the bits of decoding
-    each into ``out`` in turn and dividing once, in one pass over ``out``."""
+    each into ``out`` in turn and dividing once, in one pass over ``out``. True when ``out`` is
+    known to be finite without looking (two payloads whose four possible means are finite),
+    False when that is not known."""
     tables = np.stack([_table(v, out.dtype) for v in values])
-    _get().decode_mean(np.stack([b.numpy() for b in bits]), tables, out.numpy(), tables.dtype.type(divisor))
-    return out
+    divisor = tables.dtype.type(divisor)
+    if len(bits) == 2:  # by nibble pairs: each of the 256 x 4 values is decode_mean's own sum and quotient
+        lut = (tables[0, :16, None, :4] + tables[1, None, :16, :4]) / divisor
+        _get().decode_pair(bits[0].numpy(), bits[1].numpy(), np.ascontiguousarray(lut.reshape(256, 4)), out.numpy())
+        return bool(np.isfinite(lut).all())  # every element is one of these (host values: no sync)
+    _get().decode_mean(np.stack([b.numpy() for b in bits]), tables, out.numpy(), divisor)
+    return False
 
 
 def sparse_mean(indices: List[torch.Tensor], values: List[torch.Tensor], out: torch.Tensor,
-                divisor: int) -> torch.Tensor:
+                divisor: int, zeroed: bool = False) -> bool:
     """``out = (scatter_0 + scatter_1 + ...) / divisor`` for sparse payloads whose indices are
     strictly increasing and in range (checked by the caller) and whose values are in ``out``'s
     dtype: zeros, then each position touched once, its values added in rank order; the bits of
-    scattering each payload into zeros in turn and dividing the whole tensor."""
+    scattering each payload into zeros in turn and dividing the whole tensor. ``zeroed``: ``out``
+    holds +0.0 everywhere already (not written again). True when every element of ``out`` is
+    finite (the loop sees each value it writes)."""
     starts = np.cumsum([0] + [i.numel() for i in indices]).astype(np.int64)
-    out.zero_()
-    _get().sparse_mean(np.concatenate([i.numpy() for i in indices]).astype(np.int64),
-                       np.concatenate([v.numpy() for v in values]), starts, out.numpy(),
-                       out.numpy().dtype.type(divisor))
-    return out
+    if not zeroed:
+        out.zero_()
+    bad = _get().sparse_mean(np.concatenate([i.numpy() for i in indices]).astype(np.int64),
+                             np.concatenate([v.numpy() for v in values]), starts, out.numpy(),
+                             out.numpy().dtype.type(divisor))
+    return bad == 0
 
 
-def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
+def topk_abs_indices(x: torch.Tensor, k: int, sum_of: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """``kernels.select.topk_abs_indices(x, k)`` (the same indices: the exact top-k by magnitude,
     ties to the lowest positions) with the candidate pass fused into one loop; ``x``: 1-D
-    contiguous, ``0 < k``, ``4 k < numel``."""
+    contiguous, ``0 < k``, ``4 k < numel``. ``sum_of=(a, b)`` (1-D contiguous, ``x``'s dtype,
+    either may be ``x``): ``x`` is first overwritten with ``a + b`` (``torch.add``'s bits), in
+    the candidate pass itself."""
     n = x.numel()
     stride = max(16, n // _SAMPLE)
-    sample = x[stride // 2::stride].abs()
+    if sum_of is None:
+        sample = x[stride // 2::stride].abs()
+    else:  # the sum's own elements: the same sample
+        sample = torch.add(sum_of[0][stride // 2::stride], sum_of[1][stride // 2::stride]).abs_()
     s = sample.numel()
     # the sample element used as threshold: as kernels.select chooses it, a little low
     mean = s * k / n
@@ -132,11 +161,26 @@ def topk_abs_indices(x: torch.Tensor, k: int) -> torch.Tensor:
         t = float(torch.kthvalue(sample, s - rank + 1).values)
         if math.isnan(t):
             break
-        idx = _at_least(x, t, n * rank // s)
+        if sum_of is not None:
+            idx, sum_of = _at_least_sum(sum_of, x, t, n * rank // s), None
+        else:
+            idx = _at_least(x, t, n * rank // s)
         if idx.numel() >= k:
             return _exact_cpu(x.index_select(0, idx).abs(), idx, k)
         rank *= 4
+    if sum_of is not None:
+        torch.add(sum_of[0], sum_of[1], out=x)
     return topk_abs_indices_reference(x, k)
+
+
+def _at_least_sum(sum_of: Tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, t: float, expect: int) -> torch.Tensor:
+    """:func:`_at_least` of ``x`` after ``x = a + b``, written in the same pass."""
+    cap = expect + (expect >> 3) + 1024
+    out = np.empty(cap, dtype=np.int64)
+    found = _get().at_least_sum(sum_of[0].numpy(), sum_of[1].numpy(), x.numpy(), max(t, 0.0), out)
+    if found <= cap:
+        return torch.from_numpy(out[:found])
+    return _at_least(x, t, found)  # the estimate was low: x holds the sum, once more with room for all
 
 
 def _at_least(x: torch.Tensor, t: float, expect: int) -> torch.Tensor:

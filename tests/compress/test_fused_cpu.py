@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 import torch
 
-from gradcomp.compress import ErrorFeedback, get_compressor
+from gradcomp.compress import ErrorFeedback, available_compressors, get_compressor, transaction
 from gradcomp.compress import sign as sign_compressor
 from gradcomp.compress.sign import mean_into
 from gradcomp.kernels import cpu, select, sign
@@ -150,3 +150,101 @@ def test_mean_of_payloads_matches_decoding_each_in_turn(name):
         bad.tensors[1][-1] = 4099 + 5
         with cpu.threshold(1), pytest.raises(ValueError, match="indices must lie"):
             c.decompress_mean_into([payloads[0], bad], torch.zeros(4099))
+
+
+def _same(a, b):
+    """Equal bits, NaNs equal wherever both are NaN (their sign and payload may differ)."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_pack_with_the_sum_in_its_pass_is_add_then_pack(dtype):
+    for n in SIZES:
+        a, b = _data(n, dtype, n), _data(n, dtype, n + 1)
+        if n > 100:
+            a[40], b[41], a[42], b[42] = float("nan"), float("inf"), -0.0, 0.0
+        for stats in sign.STATS:
+            for alias in (False, True):  # out may be one of the operands (error feedback outside a transaction)
+                aa = a.clone()
+                out = aa if alias else torch.empty(n, dtype=dtype)
+                bits, sums = cpu.sign_pack_sum(aa, b, out, stats)
+                ref = a + b
+                rbits, rsums = cpu.sign_pack(ref, stats)
+                assert _same(out, ref) and torch.equal(bits, rbits) and _same(sums, rsums), (n, stats, alias)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_candidate_pass_with_the_sum_selects_the_topk_of_the_sum(dtype):
+    for n, k in [(4099, 1), (4099, 40), (100_000, 1000), (65, 16)]:
+        a, b = _data(n, dtype, k), _data(n, dtype, k + 7)
+        b[::7] = -a[::7] + a[2]  # many ties at one magnitude
+        out = torch.empty(n, dtype=dtype)
+        idx = cpu.topk_abs_indices(out, k, sum_of=(a, b))
+        assert torch.equal(out, a + b) and torch.equal(idx, select.topk_abs_indices(a + b, k)), (n, k)
+    # a constant sum (every element ties; the estimate is too low, so the pass runs again on x)
+    ones = torch.ones(40_000, dtype=dtype)
+    out = torch.empty_like(ones)
+    assert torch.equal(cpu.topk_abs_indices(out, 900, sum_of=(ones, ones)), torch.arange(900))
+    assert torch.equal(out, ones + ones)
+
+
+def _in_place_names():
+    return [n for n in available_compressors() if get_compressor(n).compresses_in_place]
+
+
+@pytest.mark.parametrize("name", _in_place_names())
+def test_compress_residual_of_a_sum_is_adding_first(name):
+    """``compress_residual(acc, sum_of=(a, b))``, fused or not, deferred or not: the payload and
+    residual of ``torch.add(a, b, out=acc)`` and then ``compress_residual(acc)``."""
+    for threshold in (1, NEVER):
+        for n in (9, 65, 4099):
+            for dtype in (torch.float32, torch.float64):
+                a, b = _data(n, dtype, n), _data(n, dtype, 2 * n)
+                if n > 100:
+                    a[7], a[9] = float("nan"), float("inf")
+                with cpu.threshold(threshold):
+                    ref_acc = torch.add(a, b)
+                    ref = get_compressor(name).compress_residual(ref_acc, "k")
+                    for alias in (False, True):
+                        for deferred in (False, True):
+                            aa = a.clone()
+                            acc = aa if alias else torch.empty(n, dtype=dtype)
+                            later: list = []
+                            p = get_compressor(name).compress_residual(acc, "k", sum_of=(aa, b),
+                                                                       defer=later if deferred else None)
+                            for run in later:
+                                run()
+                            where = (name, threshold, n, dtype, alias, deferred)
+                            assert all(_same(x, y) for x, y in zip(p.tensors, ref.tensors)), where
+                            assert _same(acc, ref_acc), where
+    with pytest.raises(ValueError, match="sum_of must match"):
+        get_compressor(name).compress_residual(torch.zeros(8), sum_of=(torch.zeros(8), torch.zeros(9)))
+
+
+def test_combines_vouch_for_their_finite_means_only():
+    """The two-payload sign mean and the sparse mean tell the open transaction their result is
+    finite when it is (no pass of its own over the result); a non-finite mean is not vouched
+    for, and an in-place change of the result voids what was."""
+    n = 4099
+    with cpu.threshold(1):
+        for name in ("onebit", "topk"):
+            c = get_compressor(name)
+            payloads = [c.compress(_data(n, torch.float32, s)) for s in (1, 2)]
+            for poison in (None, "nan", "inf"):
+                ps = list(payloads)
+                if poison is not None:
+                    bad = ps[1].tensors[1 if name == "onebit" else 0].clone()
+                    bad[0] = float(poison)
+                    ps[1] = dataclasses.replace(ps[1], tensors=[ps[1].tensors[0], bad] if name == "onebit"
+                                                else [bad, ps[1].tensors[1]])
+                txn = transaction.Transaction()
+                with txn.active():
+                    out = c.decompress_mean_into(ps, torch.zeros(n), zeroed=True)
+                    assert bool(txn._vouched) == (poison is None), (name, poison)
+                    txn.observe(out.view(1, n))  # a view over the same memory: the vouched witness
+                    assert txn.finite == bool(torch.isfinite(out).all()), (name, poison)
+                    if poison is None:
+                        out[5] = float("inf")  # an in-place change: the witness no longer holds
+                        txn.observe(out)
+                        assert not txn.finite
+                txn.rollback()

@@ -17,6 +17,7 @@ from gradcomp.collectives import allreduce, allreduce_fused
 from gradcomp.compress import EF21, DGCMomentum, ErrorFeedback, available_compressors, get_compressor
 from gradcomp.compress import transaction
 from gradcomp.compress.error_feedback import to_finite
+from gradcomp.kernels import cpu
 
 OPTIONS = {"powersgd": {"rank": 2}, "topk": {"ratio": 0.05}, "randomk": {"ratio": 0.1}, "dgc": {"ratio": 0.05}}
 SINGLE_ROUND = [n for n in available_compressors() if n != "powersgd"]
@@ -87,11 +88,20 @@ def test_feedback_compress_skips_nonfinite_step(kind, name, value):
 @pytest.mark.parametrize("kind,name", [("ef", "topk"), ("ef", "onebit"), ("ef", "int8"), ("ef", "powersgd"),
                                        ("ef", "randomk"), ("ef21", "topk"), ("dgc", "dgc"), ("plain", "signum"),
                                        ("plain", "powersgd"), ("plain", "randomk")])
-def test_collective_skips_nonfinite_step(kind, name, send):
+@pytest.mark.parametrize("fused", [False, True], ids=["reference", "fused-cpu"])
+def test_collective_skips_nonfinite_step(kind, name, send, fused):
     """allreduce / allreduce_fused without a process group (a local round trip): a step whose
-    mean is not finite leaves the codec's state (and the compressor's step counters) as it was."""
+    mean is not finite leaves the codec's state (and the compressor's step counters) as it was.
+    ``fused-cpu``: the fused CPU loops on these small tensors (the gradient added in the first
+    pass, the residual's pass left to the wire's time, the combine's own finiteness verdict)."""
     if send is _via_fused and name == "powersgd":
         pytest.skip("allreduce_fused refuses multi-round compressors")
+    if fused:
+        if not cpu.warm():
+            pytest.skip("numba is not importable here")
+        with cpu.threshold(1):
+            test_collective_skips_nonfinite_step(kind, name, send, False)
+        return
     bad = {2}
     outs, state = _run(_codec(kind, name), _grads(6, bad, float("inf")), send)
     ref_outs, ref_state = _run(_codec(kind, name), [g for s, g in enumerate(_grads(6, bad, float("inf")))
