@@ -1,6 +1,8 @@
 """``none``: the identity. Sends the tensor as it is; the dense baseline."""
 from __future__ import annotations
 
+from gradcomp.kernels.memory import clone
+
 from .base import Capabilities, Compressor, Encoded, tensor_spec
 from .payload import Payload
 from .registry import register
@@ -13,7 +15,7 @@ class NoCompression(Compressor):
     capabilities = Capabilities(native=True, unbiased=True)
 
     def _compress(self, flat, shape, key, step, want_decoded):
-        return Encoded([flat.clone()], {})
+        return Encoded([clone(flat)], {})
 
     def compress_view(self, tensor, key=None, *, step=None):
         """The input itself as the payload's tensor (flattened; copied only when not

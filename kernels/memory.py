@@ -19,6 +19,12 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") ->
     return torch.from_numpy(np.empty(numel, dtype=inp)).view(dtype)
 
 
+def clone(t: torch.Tensor) -> torch.Tensor:
+    """A flat contiguous copy of ``t`` in memory from :func:`empty` (on CPU: huge pages where
+    the kernel gives them, so a large copy pays a fraction of ``t.clone()``'s page faults)."""
+    return empty(t.numel(), t.dtype, t.device).copy_(t.reshape(-1))
+
+
 def zeros(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
     """A flat tensor of zeros; on CPU from numpy's zeroed allocation, whose large blocks are
     fresh pages the kernel zeroes on first touch: no pass of its own (100 MB zeroed and then
