@@ -7,7 +7,7 @@ to (``sent``), which error feedback keeps the difference to.
 """
 from __future__ import annotations
 
-from typing import ClassVar, Dict, Iterable, List, Optional, Tuple, Type
+from typing import Callable, ClassVar, Dict, Iterable, List, Optional, Tuple, Type
 
 import torch
 
@@ -69,6 +69,26 @@ class Algorithm:
         self.payload_bytes = 0
         self.sent: Optional[torch.Tensor] = None
         self.sum_of: Optional[Tuple[torch.Tensor, torch.Tensor]] = None  # see sums_in_place
+        # residual passes a compressor left to run while the payloads are on the wire
+        # (compress_residual's defer): see finish_local
+        self.pending: List[Callable[[], None]] = []
+
+    def finish_local(self) -> None:
+        """Run the residual passes left in :attr:`pending`: while an exchange is in flight
+        (``Comm.all_gather``'s ``while_sending``), at the latest before the average is made."""
+        if self.pending:
+            with self.rec.timing("compress"):
+                while self.pending:
+                    self.pending.pop(0)()
+
+    @staticmethod
+    def finish_all(algos: Iterable[Optional["Algorithm"]]) -> Callable[[], None]:
+        """What an exchange of ``algos`` runs while its payloads are on the wire."""
+        def run() -> None:
+            for a in algos:
+                if a is not None:
+                    a.finish_local()
+        return run
 
     @classmethod
     def unsuitable(cls, compressor: Compressor) -> Optional[str]:

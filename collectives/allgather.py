@@ -39,7 +39,6 @@ class AllGather(Algorithm):
         return world_size <= 2
 
     def local(self, acc, dtype):
-        self.pending = []  # the residual's pass, where the compressor left it for the wire's time
         if self.in_place:  # acc is the residual: compressed whole, the error stays in it
             payload = self.comp.compress_residual(acc, self.key, sum_of=self.sum_of, defer=self.pending)
         elif self.want_sent:
@@ -52,23 +51,6 @@ class AllGather(Algorithm):
         self.device = acc.device
         self.dtype = wdtype(acc)
         return 0, None
-
-    def finish_local(self):
-        """Run what ``local`` left to do (the residual's pass): before anything reads the
-        residual, at the latest when the average is made."""
-        if self.pending:
-            with self.rec.timing("compress"):
-                while self.pending:
-                    self.pending.pop(0)()
-
-    @staticmethod
-    def _finish_all(algos):
-        """What the exchange of ``algos`` runs while its payloads are on the wire."""
-        def run():
-            for a in algos:
-                if a is not None:
-                    a.finish_local()
-        return run
 
     @property
     def buf(self):
@@ -95,7 +77,7 @@ class AllGather(Algorithm):
         table = comm.exchange(header(comm.size, cls.name, items, specs, error, [buf.numel()]))
         verify_many(table, items, specs, error)
         bufs = gather_bytes(comm, buf, header_sizes(table)[:, 0].tolist(), exact=exact,
-                            while_sending=cls._finish_all(algos))
+                            while_sending=cls.finish_all(algos))
         per_rank = [split(b, len(items), r) for r, b in enumerate(bufs)]
         out = [None if a is None else a.combine([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
         if sig is not None:  # every rank got here: the layout is checked, later exchanges send it raw
@@ -114,7 +96,7 @@ class AllGather(Algorithm):
         placed = [layout.place(row[1:], r) for r, row in enumerate(table)]
         templates, nbytes = placed[comm.rank]
         buf = padded_buffer(templates, payloads, nbytes, max(n for _, n in placed), device)
-        rows = comm.all_gather(buf, cls._finish_all(algos))
+        rows = comm.all_gather(buf, cls.finish_all(algos))
         flags = Flags(transaction.current())
         out = []
         for i, ((key, _, _), a) in enumerate(zip(items, algos)):
@@ -131,7 +113,7 @@ class AllGather(Algorithm):
     def _agreed(cls, comm, items, algos, error, layout, device):
         payloads = [None if a is None else a.payload for a in algos]
         buf, status = agreed_buffer(layout, payloads, device, error)
-        rows = comm.all_gather(buf, cls._finish_all(algos))
+        rows = comm.all_gather(buf, cls.finish_all(algos))
         flags = Flags(transaction.current())
         flags.add(statuses(rows), status_problem)
         if isinstance(error, transaction.Deferred):  # which refusal: said here, when the flags are read

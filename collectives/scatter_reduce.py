@@ -25,7 +25,7 @@ from typing import Any, List, Optional
 import torch
 
 from gradcomp.compress import ErrorFeedback, Feedback, transaction
-from gradcomp.kernels.memory import empty
+from gradcomp.kernels.memory import empty, zeros
 
 from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, wdtype
 from ._header import sizes as header_sizes
@@ -63,6 +63,7 @@ class ScatterReduce(Algorithm):
     code = 3
     order = 3
     compresses_residual = True
+    sums_in_place = True
 
     @classmethod
     def prefers(cls, compressor, world_size):
@@ -77,9 +78,14 @@ class ScatterReduce(Algorithm):
         self._sendbuf = None
         chunks = flat.tensor_split(self.comm.size)
         self.chunk_numels = [c.numel() for c in chunks]  # what every payload of chunk j must hold
+        # in place with sum_of: chunk j of the residual is chunk j of res + gradient, added in
+        # the compressor's first pass
+        sums = None if self.sum_of is None else list(zip(*(t.reshape(-1).tensor_split(self.comm.size)
+                                                           for t in self.sum_of)))
         for j, chunk in enumerate(chunks):
             if self.in_place:
-                payload = self.comp.compress_residual(chunk, chunk_key(self.key, j))
+                payload = self.comp.compress_residual(chunk, chunk_key(self.key, j),
+                                                      sum_of=None if sums is None else sums[j], defer=self.pending)
             elif self.want_sent:
                 payload, decoded = self.comp.compress_decoded(chunk, chunk_key(self.key, j))
                 sent.append(decoded.reshape(-1))
@@ -126,7 +132,7 @@ class ScatterReduce(Algorithm):
         table = comm.exchange(header(w, cls.name, items, specs, error, [b.numel() for b in sends]))
         verify_many(table, items, specs, error)
         in_sizes = header_sizes(table)[:, comm.rank].tolist()
-        got = comm.all_to_all(torch.cat(sends), [b.numel() for b in sends], in_sizes)
+        got = comm.all_to_all(torch.cat(sends), [b.numel() for b in sends], in_sizes, cls.finish_all(algos))
         failure, reduced = None, [None] * n
         try:  # a failure here is mine alone: report it before the all-gather, not by hanging
             from_rank = [split(b, n, r) for r, b in enumerate(got.split(in_sizes))]
@@ -140,7 +146,8 @@ class ScatterReduce(Algorithm):
         except Exception as exc:
             failure, buf = exc, got.new_empty(0)
         sizes = exchange_status(comm, buf.numel(), failure)
-        per_rank = [split(b, n, r) for r, b in enumerate(gather_bytes(comm, buf, sizes, exact=exact))]
+        per_rank = [split(b, n, r) for r, b in enumerate(gather_bytes(comm, buf, sizes, exact=exact,
+                                                                      while_sending=cls.finish_all(algos)))]
         out = [None if a is None else a.finish([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
         if sig is not None:  # every rank got here: the layout is checked, later exchanges send it raw
             kind = SizedLayout if exact else Layout
@@ -172,7 +179,8 @@ class ScatterReduce(Algorithm):
         bufs = [padded_buffer(placed[me][j][0], [None if a is None else a.payloads[j] for a in algos],
                               placed[me][j][1], placed[me][j][1], device) for j in range(w)]
         in_splits = [placed[r][me][1] for r in range(w)]
-        got = comm.all_to_all(torch.cat(bufs), [placed[me][j][1] for j in range(w)], in_splits).split(in_splits)
+        got = comm.all_to_all(torch.cat(bufs), [placed[me][j][1] for j in range(w)], in_splits,
+                              cls.finish_all(algos)).split(in_splits)
         failure: Optional[BaseException] = None
         reduced: List[Any] = [None] * len(items)
         with transaction.deferring() as refused:  # the reduced chunks' compression may refuse too
@@ -193,7 +201,7 @@ class ScatterReduce(Algorithm):
                          device)
         placed2 = [back[r].place(table[r][1:1 + back[r].count], r) for r in range(w)]
         buf = padded_buffer(placed2[me][0], reduced, placed2[me][1], max(n for _, n in placed2), device)
-        rows = comm.all_gather(buf)
+        rows = comm.all_gather(buf, cls.finish_all(algos))
         out = []
         for i, a in enumerate(algos):
             out.append(None if a is None else a.finish_payloads(
@@ -212,7 +220,8 @@ class ScatterReduce(Algorithm):
         bufs = [agreed_buffer(sends[j], [None if a is None else a.payloads[j] for a in algos], device, error)
                 for j in range(w)]
         status = max(st for _, st in bufs)
-        got = comm.all_to_all(torch.cat([b for b, _ in bufs]), [s.nbytes for s in sends], [sends[me].nbytes] * w)
+        got = comm.all_to_all(torch.cat([b for b, _ in bufs]), [s.nbytes for s in sends], [sends[me].nbytes] * w,
+                              cls.finish_all(algos))
         rows = got.view(w, sends[me].nbytes)
         flags.add(statuses(rows), status_problem)
         if isinstance(error, transaction.Deferred):  # in my status words; which refusal: said when read
@@ -243,7 +252,7 @@ class ScatterReduce(Algorithm):
         mine, status = agreed_buffer(back[me], reduced, device, failure_or_deferred)
         padded = mine.new_zeros(width)
         padded[:mine.numel()] = mine
-        rows = comm.all_gather(padded)
+        rows = comm.all_gather(padded, cls.finish_all(algos))
         flags.add(statuses(rows), status_problem)
         if failure is not None:
             raise failure
@@ -260,7 +269,7 @@ class ScatterReduce(Algorithm):
     def run(self, table):
         comm = self.comm
         in_sizes = header_sizes(table)[:, comm.rank].tolist()  # rank r's payload of my chunk
-        got = comm.all_to_all(self.sendbuf, self.out_sizes, in_sizes)
+        got = comm.all_to_all(self.sendbuf, self.out_sizes, in_sizes, self.finish_local)
         error, buf = None, got.new_empty(0)
         try:  # a failure here is mine alone: report it before the all-gather, not by hanging
             with transaction.deferring() as refused:
@@ -271,7 +280,8 @@ class ScatterReduce(Algorithm):
         except Exception as exc:
             error = exc
         sizes = exchange_status(comm, buf.numel(), error)
-        return self.finish(gather_bytes(comm, buf, sizes, exact=not self.comp.fixed_size))
+        return self.finish(gather_bytes(comm, buf, sizes, exact=not self.comp.fixed_size,
+                                        while_sending=self.finish_local))
 
     def reduce_chunk(self, parts):
         """Phase 1 on this rank: decode every rank's payload of my chunk (``parts``, byte
@@ -285,14 +295,12 @@ class ScatterReduce(Algorithm):
 
     def reduce_payloads(self, payloads):
         """Phase 1 from decoded payloads (None for this rank's own): the reduced chunk's payload."""
+        self.finish_local()
         with self.rec.timing("decompress"):
-            mine = None
-            for r, p in enumerate(payloads):  # summed in rank order, then divided
-                p = self.mine if r == self.comm.rank else p
-                if mine is None:
-                    mine = empty(p.numel, self.dtype, self.device)
-                self.comp.decompress_into(p, mine, accumulate=r > 0)
-            mine.div_(self.comm.size)
+            payloads = [self.mine if r == self.comm.rank else p for r, p in enumerate(payloads)]
+            # summed in rank order, then divided (the compressor's combine: one pass where it can)
+            mine = zeros(payloads[0].numel, self.dtype, self.device)
+            self.comp.decompress_mean_into(payloads, mine, zeroed=True)
         with self.rec.timing("compress"):
             self.mine = self._recompress(mine)
             return self.mine
@@ -307,6 +315,7 @@ class ScatterReduce(Algorithm):
 
     def finish_payloads(self, payloads):
         """Phase 2 from decoded reduced chunks (None for this rank's own): ``(average, sent)``."""
+        self.finish_local()
         with self.rec.timing("decompress"):
             payloads = [self.mine if r == self.comm.rank else p for r, p in enumerate(payloads)]
             self.reduced = payloads  # every chunk's reduced payload: an agreed layout's second phase
@@ -314,6 +323,8 @@ class ScatterReduce(Algorithm):
             avg = empty(sum(p.numel for p in payloads), self.wire_dtype, self.device)
             for p, piece in zip(payloads, avg.split([p.numel for p in payloads])):
                 self.comp.decompress_into(p, piece, accumulate=False)
+            if all(self.comp.decodes_finite(p, self.wire_dtype) for p in payloads):
+                transaction.vouch_finite(avg)  # the step's verdict needs no pass over avg
         return avg, self.sent
 
     def _recompress(self, mine: torch.Tensor):
@@ -323,6 +334,9 @@ class ScatterReduce(Algorithm):
         if self.server is None:
             return self.comp.compress(as_dtype(mine, self.wire_dtype), key)
         if mine.dtype == self.wire_dtype and self.server.keeps_residual_in_place(mine):
+            if hasattr(self.server, "in_place_sum"):  # the sum with the server residual in the first pass
+                buf, res = self.server.in_place_sum(mine, key)
+                return self.comp.compress_residual(buf, key, sum_of=(res, mine), defer=self.pending)
             return self.comp.compress_residual(self.server.accumulate_in_place(mine, key), key)
         acc = self.server.accumulate(mine, key)
         payload, sent = self.comp.compress_decoded(as_dtype(acc, self.wire_dtype), key)

@@ -382,6 +382,12 @@ class Compressor(_ReadsCapabilities, ABC):
             self.decompress_into(payload, out, accumulate=r > 0)
         return out.div_(len(payloads))
 
+    def decodes_finite(self, payload: Payload, dtype: Optional[torch.dtype] = None) -> bool:
+        """True when ``payload``'s decoding (``decompress_into`` a tensor of ``dtype``, by default
+        the payload's) is known to be finite from its small tensors alone, with no host read (a
+        CPU payload); False when that is not known. By default False."""
+        return False
+
     def bits_per_element(self, numel: int = 1 << 20) -> float:
         """Theoretical wire bits per element for a tensor of ``numel`` elements."""
         return 8.0 * self._wire_bytes(numel) / max(numel, 1)

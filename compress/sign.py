@@ -133,6 +133,15 @@ class SignCompressor(Compressor):
             vouch_finite(out)
         return out
 
+    def decodes_finite(self, payload, dtype=None):
+        """Every element decodes to one of the payload's values (or their negations), rounded
+        to the payload's dtype and then ``dtype``'s: finite when those are. Known without a
+        host read for a CPU payload only."""
+        values = payload.tensors[1] if payload.compressor == self.name and len(payload.tensors) == 2 else None
+        if values is None or values.device.type != "cpu":
+            return False
+        return bool(torch.isfinite(self._pair(values, payload.dtype).to(dtype or payload.dtype)).all())
+
     def _wire_bytes(self, numel):
         return packed_nbytes(numel, 1) + 4.0 * self.n_values
 

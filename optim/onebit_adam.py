@@ -34,6 +34,8 @@ import torch
 from torch.optim.adam import adam as adam_update
 from torch.optim.optimizer import _get_scalar_dtype
 
+from gradcomp.kernels.memory import empty
+
 from . import _common as common
 from ._base import DistributedOptimizer
 
@@ -119,8 +121,9 @@ class OneBitAdam(DistributedOptimizer):
         amplified by a small variance), zero where masked; one flat fp32 tensor, all NaN when a
         gradient is out of range (so that every rank skips the step)."""
         masks, denoms = self.masks(), self.denominators()
-        out = torch.empty(sum(p.numel() for p in self._params), dtype=torch.float32,
-                          device=self._params[0].device if self._params else None)
+        # large CPU blocks in huge pages (kernels.memory.empty): fewer page faults at first touch
+        out = empty(sum(p.numel() for p in self._params), torch.float32,
+                    self._params[0].device if self._params else "cpu")
         pieces = out.split([p.numel() for p in self._params])
         i = 0
         for group in self.param_groups:

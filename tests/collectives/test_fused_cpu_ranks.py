@@ -5,7 +5,9 @@ while the payloads are on the wire (an asynchronous all-gather), the two-payload
 nibble pairs and the sparse mean's own finiteness verdict: forced onto small tensors
 (``cpu.threshold(1)``) and held to the reference paths (``cpu.threshold(NEVER)``) bit for bit —
 results and residuals at every step, through ``allreduce`` (the checked wire) and
-``allreduce_fused`` (its first exchange checked, then the agreed layout) — and a step whose
+``allreduce_fused`` (its first exchange checked, then the agreed layout), with allgather (the
+default on 2 ranks) and scatter-reduce (its chunks and its server feedback's sum in the first
+pass, its reduction by the compressor's combine) — and a step whose
 mean is not finite leaves every rank's residuals of that transaction as they were.
 """
 from __future__ import annotations
@@ -35,16 +37,17 @@ def _grads(rank: int, step: int):
     return ts
 
 
-def _steps(name: str, rank: int, fused: bool, threshold: int):
+def _steps(name: str, rank: int, fused: bool, threshold: int, algorithm):
     codecs = [ErrorFeedback(get_compressor(name)) for _ in SHAPES]
     outs, residuals = [], []
     with cpu.threshold(threshold):
         for step in range(4):
             ts = _grads(rank, step)
             if fused:
-                got = allreduce_fused([(f"p{i}", t, c) for i, (t, c) in enumerate(zip(ts, codecs))])
+                got = allreduce_fused([(f"p{i}", t, c) for i, (t, c) in enumerate(zip(ts, codecs))],
+                                      algorithm=algorithm)
             else:
-                got = [allreduce(t, c, key=f"p{i}") for i, (t, c) in enumerate(zip(ts, codecs))]
+                got = [allreduce(t, c, key=f"p{i}", algorithm=algorithm) for i, (t, c) in enumerate(zip(ts, codecs))]
             outs.append([o.clone() for o in got])
             residuals.append([c.residual(f"p{i}") for i, c in enumerate(codecs)])
     return outs, residuals
@@ -55,20 +58,20 @@ def _rank(rank: int, world: int):
     # threshold sums chunks in float32, whose decode values may differ in the last bit)
     sign_compressor.sign_pack = sign_pack_reference
     report = {}
-    for name in NAMES:
-        for fused in (False, True):
-            a_out, a_res = _steps(name, rank, fused, 1)
-            b_out, b_res = _steps(name, rank, fused, NEVER)
-            same = all(torch.equal(x.nan_to_num(), y.nan_to_num()) and torch.equal(x.isnan(), y.isnan())
-                       for sa, sb in zip(a_out, b_out) for x, y in zip(sa, sb))
-            same_res = all(torch.equal(x, y) for sa, sb in zip(a_res, b_res) for x, y in zip(sa, sb))
-            bad_mean_finite = bool(torch.isfinite(a_out[BAD_STEP][0]).all())
-            # the bad tensor's own allreduce is rolled back, the other one's commits; a fused
-            # set is one transaction, rolled back whole
-            pairs = list(zip(a_res[BAD_STEP], a_res[BAD_STEP - 1]))
-            kept = all(torch.equal(x, y) for x, y in (pairs if fused else pairs[:1]))
-            kept = kept and (fused or not torch.equal(*pairs[1]))
-            report[(name, fused)] = (same, same_res, bad_mean_finite, kept)
+    for name, fused, algorithm in [(n, f, a) for n in NAMES for f in (False, True)
+                                   for a in (None, "scatter-reduce")]:
+        a_out, a_res = _steps(name, rank, fused, 1, algorithm)
+        b_out, b_res = _steps(name, rank, fused, NEVER, algorithm)
+        same = all(torch.equal(x.nan_to_num(), y.nan_to_num()) and torch.equal(x.isnan(), y.isnan())
+                   for sa, sb in zip(a_out, b_out) for x, y in zip(sa, sb))
+        same_res = all(torch.equal(x, y) for sa, sb in zip(a_res, b_res) for x, y in zip(sa, sb))
+        bad_mean_finite = bool(torch.isfinite(a_out[BAD_STEP][0]).all())
+        # the bad tensor's own allreduce is rolled back, the other one's commits; a fused
+        # set is one transaction, rolled back whole
+        pairs = list(zip(a_res[BAD_STEP], a_res[BAD_STEP - 1]))
+        kept = all(torch.equal(x, y) for x, y in (pairs if fused else pairs[:1]))
+        kept = kept and (fused or not torch.equal(*pairs[1]))
+        report[(name, fused, algorithm)] = (same, same_res, bad_mean_finite, kept)
     return report
 
 
@@ -76,8 +79,8 @@ def test_fused_loops_through_the_collectives_give_the_reference_bits(tmp_path):
     if not cpu.warm():
         pytest.skip("numba is not importable here: the fused loops do not run")
     for rank, report in enumerate(run_ranks(_rank, 2, tmp_path)):
-        for (name, fused), (same, same_res, bad_mean_finite, kept) in report.items():
-            where = f"rank {rank}, {name}, {'allreduce_fused' if fused else 'allreduce'}"
+        for (name, fused, algorithm), (same, same_res, bad_mean_finite, kept) in report.items():
+            where = f"rank {rank}, {name}, {'allreduce_fused' if fused else 'allreduce'}, {algorithm or 'allgather'}"
             assert same, f"{where}: results differ from the reference path"
             assert same_res, f"{where}: residuals differ from the reference path"
             assert not bad_mean_finite, f"{where}: the step with an inf on rank 1 gave a finite mean"

@@ -248,3 +248,16 @@ def test_combines_vouch_for_their_finite_means_only():
                         txn.observe(out)
                         assert not txn.finite
                 txn.rollback()
+
+
+def test_a_sign_payload_decodes_finite_when_its_values_do_in_the_target_dtype():
+    c = get_compressor("onebit")
+    big = c.compress(_data(4099, torch.float32) * 1e5)  # decode values ~8e4: beyond fp16's range
+    assert c.decodes_finite(big) and c.decodes_finite(big, torch.float64)
+    assert not c.decodes_finite(big, torch.float16)
+    values = big.tensors[1].clone()
+    values[0] = float("nan")
+    assert not c.decodes_finite(dataclasses.replace(big, tensors=[big.tensors[0], values]))
+    assert not get_compressor("topk").decodes_finite(get_compressor("topk").compress(_data(100, torch.float32)))
+    if torch.cuda.is_available():  # known only by reading: not said for a device payload
+        assert not c.decodes_finite(big.to("cuda"))
