@@ -124,23 +124,31 @@ class OneBitAdam(DistributedOptimizer):
         # large CPU blocks in huge pages (kernels.memory.empty): fewer page faults at first touch
         out = empty(sum(p.numel() for p in self._params), torch.float32,
                     self._params[0].device if self._params else "cpu")
+        if not self._params:
+            return out
+        if self._vmax is None:  # the variance is frozen: its maxima are too
+            self._vmax = common.MomentRange.maxima([self._state_of(p)["exp_avg_sq"] for p in self._params])
+        bad = self._out_of_range(grads, self._vmax)
+        # unmasked, the poison rides in lerp's weight (NaN when bad: every element NaN, the same
+        # bits otherwise) instead of a pass of its own; masked elements are set after it
+        masked = any(m is not None for m in masks)
         pieces = out.split([p.numel() for p in self._params])
         i = 0
         for group in self.param_groups:
             beta1, wd = group["betas"][0], group["weight_decay"]
+            weight = torch.where(bad, torch.nan, 1 - beta1).float()  # on bad's device: nothing copied from the host
             for p in group["params"]:
                 g = grads[i].float()
                 if wd:
                     g = g.add(p.float(), alpha=wd)
                 u = pieces[i].view(p.shape)  # written straight into the flat tensor
-                torch.lerp(self._state_of(p)["exp_avg"].float(), g, 1 - beta1, out=u).div_(denoms[i])
+                torch.lerp(self._state_of(p)["exp_avg"].float(), g, 1 - beta1 if masked else weight, out=u)
+                u.div_(denoms[i])
                 if masks[i] is not None:
                     u.masked_fill_(masks[i], 0.0)
                 i += 1
-        if self._params:
-            if self._vmax is None:  # the variance is frozen: its maxima are too
-                self._vmax = common.MomentRange.maxima([self._state_of(p)["exp_avg_sq"] for p in self._params])
-            common.poison_(out, self._out_of_range(grads, self._vmax))
+        if masked:
+            common.poison_(out, bad)
         return out
 
     def _compressed_step(self, grads: List[torch.Tensor]) -> None:

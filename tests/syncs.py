@@ -38,6 +38,8 @@ _FUNCTIONS = ("nonzero", "unique", "masked_select")
 
 # (file, function, op or "*") -> why the site runs only on host memory and its CUDA branch has no sync
 CPU_ONLY: Dict[Tuple[str, str, str], str] = {
+    ("compress/sign.py", "decodes_finite", "*"): "reads the decode values of a CPU payload only; for a payload "
+                                                  "on a device it answers False without reading",
     ("kernels/sign.py", "_pack_cpu", "*"): "sign_pack's branch for a CPU x; on CUDA launch_sign_pack reads "
                                            "nothing back",
     ("kernels/sign.py", "_sum", "*"): "called by _pack_cpu only",
