@@ -33,6 +33,16 @@ def register_algorithm(cls: Type["Algorithm"]) -> Type["Algorithm"]:
     return cls
 
 
+class Pending:
+    """Work for :attr:`Algorithm.pending` that telemetry counts as ``phase``."""
+
+    def __init__(self, phase: str, fn: Callable[[], None]) -> None:
+        self.phase, self.fn = phase, fn
+
+    def __call__(self) -> None:
+        self.fn()
+
+
 class Algorithm:
     """Average a tensor over ``comm`` with ``compressor``; one instance per call.
 
@@ -74,12 +84,13 @@ class Algorithm:
         self.pending: List[Callable[[], None]] = []
 
     def finish_local(self) -> None:
-        """Run the residual passes left in :attr:`pending`: while an exchange is in flight
+        """Run the work left in :attr:`pending` (residual passes, timed as compression; a
+        :class:`Pending` says its own phase): while an exchange is in flight
         (``Comm.all_gather``'s ``while_sending``), at the latest before the average is made."""
-        if self.pending:
-            with self.rec.timing("compress"):
-                while self.pending:
-                    self.pending.pop(0)()
+        while self.pending:
+            fn = self.pending.pop(0)
+            with self.rec.timing(fn.phase if isinstance(fn, Pending) else "compress"):
+                fn()
 
     @staticmethod
     def finish_all(algos: Iterable[Optional["Algorithm"]]) -> Callable[[], None]:

@@ -19,11 +19,16 @@ from __future__ import annotations
 from gradcomp.compress import transaction
 from gradcomp.kernels.memory import empty, zeros
 
-from ._algorithm import Algorithm, as_dtype, register_algorithm, wdtype
+from ._algorithm import Algorithm, Pending, as_dtype, register_algorithm, wdtype
 from ._header import sizes as header_sizes
 from ._shared import (OK, Flags, Layout, SizedLayout, agreed_buffer, announce, checked, device_of, exact_sizes, header,
                       local_status, pack, padded_buffer, signature, split, status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
+
+
+# CPU results from this many elements on are allocated and faulted in while the payloads are on
+# the wire (the calling thread waits there anyway): 4 MB of fp32
+PREFAULT_MIN = 1 << 20
 
 
 @register_algorithm
@@ -50,7 +55,13 @@ class AllGather(Algorithm):
         self._buf = None  # the wire bytes, made when the validated format is sent (not on an agreed layout)
         self.device = acc.device
         self.dtype = wdtype(acc)
+        self._out = None
+        if self.device.type == "cpu" and acc.numel() >= PREFAULT_MIN:  # the result's page faults on the wire's time
+            self.pending.append(Pending("decompress", self._prefault))
         return 0, None
+
+    def _prefault(self):
+        self._out = zeros(self.payload.numel, self.dtype, self.device, touch=True)
 
     @property
     def buf(self):
@@ -155,10 +166,10 @@ class AllGather(Algorithm):
             if self.sent is None:  # every payload decoded, this rank's too: the compressor's combine
                 # fresh zeros cost no more than an empty buffer's first touch, and a sparse
                 # combine then writes only the positions sent
-                out = zeros(self.payload.numel, self.dtype, self.device)
+                out = self._out if self._out is not None else zeros(self.payload.numel, self.dtype, self.device)
                 self.comp.decompress_mean_into([self.payload if p is None else p for p in payloads], out, zeroed=True)
                 return out, self.sent
-            out = empty(self.payload.numel, self.dtype, self.device)
+            out = self._out if self._out is not None else empty(self.payload.numel, self.dtype, self.device)
             for r, payload in enumerate(payloads):
                 if r != self.comm.rank:
                     self.comp.decompress_into(payload, out, accumulate=r > 0)

@@ -6,7 +6,7 @@ nibble pairs and the sparse mean's own finiteness verdict: forced onto small ten
 (``cpu.threshold(1)``) and held to the reference paths (``cpu.threshold(NEVER)``) bit for bit —
 results and residuals at every step, through ``allreduce`` (the checked wire) and
 ``allreduce_fused`` (its first exchange checked, then the agreed layout), with allgather (the
-default on 2 ranks) and scatter-reduce (its chunks and its server feedback's sum in the first
+default on 2 ranks, its result allocated and faulted in while the payloads travel) and scatter-reduce (its chunks and its server feedback's sum in the first
 pass, its reduction by the compressor's combine) — and a step whose
 mean is not finite leaves every rank's residuals of that transaction as they were.
 """
@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradcomp.collectives import allreduce, allreduce_fused
+from gradcomp.collectives import allgather, allreduce, allreduce_fused
 from gradcomp.compress import ErrorFeedback, get_compressor
 from gradcomp.compress import sign as sign_compressor
 from gradcomp.kernels import cpu
@@ -57,6 +57,7 @@ def _rank(rank: int, world: int):
     # the oracle's sign sums: the torch reference's float64 sums (the numpy path below the
     # threshold sums chunks in float32, whose decode values may differ in the last bit)
     sign_compressor.sign_pack = sign_pack_reference
+    allgather.PREFAULT_MIN = 1  # the result allocated and faulted in while the payloads travel
     report = {}
     for name, fused, algorithm in [(n, f, a) for n in NAMES for f in (False, True)
                                    for a in (None, "scatter-reduce")]:
