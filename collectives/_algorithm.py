@@ -82,6 +82,13 @@ class Algorithm:
         # residual passes a compressor left to run while the payloads are on the wire
         # (compress_residual's defer): see finish_local
         self.pending: List[Callable[[], None]] = []
+        # the caller's tensor the mean may be written into (see offer); None: a new tensor
+        self.target: Optional[torch.Tensor] = None
+
+    def offer(self, tensor: torch.Tensor) -> None:
+        """The input ``tensor`` may receive this tensor's mean (``allreduce_fused(into=True)``,
+        a DDP bucket): an algorithm that can write its result there keeps it as
+        :attr:`target`, once everything that reads the input is done. By default it cannot."""
 
     def finish_local(self) -> None:
         """Run the work left in :attr:`pending` (residual passes, timed as compression; a

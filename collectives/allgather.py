@@ -61,7 +61,24 @@ class AllGather(Algorithm):
         return 0, None
 
     def _prefault(self):
-        self._out = zeros(self.payload.numel, self.dtype, self.device, touch=True)
+        if self.target is None:
+            self._out = self._result(touch=True)
+
+    def _result(self, touch: bool = False):
+        """A new flat result: zeroed for a combine that starts from zeros (fresh zeros cost no
+        more than an empty buffer's first touch, and a sparse combine writes only the positions
+        sent), uninitialised for one that writes every element."""
+        make = zeros if self.sent is None and self.comp.starts_from_zeros else empty
+        return make(self.payload.numel, self.dtype, self.device, touch=touch)
+
+    def offer(self, tensor):
+        """The input receives the mean when it is contiguous, of the result's dtype and shares
+        no memory with this rank's payload (which the combine reads while it writes)."""
+        storage = tensor.untyped_storage().data_ptr()
+        if (tensor.is_contiguous() and tensor.dtype == self.dtype and tensor.numel() == self.payload.numel
+                and tensor.numel() and not any(t.numel() and t.untyped_storage().data_ptr() == storage
+                                               for t in self.payload.tensors)):
+            self.target = tensor.view(-1)
 
     @property
     def buf(self):
@@ -161,15 +178,13 @@ class AllGather(Algorithm):
     def average(self, payloads):
         """Average every rank's payload (``payloads`` in rank order, None for this rank's own):
         ``(average, sent)``."""
-        self.finish_local()
+        self.finish_local()  # the input's last reads (the residual passes) before a target is written
         with self.rec.timing("decompress"):
+            out = self.target if self.target is not None else self._out if self._out is not None else self._result()
             if self.sent is None:  # every payload decoded, this rank's too: the compressor's combine
-                # fresh zeros cost no more than an empty buffer's first touch, and a sparse
-                # combine then writes only the positions sent
-                out = self._out if self._out is not None else zeros(self.payload.numel, self.dtype, self.device)
-                self.comp.decompress_mean_into([self.payload if p is None else p for p in payloads], out, zeroed=True)
+                zeroed = out is not self.target and self.comp.starts_from_zeros
+                self.comp.decompress_mean_into([self.payload if p is None else p for p in payloads], out, zeroed=zeroed)
                 return out, self.sent
-            out = self._out if self._out is not None else empty(self.payload.numel, self.dtype, self.device)
             for r, payload in enumerate(payloads):
                 if r != self.comm.rank:
                     self.comp.decompress_into(payload, out, accumulate=r > 0)

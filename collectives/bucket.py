@@ -174,7 +174,9 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
 
     ``buffer``: a flat tensor whose consecutive views the gradients are (a DDP bucket); when
     every gradient is dense, or every one goes through the same 16-bit cast, the bucket is
-    averaged as a whole (see :func:`_whole`). ``observe``: tell the open state transaction
+    averaged as a whole (see :func:`_whole`); otherwise the compressed gradients' means are
+    written into the gradients themselves where the algorithm can (``allreduce_fused``'s
+    ``into``), which saves a result's allocation and the hook's copy back. ``observe``: tell the open state transaction
     (``gradcomp.compress.transaction``) whether every mean is finite, from the cheapest
     tensors that decide it (the same on every rank of ``group``). ``layouts``: the caller's
     agreed layouts (see ``allreduce_fused``), for a caller that has made the ranks agree on
@@ -190,7 +192,7 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
     # the others share each exchange (allgather on two ranks, scatter-reduce on more), unless
     # errors are measured, which allreduce does per tensor
     if rest and not measure_error_default():
-        _exchange_fused(items, rest, out, group, layouts)
+        _exchange_fused(items, rest, out, group, layouts, into=buffer is not None)
     _exchange_each(items, [i for i in rest if out[i] is None], out, group)
     if txn is not None:
         txn.observe([out[i] for i in rest])
@@ -245,9 +247,10 @@ def _exchange_summable(items: Sequence[Item], out: List[Optional[torch.Tensor]],
 
 
 def _exchange_fused(items: Sequence[Item], rest: Sequence[int], out: List[Optional[torch.Tensor]], group,
-                    layouts: Optional[dict] = None) -> None:
-    """Items ``rest`` in one ``allreduce_fused``: each exchange made once for all of them."""
-    for i, value in zip(rest, allreduce_fused([items[i] for i in rest], group=group, layouts=layouts)):
+                    layouts: Optional[dict] = None, into: bool = False) -> None:
+    """Items ``rest`` in one ``allreduce_fused``: each exchange made once for all of them
+    (``into``: the means written into the gradients where the algorithm can)."""
+    for i, value in zip(rest, allreduce_fused([items[i] for i in rest], group=group, layouts=layouts, into=into)):
         out[i] = value
 
 

@@ -40,7 +40,7 @@ def _sharing() -> dict:
 
 
 def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *, algorithm: Optional[str] = None,
-                    layouts: Optional[dict] = None):
+                    layouts: Optional[dict] = None, into: bool = False):
     """The mean over ``group`` of every tensor in ``items`` (``(key, tensor, compressor)``
     triples, the same order on every rank), each exchange shared by the whole set.
 
@@ -50,8 +50,14 @@ def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *
     ``"allgather"``, ``"scatter-reduce"`` or None (allgather on two ranks, scatter-reduce on
     more, as ``allreduce`` chooses for compressors whose payloads cannot be summed). Returns a
     list of new tensors in order (or a ``torch.futures.Future`` of it with ``async_op=True``);
-    inputs are never written to. Multi-round compressors (PowerSGD) are refused; errors are
-    not measured (``measure_error`` is ignored here).
+    inputs are never written to, unless ``into``. Multi-round compressors (PowerSGD) are
+    refused; errors are not measured (``measure_error`` is ignored here).
+
+    ``into``: each mean may be written into its own input tensor, as DDP's bucket is (the
+    result is then that tensor; no result's allocation, no copy back): where the algorithm can
+    (allgather: a contiguous input of the working dtype, fp32 or fp64), once everything that
+    reads the input is done; otherwise the result is new. When the call raises, the inputs
+    may hold part of a result; the compression state is kept or undone as always.
 
     ``layouts``: a dict the caller keeps across calls, for callers that have made every rank
     agree on each set it passes (keys, shapes, dtypes and compressors; the training runtime
@@ -73,22 +79,22 @@ def allreduce_fused(items: Sequence[Item], group=None, async_op: bool = False, *
                              f"rounds; use allreduce for multi-round compressors")
         specs.append(spec)
     tensors = [t for _, t, _ in items if isinstance(t, torch.Tensor)]
-    return worker.submit(lambda twin: _fused_job(items, specs, twin(group), algorithm, layouts), (group,), async_op,
+    return worker.submit(lambda twin: _fused_job(items, specs, twin(group), algorithm, layouts, into), (group,), async_op,
                          device=worker.device_of(tensors), inputs=tensors)
 
 
 def _fused_job(items: List[Item], specs: list, group, algorithm: Optional[str],
-               layouts: Optional[dict] = None) -> List[torch.Tensor]:
+               layouts: Optional[dict] = None, into: bool = False) -> List[torch.Tensor]:
     """The whole set is one step: its state is kept only if every mean is finite (see
     :mod:`gradcomp.compress.transaction`)."""
     with transaction.step() as txn:
-        out = _fused_exchange(items, specs, group, algorithm, layouts)
+        out = _fused_exchange(items, specs, group, algorithm, layouts, into)
         txn.observe(out)
     return out
 
 
 def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[str],
-                    layouts: Optional[dict] = None) -> List[torch.Tensor]:
+                    layouts: Optional[dict] = None, into: bool = False) -> List[torch.Tensor]:
     labels = {label(s) for s in specs}
     rec = telemetry.Record("allreduce", "?", labels.pop() if len(labels) == 1 else "mixed", "fused", 1)
     comm = Comm(group, rec, "allreduce", worker.device_of([t for _, t, _ in items]))
@@ -99,6 +105,6 @@ def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[s
         if isinstance(tensor, torch.Tensor):
             rec.dense_bytes += tensor.numel() * tensor.element_size()
     out = reduce_many(ALGORITHMS[name], items, specs, comm, feedbacks=[s.feedback for s in specs], shared=True,
-                      layouts=layouts)
+                      layouts=layouts, into=into)
     telemetry.commit(rec)
     return out

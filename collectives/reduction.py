@@ -103,14 +103,14 @@ def reduce(tensor: Any, spec: Spec, comm: Comm, *, key: str, feedback: Any, part
 
 def reduce_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: List[Spec], comm: Comm, *,
                 feedbacks: List[Optional[Feedback]], shared: bool = False, part: int = 0,
-                parts: int = 1, layouts: Optional[dict] = None) -> List[torch.Tensor]:
+                parts: int = 1, layouts: Optional[dict] = None, into: bool = False) -> List[torch.Tensor]:
     """The compressed mean of every tensor of ``items`` (``(key, tensor, compressor)``) over
     ``comm`` with algorithm ``cls``, in three phases: each tensor's local work (:func:`start`:
     feedback accumulates, the algorithm compresses), the exchange (``cls.exchange``: the header
     and the algorithm's communication, one tensor alone or the whole set sharing each
     exchange), each tensor's finish (:func:`finish`: feedback keeps what the wire did not carry).
     ``allreduce`` is the case of one tensor on its own wire, ``allreduce_fused`` of any number
-    sharing each exchange (``shared``; ``layouts``: see ``allreduce_fused``)."""
+    sharing each exchange (``shared``; ``layouts`` and ``into``: see ``allreduce_fused``)."""
     started: List[Started] = []
     error: Optional[BaseException] = None
     # local work first: a failure here must reach the other ranks, through the header or, on an
@@ -118,7 +118,7 @@ def reduce_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: 
     with transaction.deferring() as refused:
         try:
             for (key, tensor, _), spec, feedback in zip(items, specs, feedbacks):
-                started.append(start(cls, tensor, spec, comm, key, feedback))
+                started.append(start(cls, tensor, spec, comm, key, feedback, into))
         except Exception as exc:
             error = exc
     if error is None and refused:
@@ -139,10 +139,12 @@ class Started(NamedTuple):
     local: Tuple[int, List[int]]
 
 
-def start(cls: Type[Algorithm], tensor: Any, spec: Spec, comm: Comm, key: str, feedback: Optional[Feedback]) -> Started:
+def start(cls: Type[Algorithm], tensor: Any, spec: Spec, comm: Comm, key: str, feedback: Optional[Feedback],
+          into: bool = False) -> Started:
     """The local phase of one tensor: check it, let error feedback accumulate (in place when
-    both the feedback and the algorithm can), compress. Raises what the caller must report
-    through the header."""
+    both the feedback and the algorithm can), compress; ``into``: offer the algorithm the
+    tensor for its mean (``Algorithm.offer``). Raises what the caller must report through
+    the header."""
     check_input(tensor)
     if not tensor.numel():
         return Started(None, None, (0, []))
@@ -161,7 +163,10 @@ def start(cls: Type[Algorithm], tensor: Any, spec: Spec, comm: Comm, key: str, f
             acc = feedback.accumulate_in_place(acc, key)
         elif feedback is not None:
             acc = feedback.accumulate(acc, key)
-        return Started(algo, acc, algo.local(acc, tensor.dtype))
+        local = algo.local(acc, tensor.dtype)
+        if into:
+            algo.offer(tensor.detach())
+        return Started(algo, acc, local)
 
 
 def finish(algo: Algorithm, tensor: torch.Tensor, acc: torch.Tensor, feedback: Optional[Feedback],
@@ -175,6 +180,8 @@ def finish(algo: Algorithm, tensor: torch.Tensor, acc: torch.Tensor, feedback: O
             if not algo.in_place:
                 feedback.update(algo.key, acc, sent.reshape(acc.shape).to(tensor.dtype))
             avg = feedback.combine(algo.key, avg.reshape(acc.shape))
+        if algo.target is not None and avg.data_ptr() == algo.target.data_ptr():
+            return tensor  # the mean was written into it (Algorithm.offer)
         return fresh(avg.reshape(tensor.shape).to(tensor.dtype), tensor, acc)
 
 

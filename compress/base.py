@@ -205,6 +205,10 @@ class Compressor(_ReadsCapabilities, ABC):
     # its own payloads' indices lie in range and strictly increase by construction: they are
     # marked ``Payload.checked`` and decode without a host check (see ``check_on_device``)
     payloads_checked: ClassVar[bool] = False
+    # its decompress_mean_into saves a pass when ``out`` holds zeros (``zeroed=True``: a sparse
+    # combine writes only the positions sent); a collective then allocates the result zeroed,
+    # and leaves it uninitialised otherwise (zeroing a recycled heap block is a pass of its own)
+    starts_from_zeros: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -39,6 +39,7 @@ class TopK(Compressor):
     config: Config
     capabilities = Capabilities()
     payloads_checked = True  # the exact selection's positions: in range, ascending
+    starts_from_zeros = True  # the sparse mean visits only the positions sent
 
     def _k(self, numel: int) -> int:
         return 0 if numel == 0 else max(1, round(self.config.ratio * numel))

@@ -37,20 +37,26 @@ def _grads(rank: int, step: int):
     return ts
 
 
-def _steps(name: str, rank: int, fused: bool, threshold: int, algorithm):
+def _steps(name: str, rank: int, fused: bool, threshold: int, algorithm, into: bool = False):
     codecs = [ErrorFeedback(get_compressor(name)) for _ in SHAPES]
-    outs, residuals = [], []
+    outs, residuals, aliased = [], [], []
     with cpu.threshold(threshold):
         for step in range(4):
             ts = _grads(rank, step)
             if fused:
                 got = allreduce_fused([(f"p{i}", t, c) for i, (t, c) in enumerate(zip(ts, codecs))],
-                                      algorithm=algorithm)
+                                      algorithm=algorithm, into=into)
+                aliased.append([o.data_ptr() == t.data_ptr() for o, t in zip(got, ts)])
             else:
                 got = [allreduce(t, c, key=f"p{i}", algorithm=algorithm) for i, (t, c) in enumerate(zip(ts, codecs))]
             outs.append([o.clone() for o in got])
             residuals.append([c.residual(f"p{i}") for i, c in enumerate(codecs)])
-    return outs, residuals
+    return (outs, residuals, aliased) if into else (outs, residuals)
+
+
+def _same(a, b):
+    return all(torch.equal(x.nan_to_num(), y.nan_to_num()) and torch.equal(x.isnan(), y.isnan())
+               for sa, sb in zip(a, b) for x, y in zip(sa, sb))
 
 
 def _rank(rank: int, world: int):
@@ -73,6 +79,15 @@ def _rank(rank: int, world: int):
         kept = all(torch.equal(x, y) for x, y in (pairs if fused else pairs[:1]))
         kept = kept and (fused or not torch.equal(*pairs[1]))
         report[(name, fused, algorithm)] = (same, same_res, bad_mean_finite, kept)
+    into = {}  # allreduce_fused(into=True): the same bits and residuals, written into the inputs
+    for name in NAMES:
+        ref_out, ref_res = _steps(name, rank, True, 1, None)
+        for threshold in (1, NEVER):
+            out, res, aliased = _steps(name, rank, True, threshold, None, into=True)
+            into[(name, threshold)] = (_same(out, ref_out if threshold == 1 else _steps(name, rank, True, NEVER, None)[0]),
+                                       _same(res, ref_res if threshold == 1 else _steps(name, rank, True, NEVER, None)[1]),
+                                       all(all(a) for a in aliased))
+    report["into"] = into
     return report
 
 
@@ -80,6 +95,10 @@ def test_fused_loops_through_the_collectives_give_the_reference_bits(tmp_path):
     if not cpu.warm():
         pytest.skip("numba is not importable here: the fused loops do not run")
     for rank, report in enumerate(run_ranks(_rank, 2, tmp_path)):
+        for (name, threshold), (same, same_res, aliased) in report.pop("into").items():
+            where = f"rank {rank}, {name}, allreduce_fused(into=True), threshold {threshold}"
+            assert same and same_res, f"{where}: results or residuals differ from into=False"
+            assert aliased, f"{where}: a mean was not written into its input"
         for (name, fused, algorithm), (same, same_res, bad_mean_finite, kept) in report.items():
             where = f"rank {rank}, {name}, {'allreduce_fused' if fused else 'allreduce'}, {algorithm or 'allgather'}"
             assert same, f"{where}: results differ from the reference path"
