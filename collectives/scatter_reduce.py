@@ -299,8 +299,9 @@ class ScatterReduce(Algorithm):
         with self.rec.timing("decompress"):
             payloads = [self.mine if r == self.comm.rank else p for r, p in enumerate(payloads)]
             # summed in rank order, then divided (the compressor's combine: one pass where it can)
-            mine = zeros(payloads[0].numel, self.dtype, self.device)
-            self.comp.decompress_mean_into(payloads, mine, zeroed=True)
+            zeroed = self.comp.starts_from_zeros  # else the combine writes every element
+            mine = (zeros if zeroed else empty)(payloads[0].numel, self.dtype, self.device)
+            self.comp.decompress_mean_into(payloads, mine, zeroed=zeroed)
         with self.rec.timing("compress"):
             self.mine = self._recompress(mine)
             return self.mine

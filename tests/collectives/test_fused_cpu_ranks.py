@@ -6,9 +6,10 @@ nibble pairs and the sparse mean's own finiteness verdict: forced onto small ten
 (``cpu.threshold(1)``) and held to the reference paths (``cpu.threshold(NEVER)``) bit for bit —
 results and residuals at every step, through ``allreduce`` (the checked wire) and
 ``allreduce_fused`` (its first exchange checked, then the agreed layout), with allgather (the
-default on 2 ranks, its result allocated and faulted in while the payloads travel) and scatter-reduce (its chunks and its server feedback's sum in the first
-pass, its reduction by the compressor's combine) — and a step whose
-mean is not finite leaves every rank's residuals of that transaction as they were.
+default on 2 ranks, its result allocated and faulted in while the payloads travel, and with
+``into=True`` written into the inputs) and scatter-reduce (its chunks and its server feedback's
+sum in the first pass, its reduction by the compressor's combine) — and a step whose mean is not
+finite leaves every rank's residuals of that transaction as they were.
 """
 from __future__ import annotations
 
@@ -55,8 +56,14 @@ def _steps(name: str, rank: int, fused: bool, threshold: int, algorithm, into: b
 
 
 def _same(a, b):
+    """Step by step the same results, NaN where the other has NaN."""
     return all(torch.equal(x.nan_to_num(), y.nan_to_num()) and torch.equal(x.isnan(), y.isnan())
                for sa, sb in zip(a, b) for x, y in zip(sa, sb))
+
+
+def _equal(a, b):
+    """Step by step the same tensors (residuals: finite)."""
+    return all(torch.equal(x, y) for sa, sb in zip(a, b) for x, y in zip(sa, sb))
 
 
 def _rank(rank: int, world: int):
@@ -64,14 +71,15 @@ def _rank(rank: int, world: int):
     # threshold sums chunks in float32, whose decode values may differ in the last bit)
     sign_compressor.sign_pack = sign_pack_reference
     allgather.PREFAULT_MIN = 1  # the result allocated and faulted in while the payloads travel
-    report = {}
+    report, fused_allgather = {}, {}
     for name, fused, algorithm in [(n, f, a) for n in NAMES for f in (False, True)
                                    for a in (None, "scatter-reduce")]:
         a_out, a_res = _steps(name, rank, fused, 1, algorithm)
         b_out, b_res = _steps(name, rank, fused, NEVER, algorithm)
-        same = all(torch.equal(x.nan_to_num(), y.nan_to_num()) and torch.equal(x.isnan(), y.isnan())
-                   for sa, sb in zip(a_out, b_out) for x, y in zip(sa, sb))
-        same_res = all(torch.equal(x, y) for sa, sb in zip(a_res, b_res) for x, y in zip(sa, sb))
+        if fused and algorithm is None:  # the oracle of into=True below
+            fused_allgather[(name, 1)], fused_allgather[(name, NEVER)] = (a_out, a_res), (b_out, b_res)
+        same = _same(a_out, b_out)
+        same_res = _equal(a_res, b_res)
         bad_mean_finite = bool(torch.isfinite(a_out[BAD_STEP][0]).all())
         # the bad tensor's own allreduce is rolled back, the other one's commits; a fused
         # set is one transaction, rolled back whole
@@ -80,13 +88,9 @@ def _rank(rank: int, world: int):
         kept = kept and (fused or not torch.equal(*pairs[1]))
         report[(name, fused, algorithm)] = (same, same_res, bad_mean_finite, kept)
     into = {}  # allreduce_fused(into=True): the same bits and residuals, written into the inputs
-    for name in NAMES:
-        ref_out, ref_res = _steps(name, rank, True, 1, None)
-        for threshold in (1, NEVER):
-            out, res, aliased = _steps(name, rank, True, threshold, None, into=True)
-            into[(name, threshold)] = (_same(out, ref_out if threshold == 1 else _steps(name, rank, True, NEVER, None)[0]),
-                                       _same(res, ref_res if threshold == 1 else _steps(name, rank, True, NEVER, None)[1]),
-                                       all(all(a) for a in aliased))
+    for (name, threshold), (ref_out, ref_res) in fused_allgather.items():
+        out, res, aliased = _steps(name, rank, True, threshold, None, into=True)
+        into[(name, threshold)] = (_same(out, ref_out), _equal(res, ref_res), all(all(a) for a in aliased))
     report["into"] = into
     return report
 
