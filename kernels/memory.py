@@ -16,7 +16,7 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device | str = "cpu", *,
         return torch.empty(numel, dtype=dtype, device=device)
     inp = _NP_OF_SIZE.get(torch.empty((), dtype=dtype).element_size())
     if inp is None:
-        return torch.empty(numel, dtype=dtype)
+        return torch.empty(numel, dtype=dtype, device=device)
     return torch.from_numpy(_touched(np.empty(numel, dtype=inp), touch)).view(dtype)
 
 

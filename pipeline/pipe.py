@@ -81,7 +81,8 @@ class Pipeline:
     ``Compressor``, ``None``: exact). ``checkpoint`` or ``memory_budget`` (bytes of saved
     activations per micro-batch): recompute inside stages. ``replicas`` with ``dp_compressor``:
     data parallelism over stage replicas. ``device``: only for a stage without parameters or
-    buffers.
+    buffers. ``check_messages``: frame and check every boundary message, also where the
+    channels' layouts are agreed (a debug mode; by default such steps send tensors raw).
     """
 
     def __init__(self, stages: Union[nn.Module, Sequence[nn.Module]], *, schedule: str = "1f1b",
@@ -92,8 +93,16 @@ class Pipeline:
                  optimizer: Optional[Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = None,
                  process_group: Any = None, virtual: Optional[int] = None, sample: Optional[torch.Tensor] = None,
                  link_bps: Optional[float] = None, memory_budget: Optional[float] = None,
-                 device: Union[None, str, torch.device] = None, chunks: Optional[int] = None) -> None:
+                 device: Union[None, str, torch.device] = None, chunks: Optional[int] = None,
+                 check_messages: bool = False) -> None:
         microbatches = _microbatches(microbatches, chunks)
+        # False: a step whose channels' layouts every rank knows sends its messages raw (the
+        # transport's module docstring); True: every message framed and checked (a debug mode)
+        self.check_messages = bool(check_messages)
+        self._raw_ok = not self.check_messages and not delta  # cleared for good by a layout that moved
+        self._input_sig = 0  # this rank's inputs' shapes and dtypes in the last framed training step
+        self.raw_steps = 0  # training steps whose messages travelled raw (a rerun framed not counted)
+        self.reruns = 0  # raw steps undone and run again framed because a payload left its layout
         _check_options(checkpoint, memory_budget, delta)
         self.grid = Grid(process_group, replicas)
         p = self.grid.stages
@@ -247,17 +256,31 @@ class Pipeline:
         both are split along dim 0 into ``microbatches`` equal parts. ``sample_ids`` (delta
         mode; every rank passes the same): one id per sample, as the caches are keyed."""
         self._check_usable()
-        mbs = self._split_inputs(inputs, targets, sample_ids, need_targets=True, need_ids=self.delta)
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        txn = Transaction()
-        try:
-            with txn.active():
-                loss = self._run(mbs, loss_fn)
-            loss_value, finite = self._conclude(loss, txn)
-        except BaseException as exc:
-            self._abandon(txn, exc)
-            raise
+        mbs, raw = self._split_inputs(inputs, targets, sample_ids, need_targets=True, need_ids=self.delta,
+                                      training=True)
+        while True:
+            kept = self._keep_for_rerun() if raw else None
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            txn = Transaction()
+            try:
+                with txn.active():
+                    loss = self._run(mbs, loss_fn, raw)
+                loss_value, finite, moved = self._conclude(loss, txn)
+            except BaseException as exc:
+                self._abandon(txn, exc)
+                raise
+            if not moved:
+                break
+            # a payload left its channel's layout (a shape that depends on the data): every rank
+            # undoes the step, drops its layouts and runs the step again, framed; no more raw steps
+            txn.rollback()
+            assert kept is not None
+            self._restore_for_rerun(kept)
+            self._raw_ok, raw = False, False
+            self._transport.forget()
+            self.reruns += 1
+        self.raw_steps += raw
         self.applied = finite
         if finite:
             txn.commit()
@@ -270,6 +293,23 @@ class Pipeline:
                 self.optimizer.zero_grad(set_to_none=True)
         return loss_value
 
+    def _keep_for_rerun(self) -> Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor]]]:
+        """What a raw step's passes change outside its transaction, kept in case it is run again
+        framed: the random number generators' states (dropout) and the stage's buffers (batch
+        norm's statistics)."""
+        rng = (torch.get_rng_state(),
+               torch.cuda.get_rng_state(self.device) if self.device.type == "cuda" else None)
+        return rng, [(b, b.detach().clone()) for b in self.local.buffers()]
+
+    def _restore_for_rerun(self, kept: Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor]]]) -> None:
+        (cpu, dev), buffers = kept
+        torch.set_rng_state(cpu)
+        if dev is not None:
+            torch.cuda.set_rng_state(dev, self.device)
+        with torch.no_grad():
+            for b, before in buffers:
+                b.copy_(before)
+
     @torch.no_grad()
     def eval_step(self, inputs: Optional[torch.Tensor], targets: Optional[torch.Tensor] = None,
                   loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = None
@@ -278,7 +318,7 @@ class Pipeline:
         ``(output, loss)``; the output (concatenated micro-batches) on the last stage, None
         elsewhere; the mean micro-batch loss on every rank when ``loss_fn`` is given."""
         self._check_usable()
-        mbs = self._split_inputs(inputs, targets, None, need_targets=loss_fn is not None, need_ids=False)
+        mbs, _ = self._split_inputs(inputs, targets, None, need_targets=loss_fn is not None, need_ids=False)
         self.started_at = time.time()
         outs: List[torch.Tensor] = []
         losses: List[torch.Tensor] = []
@@ -296,7 +336,7 @@ class Pipeline:
                 self._transport.finish()
             mean = torch.stack(losses).mean() if losses else None
             if loss_fn is not None:
-                mean, _ = self._conclude(mean, txn, check_grads=False)
+                mean, _, _ = self._conclude(mean, txn, check_grads=False)
         except BaseException as exc:
             self._abandon(txn, exc)
             raise
@@ -353,20 +393,27 @@ class Pipeline:
         return self.stage_ids[vstage]
 
     def _split_inputs(self, inputs: Any, targets: Any, ids: Any, *, need_targets: bool,
-                      need_ids: bool) -> Dict[str, List[Any]]:
+                      need_ids: bool, training: bool = False) -> Tuple[Dict[str, List[Any]], bool]:
         """The batch split into ``microbatches``, once every rank found its own part good (one
         all-gather of a small row): else the same ``ValueError`` on every rank, before any
-        message, so no rank runs ahead into its peers' next step."""
+        message, so no rank runs ahead into its peers' next step. Also whether a training step
+        travels raw: every rank's row says it knows its channels' layouts and its inputs are
+        shaped as in the step they were learned in (the same decision on every rank)."""
         row, out = self._check_batch((("inputs", inputs, self.is_first),
                                       ("targets", targets, self.is_last and need_targets),
                                       ("sample_ids", ids, need_ids)))
         if need_ids and "sample_ids" in out and not row[0]:
             row[4] = _ids_hash(ids)
-        problem = _batch_verdict(self._gather_rows(row), self.microbatches, self.grid.stages, self.grid.replicas,
-                                 need_ids)
+        sig = _shapes_sig(out.get("inputs", ()))
+        row.append(int(training and self._raw_ok and sig == self._input_sig and self._transport.ready(self._order)))
+        rows = self._gather_rows(row)
+        problem = _batch_verdict(rows, self.microbatches, self.grid.stages, self.grid.replicas, need_ids)
         if problem:
             raise ValueError(problem)
-        return out
+        raw = all(r[5] for r in rows)
+        if training and not raw:
+            self._input_sig = sig  # the framed step about to run learns the layouts of these shapes
+        return out, raw
 
     def _check_batch(self, given: Sequence[Tuple[str, Any, bool]]) -> Tuple[List[int], Dict[str, List[Any]]]:
         """This rank's row (problem, which tensor, its length, the batch it reads, its sample
@@ -402,16 +449,19 @@ class Pipeline:
                                      f"or did not answer within the group timeout ({exc})") from exc
         return torch.stack(rows_t).tolist()
 
-    def _run(self, mbs: Dict[str, List[Any]], loss_fn: Callable) -> Optional[torch.Tensor]:
+    def _run(self, mbs: Dict[str, List[Any]], loss_fn: Callable, raw: bool) -> Optional[torch.Tensor]:
         self.events = []
         self.started_at = time.time()
         self._ids = mbs.get("sample_ids", [])
         step = _Step(mbs, loss_fn)
-        self._transport.begin(self._order)
+        self._transport.begin(self._order, raw=raw, learn=self._raw_ok)
         live = peak = 0
         for a in self.actions:
             kind = PASSES[a.kind]
-            getattr(self, "_pass_" + kind.run)(a.vstage, a.mb, step)
+            if self._transport.mismatched:  # this raw step is void here: only its messages go on
+                self._pass_void(kind, a.vstage, a.mb)
+            else:
+                getattr(self, "_pass_" + kind.run)(a.vstage, a.mb, step)
             live += kind.holds
             peak = max(peak, live)
         self.peak_in_flight = peak
@@ -448,6 +498,16 @@ class Pipeline:
                                  f"back: a stage after the first must take a floating-point input its output "
                                  f"depends on")
             self._send(c, mb, "grad", dx)
+
+    def _pass_void(self, kind: Any, c: int, mb: int) -> None:
+        """A pass of a raw step that a payload of this rank has made void (it runs again
+        framed): its messages, received and sent as zeros of the agreed sizes, and no compute
+        (what arrives may no longer fit what this rank's stage made)."""
+        s = self._stage(c)
+        if (kind.receives == "act" and s > 0) or (kind.receives == "grad" and s < self.n_stages - 1):
+            self._recv(c, mb, kind.receives)
+        if (kind.sends == "act" and s < self.n_stages - 1) or (kind.sends == "grad" and s > 0):
+            self._transport.send_void(self._message(c, mb, kind.sends, True))
 
     def _pass_weight(self, c: int, mb: int, step: "_Step") -> None:
         t = time.time()
@@ -538,11 +598,11 @@ class Pipeline:
 
     # ---- the end of a step ---------------------------------------------------------------
     def _conclude(self, loss: Optional[torch.Tensor], txn: Transaction,
-                  check_grads: bool = True) -> Tuple[torch.Tensor, bool]:
+                  check_grads: bool = True) -> Tuple[torch.Tensor, bool, bool]:
         """One all-reduce over the grid, on the stage's device, read once on the host: the loss
-        (from the last stages, averaged over replicas) and whether every rank's loss and local
+        (from the last stages, averaged over replicas), whether every rank's loss and local
         gradients are finite (the largest magnitude of each gradient: NaN and inf propagate, no
-        overflow of a sum)."""
+        overflow of a sum) and whether a payload of a raw step left its layout on any rank."""
         dev = self.device
         bad = torch.full((), 0.0 if txn.finite else 1.0, dtype=torch.float64, device=dev)
         value = torch.zeros((), dtype=torch.float64, device=dev)
@@ -554,15 +614,16 @@ class Pipeline:
             if grads:
                 peak = torch.stack([g.abs().amax().to(torch.float64) for g in grads]).amax()
                 bad = bad + (~torch.isfinite(peak)).double()
-        row = torch.stack([value, bad])
+        moved = torch.full((), float(self._transport.mismatched), dtype=torch.float64, device=dev)
+        row = torch.stack([value, bad, moved])
         try:
             dist.all_reduce(row, group=self.grid.group)
         except RuntimeError as exc:
             raise CommunicationError(f"Pipeline: the end-of-step all-reduce failed on rank {self.grid.rank}: a "
                                      f"peer died or did not answer within the group timeout ({exc})") from exc
-        total, flagged = row.tolist()  # the step's one read of its outcome
+        total, flagged, mismatched = row.tolist()  # the step's one read of its outcome
         dtype = loss.dtype if loss is not None else torch.float32
-        return torch.tensor(total / self.grid.replicas, dtype=dtype), flagged == 0.0
+        return torch.tensor(total / self.grid.replicas, dtype=dtype), flagged == 0.0, mismatched > 0
 
     def _abandon(self, txn: Transaction, exc: BaseException) -> None:
         """A step that raised after its first message: undo its state. Its messages are lost
@@ -640,7 +701,7 @@ def _batch_verdict(rows: List[List[int]], m: int, p: int, replicas: int, need_id
     names = ("inputs", "targets", "sample_ids")
     where = ("the first stage", "the last stage", "every rank in delta mode")
     tail = "; the step was refused on every rank, nothing sent or changed"
-    for r, (problem, i, n, size, _) in enumerate(rows):
+    for r, (problem, i, n, size, *_) in enumerate(rows):
         if problem == _MISSING:
             return f"rank {r}: {names[i]} is missing: {where[i]} needs a tensor with the batch along dim 0{tail}"
         if problem == _NOT_A_BATCH:
@@ -661,6 +722,14 @@ def _batch_verdict(rows: List[List[int]], m: int, p: int, replicas: int, need_id
                     f"{list(ranks)}); every stage must pass the same ids, in the same order, or the two ends of "
                     f"a boundary would cache different samples{tail}")
     return ""
+
+
+def _shapes_sig(tensors: Sequence[Any]) -> int:
+    """A non-negative 63-bit hash of the micro-batches' shapes and dtypes (0 for none)."""
+    if not tensors:
+        return 0
+    return int.from_bytes(bytes.fromhex(fingerprint(repr([(tuple(t.shape), t.dtype) for t in tensors]))),
+                          "little") >> 1
 
 
 def _ids_hash(ids: torch.Tensor) -> int:

@@ -60,6 +60,76 @@ def _messages():
     return counts
 
 
+class _Marked(torch.nn.Module):
+    """A stage whose output width follows the data (a shape no input shape shows): 12 columns
+    where the batch's first input column is positive, 8 elsewhere; the next stage pads back."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.bn, self.drop = torch.nn.Linear(16, 16), torch.nn.BatchNorm1d(16), torch.nn.Dropout(0.25)
+
+    def forward(self, x):
+        width = 12 if bool(x[0, 0] > 0) else 8
+        return self.drop(self.bn(torch.tanh(self.lin(x))))[:, :width]
+
+
+class _Pad(torch.nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.pad(x, (0, 16 - x.shape[1]))
+
+
+class _Keep(torch.nn.Module):
+    """Holds every input it is given (a view of the received message) and a copy of it."""
+
+    def __init__(self):
+        super().__init__()
+        self.kept = []
+
+    def forward(self, x):
+        self.kept.append((x, x.detach().clone()))
+        return x
+
+
+def _held():
+    """A stage that keeps its inputs across steps: the transport must not receive into them again."""
+    from gradcomp.pipeline import Pipeline
+
+    model = chain()
+    keep = _Keep()
+    model = torch.nn.Sequential(*model[:4], keep, *model[4:])
+    pipe = Pipeline(model, balance=[4, 4], schedule="1f1b", microbatches=4, optimizer=sgd)
+    for x, y in _batches(steps=4):
+        pipe.step(x, y, LOSS)
+    return pipe.raw_steps, len(keep.kept), all(torch.equal(a, b) for a, b in keep.kept)
+
+
+def _marked_model():
+    torch.manual_seed(3)
+    return torch.nn.Sequential(_Marked(), _Pad(), torch.nn.Linear(16, 3))
+
+
+def _raw(schedule, act=None, grad=None, marks=None, check=False):
+    """Training with raw steps (the default) or every message framed (check_messages=True):
+    losses, parameters, raw steps and reruns. ``marks``: the sign of each step's first input
+    column, which sets the first stage's output width (the model above)."""
+    from gradcomp.pipeline import Pipeline
+
+    if marks is None:
+        model, balance, batches = chain(), BALANCE[schedule], _batches(steps=4)
+    else:
+        model, balance, batches = _marked_model(), [1, 2], []
+        for s, mark in enumerate(marks):
+            x, y = data(16, seed=30 + s)
+            x[:, 0] = abs(x[:, 0]) * mark
+            batches.append((x, y))
+    torch.manual_seed(7)  # dropout's masks: the same stream in both runs
+    pipe = Pipeline(model, balance=balance, schedule=schedule, microbatches=4, activation_codec=act,
+                    grad_codec=grad, optimizer=sgd, check_messages=check)
+    losses = [float(pipe.step(x, y, LOSS)) for x, y in batches]
+    buffers = [b.clone() for b in pipe.local.buffers()]
+    return losses, gathered_params(pipe), buffers, pipe.raw_steps, pipe.reruns
+
+
 def _torch_1f1b(rank, world):
     """torch.distributed.pipelining on the same model, split and data."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -277,6 +347,12 @@ def _rank(rank, world):
         res[("exact", schedule)] = _train(schedule)
     res["torch_1f1b"] = _torch_1f1b(rank, world)
     res["messages"] = _messages()
+    for schedule, act, grad in (("1f1b", None, None), ("zb-h1", "int8", "fp16"), ("gpipe", "topk", "fp16")):
+        for check in (False, True):
+            res[("raw", schedule, act, check)] = _raw(schedule, act, grad, check=check)
+    res["held"] = _held()
+    for check in (False, True):
+        res[("raw moved", check)] = _raw("1f1b", marks=[1, 1, -1, -1, 1], check=check)
     for schedule in ("1f1b", "interleaved"):
         res[("explicit", schedule)] = _explicit(rank, schedule)
     for name, options in CODECS:
@@ -311,6 +387,36 @@ def test_capacities_carry_over_between_steps(results):
     # tail each way for a channel's first message (the first step) and for a message that grew
     for r in results:
         assert r["messages"] == [10, 8, 8, 10], r["messages"]
+
+
+@pytest.mark.parametrize("schedule,act", [("1f1b", None), ("zb-h1", "int8"), ("gpipe", "topk")])
+def test_raw_steps_equal_framed_ones(results, schedule, act):
+    # after the first (framed) step every step's messages travel raw on the learned layouts:
+    # the same bits as when every message is framed and checked (check_messages=True)
+    for r in results:
+        raw, framed = r[("raw", schedule, act, False)], r[("raw", schedule, act, True)]
+        assert raw[3:] == (3, 0) and framed[3:] == (0, 0), (raw[3:], framed[3:])
+        assert raw[0] == framed[0]
+        assert all(torch.equal(a, b) for a, b in zip(raw[1], framed[1]))
+
+
+def test_a_received_tensor_held_by_the_stage_is_not_received_into_again(results):
+    # the transport keeps its buffers from step to step, but not one a tensor of the caller views
+    raw_steps, kept, same = results[1]["held"]
+    assert (raw_steps, kept, same) == (3, 16, True)
+    assert results[0]["held"][1] == 0
+
+
+def test_a_layout_that_moves_reruns_the_step_framed(results):
+    # steps: width 12 (framed, learned), 12 (raw), 8 (raw: the payload leaves its layout, so every
+    # rank undoes the step and runs it again framed; raw steps end), 8, 12 (framed): the bits,
+    # dropout's masks and batch norm's statistics of training with every message framed
+    for r in results:
+        raw, framed = r[("raw moved", False)], r[("raw moved", True)]
+        assert raw[3:] == (1, 1) and framed[3:] == (0, 0), (raw[3:], framed[3:])
+        assert raw[0] == framed[0]
+        assert all(torch.equal(a, b) for a, b in zip(raw[1], framed[1]))
+        assert len(raw[2]) == len(framed[2]) and all(torch.equal(a, b) for a, b in zip(raw[2], framed[2]))
 
 
 @pytest.mark.parametrize("schedule", list(BALANCE))
