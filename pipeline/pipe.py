@@ -71,6 +71,44 @@ class _Step:
         self.weights: Dict[Tuple[int, int], WeightGrad] = {}  # (vstage, mb) -> its W pass, after its I
 
 
+RESTORABLE_BYTES = 4 << 20  # a stage's buffers kept every step for a rerun (raw steps, the early first forward)
+
+
+class _Refused(ValueError):
+    """A batch some rank found wrong, raised on every rank before any message of the step."""
+
+
+class _Agreement:
+    """One step's batch agreement: this rank's row, all-gathered at once, waited for and
+    judged by :meth:`settle` (the same verdict on every rank)."""
+
+    def __init__(self, pipe: "Pipeline", row: List[int], need_ids: bool, training: bool, sig: int) -> None:
+        self.pipe, self.need_ids, self.training, self.sig = pipe, need_ids, training, sig
+        self.good_here = row[0] == 0
+        self.work, self.rows_t = pipe._gather_rows(row, async_op=True)
+        self.raw: Optional[bool] = None
+
+    def settle(self) -> bool:
+        """Whether the step travels raw; :class:`_Refused` (a ``ValueError``) where any rank's
+        batch is wrong. Waits once."""
+        if self.raw is not None:
+            return self.raw
+        pipe = self.pipe
+        try:
+            self.work.wait()
+        except RuntimeError as exc:
+            raise CommunicationError(f"Pipeline: the batch agreement failed on rank {pipe.grid.rank}: a peer died "
+                                     f"or did not answer within the group timeout ({exc})") from exc
+        rows = torch.stack(self.rows_t).tolist()
+        problem = _batch_verdict(rows, pipe.microbatches, pipe.grid.stages, pipe.grid.replicas, self.need_ids)
+        if problem:
+            raise _Refused(problem)
+        self.raw = all(r[5] for r in rows)
+        if self.training and not self.raw:
+            pipe._input_sig = self.sig  # the framed step about to run learns the layouts of these shapes
+        return self.raw
+
+
 class Pipeline:
     """One rank's part of a pipeline; the keywords and the contracts are in docs/pipeline.md.
 
@@ -103,6 +141,7 @@ class Pipeline:
         self._input_sig = 0  # this rank's inputs' shapes and dtypes in the last framed training step
         self.raw_steps = 0  # training steps whose messages travelled raw (a rerun framed not counted)
         self.reruns = 0  # raw steps undone and run again framed because a payload left its layout
+        self._gate: Optional[_Agreement] = None  # the step's batch agreement, while its first forward runs
         _check_options(checkpoint, memory_budget, delta)
         self.grid = Grid(process_group, replicas)
         p = self.grid.stages
@@ -256,20 +295,37 @@ class Pipeline:
         both are split along dim 0 into ``microbatches`` equal parts. ``sample_ids`` (delta
         mode; every rank passes the same): one id per sample, as the caches are keyed."""
         self._check_usable()
-        mbs, raw = self._split_inputs(inputs, targets, sample_ids, need_targets=True, need_ids=self.delta,
-                                      training=True)
+        mbs, agreement = self._split_inputs(inputs, targets, sample_ids, need_targets=True, need_ids=self.delta,
+                                            training=True, wait=False)
+        # The first stage's first forward needs no message: it runs while the agreement travels,
+        # when what it changes outside the step's transaction (random state, buffers) can be put
+        # back should a rank refuse the batch (the agreement is settled before the first message).
+        early = agreement.good_here and self.is_first and self._restorable()
+        raw = False if early else agreement.settle()
+        kept = self._keep_for_rerun() if early or raw else None
         while True:
-            kept = self._keep_for_rerun() if raw else None
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
             txn = Transaction()
+            self._gate = agreement if early else None
             try:
                 with txn.active():
                     loss = self._run(mbs, loss_fn, raw)
                 loss_value, finite, moved = self._conclude(loss, txn)
+            except _Refused:  # a rank refused the batch before any message: nothing happened
+                txn.rollback()
+                assert kept is not None
+                self._restore_for_rerun(kept)
+                if self.optimizer is not None:
+                    self.optimizer.zero_grad(set_to_none=True)
+                raise
             except BaseException as exc:
                 self._abandon(txn, exc)
                 raise
+            finally:
+                self._gate = None
+            if early:
+                raw, early = agreement.raw, False
             if not moved:
                 break
             # a payload left its channel's layout (a shape that depends on the data): every rank
@@ -292,6 +348,10 @@ class Pipeline:
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
         return loss_value
+
+    def _restorable(self) -> bool:
+        """Whether this stage's buffers are small enough to be kept for a rerun every step."""
+        return sum(b.numel() * b.element_size() for b in self.local.buffers()) <= RESTORABLE_BYTES
 
     def _keep_for_rerun(self) -> Tuple[Any, List[Tuple[torch.Tensor, torch.Tensor]]]:
         """What a raw step's passes change outside its transaction, kept in case it is run again
@@ -392,28 +452,24 @@ class Pipeline:
     def _stage(self, vstage: int) -> int:
         return self.stage_ids[vstage]
 
-    def _split_inputs(self, inputs: Any, targets: Any, ids: Any, *, need_targets: bool,
-                      need_ids: bool, training: bool = False) -> Tuple[Dict[str, List[Any]], bool]:
-        """The batch split into ``microbatches``, once every rank found its own part good (one
-        all-gather of a small row): else the same ``ValueError`` on every rank, before any
-        message, so no rank runs ahead into its peers' next step. Also whether a training step
-        travels raw: every rank's row says it knows its channels' layouts and its inputs are
-        shaped as in the step they were learned in (the same decision on every rank)."""
+    def _split_inputs(self, inputs: Any, targets: Any, ids: Any, *, need_targets: bool, need_ids: bool,
+                      training: bool = False, wait: bool = True) -> Tuple[Dict[str, List[Any]], Any]:
+        """The batch split into ``microbatches``, and its agreement (one all-gather of a small
+        row): once every rank found its own part good, else the same ``ValueError`` on every
+        rank, before any message, so no rank runs ahead into its peers' next step. Also whether
+        a training step travels raw: every rank's row says it knows its channels' layouts and its
+        inputs are shaped as in the step they were learned in (the same decision on every rank).
+        ``wait``: settled here (returns whether raw), else the :class:`_Agreement` in flight."""
         row, out = self._check_batch((("inputs", inputs, self.is_first),
                                       ("targets", targets, self.is_last and need_targets),
                                       ("sample_ids", ids, need_ids)))
         if need_ids and "sample_ids" in out and not row[0]:
             row[4] = _ids_hash(ids)
         sig = _shapes_sig(out.get("inputs", ()))
-        row.append(int(training and self._raw_ok and sig == self._input_sig and self._transport.ready(self._order)))
-        rows = self._gather_rows(row)
-        problem = _batch_verdict(rows, self.microbatches, self.grid.stages, self.grid.replicas, need_ids)
-        if problem:
-            raise ValueError(problem)
-        raw = all(r[5] for r in rows)
-        if training and not raw:
-            self._input_sig = sig  # the framed step about to run learns the layouts of these shapes
-        return out, raw
+        row.append(int(training and self._raw_ok and sig == self._input_sig and self._restorable()
+                       and self._transport.ready(self._order)))
+        agreement = _Agreement(self, row, need_ids, training, sig)
+        return out, (agreement.settle() if wait else agreement)
 
     def _check_batch(self, given: Sequence[Tuple[str, Any, bool]]) -> Tuple[List[int], Dict[str, List[Any]]]:
         """This rank's row (problem, which tensor, its length, the batch it reads, its sample
@@ -438,23 +494,25 @@ class Pipeline:
                 out[name] = list(value.chunk(m))
         return row, out
 
-    def _gather_rows(self, row: List[int]) -> List[List[int]]:
-        """Every rank's row, gathered on the stage's device and read once."""
+    def _gather_rows(self, row: List[int], async_op: bool = False) -> Any:
+        """Every rank's row, gathered on the stage's device and read once (``async_op``: the
+        work and the gathered tensors, for :class:`_Agreement` to wait and read)."""
         mine = torch.tensor(row, dtype=torch.int64, device=self.device)
         rows_t = [torch.empty_like(mine) for _ in range(self.grid.world)]
         try:
-            dist.all_gather(rows_t, mine, group=self.grid.group)
+            work = dist.all_gather(rows_t, mine, group=self.grid.group, async_op=async_op)
         except RuntimeError as exc:
             raise CommunicationError(f"Pipeline: the batch agreement failed on rank {self.grid.rank}: a peer died "
                                      f"or did not answer within the group timeout ({exc})") from exc
-        return torch.stack(rows_t).tolist()
+        return (work, rows_t) if async_op else torch.stack(rows_t).tolist()
 
     def _run(self, mbs: Dict[str, List[Any]], loss_fn: Callable, raw: bool) -> Optional[torch.Tensor]:
         self.events = []
         self.started_at = time.time()
         self._ids = mbs.get("sample_ids", [])
         step = _Step(mbs, loss_fn)
-        self._transport.begin(self._order, raw=raw, learn=self._raw_ok)
+        if self._gate is None:
+            self._transport.begin(self._order, raw=raw, learn=self._raw_ok)
         live = peak = 0
         for a in self.actions:
             kind = PASSES[a.kind]
@@ -465,6 +523,7 @@ class Pipeline:
             live += kind.holds
             peak = max(peak, live)
         self.peak_in_flight = peak
+        self._open_gate()
         self._transport.finish()
         return torch.stack(step.losses).mean() if step.losses else None
 
@@ -572,7 +631,16 @@ class Pipeline:
         forward = kind == "act"
         return Message(kind, s if forward == outgoing else s - 1, mb)
 
+    def _open_gate(self) -> None:
+        """Before this step's first message: the batch agreement settled (a refusal raises
+        :class:`_Refused`) and the transport begun, raw or framed as it decided."""
+        if self._gate is not None:
+            agreement, self._gate = self._gate, None
+            raw = agreement.settle()
+            self._transport.begin(self._order, raw=raw, learn=self._raw_ok)
+
     def _send(self, c: int, mb: int, kind: str, tensor: torch.Tensor, delta: bool = False) -> None:
+        self._open_gate()
         msg = self._message(c, mb, kind, True)
         compressor: Any = self._act_send[c] if kind == "act" else self._grad[c]
         if delta and self.delta:
@@ -583,6 +651,7 @@ class Pipeline:
         self._event("send", self._stage(c), mb, t)
 
     def _recv(self, c: int, mb: int, kind: str, delta: bool = False) -> torch.Tensor:
+        self._open_gate()
         msg = self._message(c, mb, kind, False)
         compressor: Any = self._act_recv[c] if kind == "act" else self._grad[c]
         if kind == "act" and delta and self.delta:

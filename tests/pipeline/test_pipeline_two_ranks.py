@@ -130,6 +130,28 @@ def _raw(schedule, act=None, grad=None, marks=None, check=False):
     return losses, gathered_params(pipe), buffers, pipe.raw_steps, pipe.reruns
 
 
+def _refused_early(rank, refuse):
+    """The first stage's first forward runs while the batch agreement travels; a batch the last
+    stage refuses then leaves no trace (dropout's random state, batch norm's statistics):
+    training with a refused step between two good ones against the two good ones alone."""
+    from gradcomp.pipeline import Pipeline
+
+    torch.manual_seed(7)
+    pipe = Pipeline(_marked_model(), balance=[1, 2], microbatches=4, optimizer=sgd)
+    batches = [data(16, seed=40 + s) for s in range(2)]
+    for x, _ in batches:
+        x[:, 0] = abs(x[:, 0])
+    losses, said = [], None
+    for i, (x, y) in enumerate(batches):
+        losses.append(float(pipe.step(x, y, LOSS)))
+        if refuse and i == 0:
+            try:
+                pipe.step(x, None if rank == 1 else y, LOSS)
+            except ValueError as exc:
+                said = str(exc)
+    return losses, gathered_params(pipe), [b.clone() for b in pipe.local.buffers()], said
+
+
 def _torch_1f1b(rank, world):
     """torch.distributed.pipelining on the same model, split and data."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
@@ -351,6 +373,8 @@ def _rank(rank, world):
         for check in (False, True):
             res[("raw", schedule, act, check)] = _raw(schedule, act, grad, check=check)
     res["held"] = _held()
+    for refuse in (False, True):
+        res[("refused early", refuse)] = _refused_early(rank, refuse)
     for check in (False, True):
         res[("raw moved", check)] = _raw("1f1b", marks=[1, 1, -1, -1, 1], check=check)
     for schedule in ("1f1b", "interleaved"):
@@ -405,6 +429,15 @@ def test_a_received_tensor_held_by_the_stage_is_not_received_into_again(results)
     raw_steps, kept, same = results[1]["held"]
     assert (raw_steps, kept, same) == (3, 16, True)
     assert results[0]["held"][1] == 0
+
+
+def test_a_batch_refused_after_the_early_first_forward_leaves_no_trace(results):
+    for r in results:
+        plain, refused = r[("refused early", False)], r[("refused early", True)]
+        assert refused[3] is not None and "targets is missing" in refused[3]
+        assert plain[0] == refused[0]
+        assert all(torch.equal(a, b) for a, b in zip(plain[1], refused[1]))
+        assert all(torch.equal(a, b) for a, b in zip(plain[2], refused[2]))
 
 
 def test_a_layout_that_moves_reruns_the_step_framed(results):
