@@ -27,6 +27,13 @@ def lanes(v: float, mode: int) -> Tuple[float, float]:
 
 
 @_jit
+def one_lane(v: float, mode: int) -> float:
+    # lanes(v, mode)[0] for modes 1 and 2, whose second sum is always 0.0 (measured on 25.5M
+    # elements: the pack with |x|'s sum 28.7 -> 17.3 ms without the second sum's additions)
+    return abs(v) if mode == 2 else v
+
+
+@_jit
 def pack(x: Any, bits: Any, mode: int) -> Tuple[float, float]:
     return pack_sum(x, x, x, bits, mode, False)
 
@@ -35,6 +42,8 @@ def pack(x: Any, bits: Any, mode: int) -> Tuple[float, float]:
 def pack_sum(a: Any, b: Any, x: Any, bits: Any, mode: int, add: bool) -> Tuple[float, float]:
     # with ``add``, x = a + b first, 64 elements at a time (still in L1 when they are packed):
     # error feedback's sum and the pack in one pass over memory; without, x alone is read
+    if mode == 3:
+        return pack_split(a, b, x, bits, add)
     n = x.size
     words = n // 64
     w = bits[:words * 8].view(np.uint64)
@@ -51,7 +60,17 @@ def pack_sum(a: Any, b: Any, x: Any, bits: Any, mode: int, add: bool) -> Tuple[f
         for i in range(64):
             word |= np.uint64(x[base + i] >= 0) << np.uint64(i)
         w[j] = word
-        if mode != 0:
+        if mode == 1 or mode == 2:  # one sum: the other stays +0.0 (adding +0.0 would not move it)
+            for i in range(base, base + 64, 8):
+                p0 += one_lane(np.float64(x[i]), mode)
+                p1 += one_lane(np.float64(x[i + 1]), mode)
+                p2 += one_lane(np.float64(x[i + 2]), mode)
+                p3 += one_lane(np.float64(x[i + 3]), mode)
+                p4 += one_lane(np.float64(x[i + 4]), mode)
+                p5 += one_lane(np.float64(x[i + 5]), mode)
+                p6 += one_lane(np.float64(x[i + 6]), mode)
+                p7 += one_lane(np.float64(x[i + 7]), mode)
+        elif mode != 0:
             for i in range(base, base + 64, 8):
                 u, c = lanes(np.float64(x[i]), mode)
                 p0 += u
@@ -89,6 +108,44 @@ def pack_sum(a: Any, b: Any, x: Any, bits: Any, mode: int, add: bool) -> Tuple[f
                 q0 += c
         bits[k] = b8
     return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
+
+
+@_jit
+def pack_split(a: Any, b: Any, x: Any, bits: Any, add: bool) -> Tuple[float, float]:
+    # pack_sum's mode 3 (the positive and the negative parts' sums), the same additions in the
+    # same order, its 8 lanes per sum in two small arrays walked by an inner loop of 8 (on 25.5M
+    # elements 40.2 -> 34.6 ms against pack_sum's scalar lanes, which suit its one-sum modes)
+    n = x.size
+    words = n // 64
+    w = bits[:words * 8].view(np.uint64)
+    p = np.zeros(8)
+    q = np.zeros(8)
+    for j in range(words):
+        base = 64 * j
+        if add:
+            for i in range(base, base + 64):
+                x[i] = a[i] + b[i]
+        word = np.uint64(0)
+        for i in range(64):
+            word |= np.uint64(x[base + i] >= 0) << np.uint64(i)
+        w[j] = word
+        for g in range(base, base + 64, 8):
+            for k in range(8):
+                v = np.float64(x[g + k])
+                p[k] += v if not v < 0.0 else 0.0
+                q[k] += v if not v > 0.0 else 0.0
+    for k in range(words * 8, bits.size):
+        b8 = np.uint8(0)
+        for i in range(8 * k, min(8 * k + 8, n)):
+            if add:
+                x[i] = a[i] + b[i]
+            b8 |= np.uint8(x[i] >= 0) << np.uint8(i - 8 * k)
+            u, c = lanes(np.float64(x[i]), 3)
+            p[0] += u
+            q[0] += c
+        bits[k] = b8
+    return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])), \
+        ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]))
 
 
 @_jit
