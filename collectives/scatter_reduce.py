@@ -97,6 +97,16 @@ class ScatterReduce(Algorithm):
         self.sent = torch.cat(sent) if self.want_sent else None
         return 0, None
 
+    def offer(self, tensor):
+        """The input receives the mean when it is contiguous, of the wire's dtype and shares no
+        memory with this rank's chunk payloads: the mean is written in the last phase, after
+        every read of the input (its chunks' compression, the residual passes)."""
+        storage = tensor.untyped_storage().data_ptr()
+        if (tensor.is_contiguous() and tensor.dtype == self.wire_dtype and tensor.numel() == sum(self.chunk_numels)
+                and tensor.numel() and not any(t.numel() and t.untyped_storage().data_ptr() == storage
+                                               for p in self.payloads for t in p.tensors)):
+            self.target = tensor.view(-1)
+
     @property
     def sendbuf(self):
         """Every chunk's payload in the checked wire format, back to back (``out_sizes``)."""
@@ -321,7 +331,8 @@ class ScatterReduce(Algorithm):
             payloads = [self.mine if r == self.comm.rank else p for r, p in enumerate(payloads)]
             self.reduced = payloads  # every chunk's reduced payload: an agreed layout's second phase
             # in the wire dtype, as decompress gives it: the caller casts to the input's dtype
-            avg = empty(sum(p.numel for p in payloads), self.wire_dtype, self.device)
+            avg = (self.target if self.target is not None
+                   else empty(sum(p.numel for p in payloads), self.wire_dtype, self.device))
             for p, piece in zip(payloads, avg.split([p.numel for p in payloads])):
                 self.comp.decompress_into(p, piece, accumulate=False)
             if all(self.comp.decodes_finite(p, self.wire_dtype) for p in payloads):

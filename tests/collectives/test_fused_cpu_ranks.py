@@ -8,7 +8,8 @@ results and residuals at every step, through ``allreduce`` (the checked wire) an
 ``allreduce_fused`` (its first exchange checked, then the agreed layout), with allgather (the
 default on 2 ranks, its result allocated and faulted in while the payloads travel, and with
 ``into=True`` written into the inputs) and scatter-reduce (its chunks and its server feedback's
-sum in the first pass, its reduction by the compressor's combine) — and a step whose mean is not
+sum in the first pass, its reduction by the compressor's combine, and with ``into=True`` its
+last phase written into the inputs) — and a step whose mean is not
 finite leaves every rank's residuals of that transaction as they were.
 """
 from __future__ import annotations
@@ -71,13 +72,13 @@ def _rank(rank: int, world: int):
     # threshold sums chunks in float32, whose decode values may differ in the last bit)
     sign_compressor.sign_pack = sign_pack_reference
     allgather.PREFAULT_MIN = 1  # the result allocated and faulted in while the payloads travel
-    report, fused_allgather = {}, {}
+    report, fused_runs = {}, {}
     for name, fused, algorithm in [(n, f, a) for n in NAMES for f in (False, True)
                                    for a in (None, "scatter-reduce")]:
         a_out, a_res = _steps(name, rank, fused, 1, algorithm)
         b_out, b_res = _steps(name, rank, fused, NEVER, algorithm)
-        if fused and algorithm is None:  # the oracle of into=True below
-            fused_allgather[(name, 1)], fused_allgather[(name, NEVER)] = (a_out, a_res), (b_out, b_res)
+        if fused:  # the oracle of into=True below
+            fused_runs[(name, 1, algorithm)], fused_runs[(name, NEVER, algorithm)] = (a_out, a_res), (b_out, b_res)
         same = _same(a_out, b_out)
         same_res = _equal(a_res, b_res)
         bad_mean_finite = bool(torch.isfinite(a_out[BAD_STEP][0]).all())
@@ -88,9 +89,9 @@ def _rank(rank: int, world: int):
         kept = kept and (fused or not torch.equal(*pairs[1]))
         report[(name, fused, algorithm)] = (same, same_res, bad_mean_finite, kept)
     into = {}  # allreduce_fused(into=True): the same bits and residuals, written into the inputs
-    for (name, threshold), (ref_out, ref_res) in fused_allgather.items():
-        out, res, aliased = _steps(name, rank, True, threshold, None, into=True)
-        into[(name, threshold)] = (_same(out, ref_out), _equal(res, ref_res), all(all(a) for a in aliased))
+    for (name, threshold, algorithm), (ref_out, ref_res) in fused_runs.items():
+        out, res, aliased = _steps(name, rank, True, threshold, algorithm, into=True)
+        into[(name, threshold, algorithm)] = (_same(out, ref_out), _equal(res, ref_res), all(all(a) for a in aliased))
     report["into"] = into
     return report
 
@@ -99,8 +100,9 @@ def test_fused_loops_through_the_collectives_give_the_reference_bits(tmp_path):
     if not cpu.warm():
         pytest.skip("numba is not importable here: the fused loops do not run")
     for rank, report in enumerate(run_ranks(_rank, 2, tmp_path)):
-        for (name, threshold), (same, same_res, aliased) in report.pop("into").items():
-            where = f"rank {rank}, {name}, allreduce_fused(into=True), threshold {threshold}"
+        for (name, threshold, algorithm), (same, same_res, aliased) in report.pop("into").items():
+            where = (f"rank {rank}, {name}, allreduce_fused(into=True), {algorithm or 'allgather'}, "
+                     f"threshold {threshold}")
             assert same and same_res, f"{where}: results or residuals differ from into=False"
             assert aliased, f"{where}: a mean was not written into its input"
         for (name, fused, algorithm), (same, same_res, bad_mean_finite, kept) in report.items():
