@@ -406,10 +406,10 @@ def timeline_plot(records: List[Dict[str, Any]], path: str, title: str) -> None:
         ax.set_xlabel("ms since the step began (wall clock, one step)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in colors.values()]
     fig.legend(handles, ["forward", "backward", "input gradient (I)", "weight gradient (W)",
-                         "send (its wait for earlier messages included)"], loc="upper right", ncol=5, fontsize=8,
-               frameon=False)
-    fig.suptitle(title, fontsize=10, x=0.01, ha="left")
-    fig.tight_layout(rect=(0, 0, 1, 0.95))
+                         "send (its wait for earlier messages included)"], loc="upper left", ncol=5, fontsize=8,
+               frameon=False, bbox_to_anchor=(0.005, 1.0 - 0.28 / fig.get_figheight()))  # a line below the title
+    fig.suptitle(title, fontsize=10, x=0.01, y=1.0 - 0.08 / fig.get_figheight(), ha="left", va="top")
+    fig.tight_layout(rect=(0, 0, 1, 1.0 - 0.6 / fig.get_figheight()))
     fig.savefig(path, dpi=130)
     plt.close(fig)
 
