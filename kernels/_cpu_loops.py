@@ -46,6 +46,26 @@ def block_word(a: Any, b: Any, x: Any, base: int, add: bool) -> Any:
     return word
 
 
+@numba.njit(cache=True, nogil=True, boundscheck=False, inline="always")
+def pack_tail(a: Any, b: Any, x: Any, bits: Any, words: int, mode: int, add: bool, p0: float,
+              q0: float) -> Tuple[float, float]:
+    # the elements after the last whole 64-block, one byte of bits at a time, their sums added
+    # to the first lanes in order: (p0, q0) after them
+    n = x.size
+    for k in range(words * 8, bits.size):
+        b8 = np.uint8(0)
+        for i in range(8 * k, min(8 * k + 8, n)):
+            if add:
+                x[i] = a[i] + b[i]
+            b8 |= np.uint8(x[i] >= 0) << np.uint8(i - 8 * k)
+            if mode != 0:
+                u, c = lanes(np.float64(x[i]), mode)
+                p0 += u
+                q0 += c
+        bits[k] = b8
+    return p0, q0
+
+
 @_jit
 def pack(x: Any, bits: Any, mode: int) -> Tuple[float, float]:
     return pack_sum(x, x, x, bits, mode, False)
@@ -103,17 +123,7 @@ def pack_sum(a: Any, b: Any, x: Any, bits: Any, mode: int, add: bool) -> Tuple[f
                 u, c = lanes(np.float64(x[i + 7]), mode)
                 p7 += u
                 q7 += c
-    for k in range(words * 8, bits.size):
-        b8 = np.uint8(0)
-        for i in range(8 * k, min(8 * k + 8, n)):
-            if add:
-                x[i] = a[i] + b[i]
-            b8 |= np.uint8(x[i] >= 0) << np.uint8(i - 8 * k)
-            if mode != 0:
-                u, c = lanes(np.float64(x[i]), mode)
-                p0 += u
-                q0 += c
-        bits[k] = b8
+    p0, q0 = pack_tail(a, b, x, bits, words, mode, add, p0, q0)
     return ((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)), ((q0 + q1) + (q2 + q3)) + ((q4 + q5) + (q6 + q7))
 
 
@@ -135,16 +145,7 @@ def pack_split(a: Any, b: Any, x: Any, bits: Any, add: bool) -> Tuple[float, flo
                 v = np.float64(x[g + k])
                 p[k] += v if not v < 0.0 else 0.0
                 q[k] += v if not v > 0.0 else 0.0
-    for k in range(words * 8, bits.size):
-        b8 = np.uint8(0)
-        for i in range(8 * k, min(8 * k + 8, n)):
-            if add:
-                x[i] = a[i] + b[i]
-            b8 |= np.uint8(x[i] >= 0) << np.uint8(i - 8 * k)
-            u, c = lanes(np.float64(x[i]), 3)
-            p[0] += u
-            q[0] += c
-        bits[k] = b8
+    p[0], q[0] = pack_tail(a, b, x, bits, words, 3, add, p[0], q[0])
     return ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7])), \
         ((q[0] + q[1]) + (q[2] + q[3])) + ((q[4] + q[5]) + (q[6] + q[7]))
 
