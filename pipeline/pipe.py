@@ -39,8 +39,8 @@ from .delta import DeltaFeedback
 from .grid import Grid
 from .stages import StagesOverBudget, over_budget_message, split
 from .backward import WeightGrad, input_grad
-from .schedule import PASSES, Action, build, check_plan, check_shape
-from .transport import Message, Transport, message_order
+from .schedule import PASSES, Action, build, check_plan, check_shape, produced, received
+from .transport import Message, Transport, h63, message_order
 
 CHECKPOINTS = (None, "never", "except_last", "always")
 _MISSING, _NOT_A_BATCH, _UNEVEN, _OTHER_SIZE = 1, 2, 3, 4  # what a rank found wrong with its batch
@@ -517,7 +517,7 @@ class Pipeline:
         for a in self.actions:
             kind = PASSES[a.kind]
             if self._transport.mismatched:  # this raw step is void here: only its messages go on
-                self._pass_void(kind, a.vstage, a.mb)
+                self._pass_void(a.kind, a.vstage, a.mb)
             else:
                 getattr(self, "_pass_" + kind.run)(a.vstage, a.mb, step)
             live += kind.holds
@@ -558,15 +558,17 @@ class Pipeline:
                                  f"depends on")
             self._send(c, mb, "grad", dx)
 
-    def _pass_void(self, kind: Any, c: int, mb: int) -> None:
+    def _pass_void(self, kind: str, c: int, mb: int) -> None:
         """A pass of a raw step that a payload of this rank has made void (it runs again
         framed): its messages, received and sent as zeros of the agreed sizes, and no compute
         (what arrives may no longer fit what this rank's stage made)."""
         s = self._stage(c)
-        if (kind.receives == "act" and s > 0) or (kind.receives == "grad" and s < self.n_stages - 1):
-            self._recv(c, mb, kind.receives)
-        if (kind.sends == "act" and s < self.n_stages - 1) or (kind.sends == "grad" and s > 0):
-            self._transport.send_void(self._message(c, mb, kind.sends, True))
+        got = received(kind, s, mb, self.n_stages)
+        if got is not None:
+            self._recv(c, mb, got[0])
+        sent = produced(kind, s, mb, self.n_stages)
+        if sent is not None:
+            self._transport.send_void(Message(*sent))
 
     def _pass_weight(self, c: int, mb: int, step: "_Step") -> None:
         t = time.time()
@@ -795,10 +797,7 @@ def _batch_verdict(rows: List[List[int]], m: int, p: int, replicas: int, need_id
 
 def _shapes_sig(tensors: Sequence[Any]) -> int:
     """A non-negative 63-bit hash of the micro-batches' shapes and dtypes (0 for none)."""
-    if not tensors:
-        return 0
-    return int.from_bytes(bytes.fromhex(fingerprint(repr([(tuple(t.shape), t.dtype) for t in tensors]))),
-                          "little") >> 1
+    return h63(repr([(tuple(t.shape), t.dtype) for t in tensors])) if tensors else 0
 
 
 def _ids_hash(ids: torch.Tensor) -> int:

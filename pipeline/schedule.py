@@ -262,15 +262,24 @@ def produced(kind: str, s: int, mb: int, stages: int) -> Optional[Tuple[str, int
     return None
 
 
+def received(kind: str, s: int, mb: int, stages: int) -> Optional[Tuple[str, int, int]]:
+    """The message ``("act" | "grad", boundary, mb)`` a pass of ``kind`` on stage ``s`` waits
+    for, or None."""
+    receives = PASSES[kind].receives
+    if receives == "act" and s > 0:
+        return ("act", s - 1, mb)
+    if receives == "grad" and s < stages - 1:
+        return ("grad", s, mb)
+    return None
+
+
 def _needed(kind: str, s: int, mb: int, stages: int) -> List[Tuple[str, int, int]]:
     """What a pass waits for: its own stage's earlier passes ``(kind, s, mb)`` and the message
-    it receives (``("act" | "grad", boundary, mb)``)."""
-    row = PASSES[kind]
-    out = [(k, s, mb) for k in row.after]
-    if row.receives == "act" and s > 0:
-        out.append(("act", s - 1, mb))
-    elif row.receives == "grad" and s < stages - 1:
-        out.append(("grad", s, mb))
+    it receives (:func:`received`)."""
+    out = [(k, s, mb) for k in PASSES[kind].after]
+    msg = received(kind, s, mb, stages)
+    if msg is not None:
+        out.append(msg)
     return out
 
 

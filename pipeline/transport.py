@@ -54,7 +54,7 @@ import torch.distributed as dist
 from gradcomp.collectives import CommunicationError, fingerprint
 from gradcomp.compress import Compressor, Payload
 from gradcomp.compress.payload import memory_bytes
-from gradcomp.compress.transaction import current as current_transaction
+from gradcomp.compress import transaction
 from gradcomp.kernels import memory
 
 from .schedule import Action, timeline
@@ -217,7 +217,6 @@ class Transport:
         self._layouts: Dict[Tuple[str, int], Layout] = {}  # each channel's, learned in a framed step
         self._seen: Dict[Tuple[str, int], Optional[Layout]] = {}  # this framed step's (None: not one layout)
         self._learn = False
-        self._channels: frozenset = frozenset()  # the channels this rank's messages of the last order use
         self._works: List[Any] = []  # every work of the step, in issue order
         self._waited = 0  # the works before this position have been waited
 
@@ -273,10 +272,17 @@ class Transport:
         if not (self.raw and self.mismatched):
             raise RuntimeError("pipeline: send_void is for a raw step a payload has left its layout")
         slot = self._slot[msg]
-        lay = self._layouts[(msg.kind, msg.boundary)]
-        slot.buf, slot.length = self._pool(msg, True).take(lay.nbytes).zero_(), lay.nbytes
+        lay = self._layout(msg)
+        slot.buf, slot.length = self._void(msg, lay), lay.nbytes
         self.sent_bytes += lay.nbytes
         self._leave(slot)
+
+    def _layout(self, msg: Message) -> Layout:
+        return self._layouts[(msg.kind, msg.boundary)]
+
+    def _void(self, msg: Message, lay: Layout) -> torch.Tensor:
+        """The agreed bytes of ``msg``'s channel as zeros (a void raw message)."""
+        return self._pool(msg, True).take(lay.nbytes).zero_()
 
     def _leave(self, slot: _Slot) -> None:
         """Post ``slot`` (produced) as soon as the agreed order allows."""
@@ -320,10 +326,10 @@ class Transport:
         """The payload's tensors as the channel's layout places them: the one tensor itself
         where it is a contiguous, 8-byte aligned block of the agreed bytes (no copy; it does
         not change before the step's end), else one buffer; zeros when it does not fit."""
-        lay = self._layouts[(slot.msg.kind, slot.msg.boundary)]
+        lay = self._layout(slot.msg)
         if not lay.fits(payload, dtype):
             self.mismatched = True
-            slot.buf = self._pool(slot.msg, True).take(lay.nbytes).zero_()
+            slot.buf = self._void(slot.msg, lay)
         elif len(payload.tensors) == 1 and payload.tensors[0].is_contiguous() and lay.nbytes == payload.nbytes \
                 and payload.tensors[0].data_ptr() % 8 == 0:
             slot.buf = payload.tensors[0].detach().reshape(-1).view(torch.uint8)
@@ -374,32 +380,20 @@ class Transport:
         except ValueError as exc:
             raise ValueError(f"pipeline: the payload of {msg.key} from rank {slot.peer} is invalid: {exc}") from None
         self._note(msg, Layout.of(payload, _DTYPES[slot.hdr[4]]) if self._learn else None)
-        out = base.decompress(payload)
-        if feedback is not None:
-            out = feedback.combine(msg.key, out)
-        return out.to(_DTYPES[slot.hdr[4]])
+        return _decoded(msg, base, feedback, payload, _DTYPES[slot.hdr[4]])
 
     def _take_raw(self, slot: _Slot, compressor: Any) -> torch.Tensor:
         """A raw message decoded on its channel's layout: its tensors viewed in the buffer, made
         safe by the compressor on the device, its flag (if any) noted in the step's transaction."""
-        lay = self._layouts[(slot.msg.kind, slot.msg.boundary)]
+        lay = self._layout(slot.msg)
         base, feedback = _split(compressor)
         assert slot.buf is not None
         payload = Payload(lay.compressor, lay.shape, lay.dtype, lay.views(slot.buf),
                           dict(lay.meta) if isinstance(lay.meta, dict) else lay.meta)
         payload, bad = base.check_on_device(payload)
         if bad is not None:
-            txn = current_transaction()
-            key, peer = slot.msg.key, slot.peer
-            if txn is None:
-                if bool(bad.any()):
-                    raise ValueError(f"pipeline: the payload of {key} from rank {peer} is invalid")
-            else:
-                txn.flag(bad, lambda _: f"pipeline: the payload of {key} from rank {peer} is invalid")
-        out = base.decompress(payload)
-        if feedback is not None:
-            out = feedback.combine(slot.msg.key, out)
-        return out.to(lay.wire_dtype)
+            transaction.refuse(bad, f"pipeline: the payload of {slot.msg.key} from rank {slot.peer} is invalid")
+        return _decoded(slot.msg, base, feedback, payload, lay.wire_dtype)
 
     def finish(self) -> None:
         """Post what is left and wait until every operation of the step is done."""
@@ -449,7 +443,7 @@ class Transport:
                     self._pos += 1
                     continue
                 if self.raw:  # the agreed bytes: nothing to read before what follows is posted
-                    slot.buf = self._pool(slot.msg, False).take(self._layouts[(slot.msg.kind, slot.msg.boundary)].nbytes)
+                    slot.buf = self._pool(slot.msg, False).take(self._layout(slot.msg).nbytes)
                     ops.append((dist.P2POp(dist.irecv, slot.buf, slot.peer, self.group), slot))
                     slot.read = True
                     self._pos += 1
@@ -556,6 +550,16 @@ def _encode(msg: Message, tensor: torch.Tensor, compressor: Any) -> Tuple[Compre
     payload, sent = base.compress_decoded(acc.to(tensor.dtype), msg.key)
     feedback.update(msg.key, acc, sent)
     return base, payload
+
+
+def _decoded(msg: Message, base: Compressor, feedback: Optional[Any], payload: Payload,
+             dtype: torch.dtype) -> torch.Tensor:
+    """``payload`` decoded, through the feedback wrapper under ``msg.key`` if there is one, in
+    the stage output's ``dtype``."""
+    out = base.decompress(payload)
+    if feedback is not None:
+        out = feedback.combine(msg.key, out)
+    return out.to(dtype)
 
 
 def _split(compressor: Any) -> Tuple[Compressor, Optional[Any]]:
