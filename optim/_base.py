@@ -68,7 +68,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         #: steps that changed nothing (a gradient not finite or out of the second moment's range)
         self.skipped_steps = 0
         self._range = common.MomentRange()
-        self._masks: Optional[List[Optional[torch.Tensor]]] = None
+        self._masks: Optional[List[Optional[Mask]]] = None
         if common.is_distributed(process_group):
             common.agree_config({"configuration": self._config(), "learning rates": self._learning_rates(),
                                  "parameters": describe_params(common.named(self._params))}, process_group,
@@ -152,9 +152,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def masks(self) -> List[Optional[torch.Tensor]]:
         """Per parameter, the elements masked out of the exchange (a bool tensor, True where
         masked; None: none): where the variance is zero, fixed when it is frozen."""
+        return [None if m is None else m.mask for m in self.masked()]
+
+    def masked(self) -> List[Optional["Mask"]]:
+        """:meth:`masks` as :class:`Mask` objects, which zero a tensor there cheaply."""
         if self._masks is None:
             self._masks = zero_masks([self._state_of(p)["exp_avg_sq"] for p in self._params])
         return self._masks
+
+    def has_unmasked(self) -> bool:
+        """Whether some element is not masked, so that a poisoned (NaN) element survives the
+        masking and reaches every rank's mean (see ``_common.poison_``)."""
+        return any(m is None or m.kept for p, m in zip(self._params, self.masked()) if p.numel())
 
     def _group_of(self, p: torch.Tensor) -> Dict[str, Any]:
         return self._group_by_id[id(p)]
@@ -238,27 +247,67 @@ def _by_dtype(tensors: Sequence[torch.Tensor]) -> Dict[torch.dtype, List[int]]:
     return out
 
 
-def flat(tensors: Sequence[torch.Tensor], masks: Sequence[Optional[torch.Tensor]]) -> torch.Tensor:
-    """Every tensor in fp32, zero where its mask (see :func:`zero_masks`) is True, as one flat
-    tensor."""
-    parts = [(t.float() if m is None else t.float().masked_fill(m, 0.0)).reshape(-1) for t, m in zip(tensors, masks)]
-    return torch.cat(parts) if parts else torch.zeros(0)
+# A mask over at most this share of its tensor is applied by its positions (``index_fill_``):
+# a pass over the masked elements only, ~10x faster than ``masked_fill_``'s pass over the
+# whole tensor at 1.4 % of 25M elements; its int64 positions then take at most half the
+# bool mask's memory.
+SPARSE_MASK = 1 / 16
 
 
-def unflat_(out: Sequence[torch.Tensor], masks: Sequence[Optional[torch.Tensor]], values: torch.Tensor) -> None:
+class Mask:
+    """Where a tensor is masked out of the exchange (``mask``, True there) and how to zero it
+    there: ``fill_(t)`` is ``t.masked_fill_(mask, 0.0)``, the same bits, by the masked
+    positions (``index``) when they are few."""
+
+    __slots__ = ("mask", "index", "kept")
+
+    def __init__(self, mask: torch.Tensor, index: torch.Tensor) -> None:
+        self.mask = mask
+        self.kept = index.numel() < mask.numel()  # some element is not masked
+        self.index = index if index.numel() <= SPARSE_MASK * mask.numel() else None
+
+    def fill_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.index is not None and t.is_contiguous():
+            t.view(-1).index_fill_(0, self.index, 0.0)
+        else:
+            t.masked_fill_(self.mask, 0.0)
+        return t
+
+
+MaskLike = Optional[Any]  # a Mask, a bool tensor (True where masked) or None (nothing masked)
+
+
+def _fill_(t: torch.Tensor, m: MaskLike) -> torch.Tensor:
+    if m is None:
+        return t
+    return m.fill_(t) if isinstance(m, Mask) else t.masked_fill_(m, 0.0)
+
+
+def flat(tensors: Sequence[torch.Tensor], masks: Sequence[MaskLike]) -> torch.Tensor:
+    """Every tensor in fp32, zero where its mask (see :func:`zero_masks`; a bool tensor is
+    taken too) is True, as one flat tensor (new: the inputs are not written)."""
+    if not tensors:
+        return torch.zeros(0)
+    out = torch.cat([t.float().reshape(-1) for t in tensors])
+    for t, m, piece in zip(tensors, masks, out.split([t.numel() for t in tensors])):
+        _fill_(piece.view(t.shape), m)  # a contiguous view: zeroed by its positions
+    return out
+
+
+def unflat_(out: Sequence[torch.Tensor], masks: Sequence[MaskLike], values: torch.Tensor) -> None:
     """Write ``values`` (as :func:`flat` laid them out) back into ``out``; masked elements
     become zero (whatever a code that cannot say zero decoded there)."""
     for t, m, piece in zip(out, masks, values.split([t.numel() for t in out])):
         t.copy_(piece.view_as(t))
-        if m is not None:
-            t.masked_fill_(m, 0.0)
+        _fill_(t, m)
 
 
-def zero_masks(tensors: Sequence[torch.Tensor]) -> List[Optional[torch.Tensor]]:
-    """Per tensor: where it is zero (a bool tensor of its shape), or None when nowhere. Applied
-    by ``masked_fill_``: one pass, and the exchanged tensor keeps its size."""
-    out: List[Optional[torch.Tensor]] = []
+def zero_masks(tensors: Sequence[torch.Tensor]) -> List[Optional[Mask]]:
+    """Per tensor: where it is zero (a :class:`Mask`), or None when nowhere; one host read per
+    tensor (the positions' count), when the variance is frozen."""
+    out: List[Optional[Mask]] = []
     for t in tensors:
         zero = t == 0
-        out.append(zero if bool(zero.any()) else None)
+        index = zero.reshape(-1).nonzero().view(-1)
+        out.append(Mask(zero, index) if index.numel() else None)
     return out

@@ -118,9 +118,9 @@ class OneBitAdam(DistributedOptimizer):
         """What this rank sends for ``grads``: its momentum ``beta1 * m + (1 - beta1) * (g +
         weight_decay * p)`` divided by the frozen denominator (the update's coordinates, where
         every element has Adam's scale: a 1-bit code's error is then that of the update, not
-        amplified by a small variance), zero where masked; one flat fp32 tensor, all NaN when a
-        gradient is out of range (so that every rank skips the step)."""
-        masks, denoms = self.masks(), self.denominators()
+        amplified by a small variance), zero where masked; one flat fp32 tensor, NaN wherever
+        it is not masked when a gradient is out of range (so that every rank skips the step)."""
+        masks, denoms = self.masked(), self.denominators()
         # large CPU blocks in huge pages (kernels.memory.empty): fewer page faults at first touch
         out = empty(sum(p.numel() for p in self._params), torch.float32,
                     self._params[0].device if self._params else "cpu")
@@ -129,9 +129,10 @@ class OneBitAdam(DistributedOptimizer):
         if self._vmax is None:  # the variance is frozen: its maxima are too
             self._vmax = common.MomentRange.maxima([self._state_of(p)["exp_avg_sq"] for p in self._params])
         bad = self._out_of_range(grads, self._vmax)
-        # unmasked, the poison rides in lerp's weight (NaN when bad: every element NaN, the same
-        # bits otherwise) instead of a pass of its own; masked elements are set after it
-        masked = any(m is not None for m in masks)
+        # the poison rides in lerp's weight (NaN when bad, the same bits otherwise) instead of a
+        # pass of its own; masked elements are zeroed after it, so only when every element is
+        # masked does the poison need its own pass
+        survives = self.has_unmasked()
         pieces = out.split([p.numel() for p in self._params])
         i = 0
         for group in self.param_groups:
@@ -142,12 +143,13 @@ class OneBitAdam(DistributedOptimizer):
                 if wd:
                     g = g.add(p.float(), alpha=wd)
                 u = pieces[i].view(p.shape)  # written straight into the flat tensor
-                torch.lerp(self._state_of(p)["exp_avg"].float(), g, 1 - beta1 if masked else weight, out=u)
+                torch.lerp(self._state_of(p)["exp_avg"].float(), g, weight, out=u)
                 u.div_(denoms[i])
-                if masks[i] is not None:
-                    u.masked_fill_(masks[i], 0.0)
+                mask = masks[i]
+                if mask is not None:
+                    mask.fill_(u)  # by the masked positions when they are few
                 i += 1
-        if masked:
+        if not survives:
             common.poison_(out, bad)
         return out
 
@@ -157,15 +159,16 @@ class OneBitAdam(DistributedOptimizer):
         if mean is None:
             self._skip()  # NaN/Inf on some rank reaches every rank; the residuals were kept as they were
             return
-        masks, denoms = self.masks(), self.denominators()
+        masks, denoms = self.masked(), self.denominators()
         pieces = mean.split([p.numel() for p in self._params])  # ours: decoded in place
         i = 0
         for group in self.param_groups:
             beta1 = group["betas"][0]
             for p in group["params"]:
                 st, u = self._state_of(p), pieces[i].view(p.shape)
-                if masks[i] is not None:
-                    u.masked_fill_(masks[i], 0.0)  # masked elements: no momentum, no move
+                mask = masks[i]
+                if mask is not None:
+                    mask.fill_(u)  # masked elements: no momentum, no move
                 st["step"] += 1
                 if st["exp_avg"].dtype == torch.float32:
                     torch.mul(u, denoms[i], out=st["exp_avg"])

@@ -141,19 +141,25 @@ class OneBitLamb(DistributedOptimizer):
     def _compressed_step(self, grads: List[torch.Tensor]) -> None:
         # sent divided by the frozen denominator (the update's coordinates; see OneBitAdam) and
         # scaled per layer to one magnitude: both are the same on every rank, so undone exactly
+        if self._vmax is None:
+            self._vmax = common.MomentRange.maxima([self._state_of(p)["exp_avg_sq"] for p in self._params])
+        bad = self._out_of_range(grads, self._vmax)
+        # the poison rides in lerp's weight (NaN when bad, the same bits otherwise), as in
+        # OneBitAdam; its own pass only when every element is masked
         local = []
         for p, g, d in zip(self._params, grads, self._denominators()):
             st = self._state_of(p)
-            m = torch.lerp(st["exp_avg"].float(), g.float(), 1 - self._group_of(p)["betas"][0])
+            weight = torch.where(bad, torch.nan, 1 - self._group_of(p)["betas"][0]).float()
+            m = torch.lerp(st["exp_avg"].float(), g.float(), weight)
             local.append(m.div_(d).mul_(st["scaling"]))
-        if self._vmax is None:
-            self._vmax = common.MomentRange.maxima([self._state_of(p)["exp_avg_sq"] for p in self._params])
-        sent = common.poison_(flat(local, self.masks()), self._out_of_range(grads, self._vmax))
+        sent = flat(local, self.masked())
+        if not self.has_unmasked():
+            common.poison_(sent, bad)
         mean = self.exchanges["momentum"].finite_mean(sent)
         if mean is None:
             self._skip()
             return
-        unflat_(local, self.masks(), mean)
+        unflat_(local, self.masked(), mean)
         for p, u, d in zip(self._params, local, self._denominators()):
             self._apply(p, u.mul_(d).div_(self._state_of(p)["scaling"]))
         self.steps += 1

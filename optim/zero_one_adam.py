@@ -208,7 +208,7 @@ class ZeroOneAdam(DistributedOptimizer):
         """Average the moves since the last common point compressed (they are in the update's
         coordinates already); every replica takes the mean move from that point, so all hold
         the same bits again, and the momentum becomes the mean move over the step sizes."""
-        masks = self.masks()
+        masks = self.masked()
         moves = []
         for p in self._params:
             st = self._state_of(p)
