@@ -33,19 +33,23 @@ class Native(Algorithm):
         src = as_dtype(acc, dtype)
         if self.want_sent:
             payload, sent = self.comp.compress_decoded(src, self.key)
-        else:
-            payload, sent = self.comp.compress(src, self.key), None
+        else:  # the identity's payload is then the input itself, averaged into a copy below
+            payload, sent = self.comp.compress_view(src, self.key), None
         if not payload.tensors or not payload.tensors[0].is_floating_point():
             raise ValueError(f"{self.comp.name} declares native=True but its first payload tensor is not floating point")
-        summed = fresh(payload.tensors[0], acc, src)
-        self.sent = None if sent is None else fresh(sent, summed)
+        summed = payload.tensors[0]
+        # a payload that is the input (the identity's) is averaged into a copy, made by the
+        # scaling's own pass (Comm.mean)
+        self.shared = any(o.numel() and summed.numel() and
+                          summed.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in (acc, src))
+        self.sent = None if sent is None else fresh(sent, summed) if not self.shared else sent
         self.payload = payload
         self.summed = summed
         self.payload_bytes = payload.nbytes
         return _check_hash(payload, self.verify), []
 
     def run(self, table):
-        summed = self.comm.mean_(self.summed)
+        summed = self.comm.mean(self.summed) if self.shared else self.comm.mean_(self.summed)
         p = self.payload
         with self.rec.timing("decompress"):
             averaged = Payload(p.compressor, p.shape, p.dtype, [summed, *p.tensors[1:]], p.meta)
