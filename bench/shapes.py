@@ -1,4 +1,4 @@
-"""Realistic gradient shapes: the parameters of ResNet-50 and BERT-base, in DDP buckets.
+"""Realistic gradient shapes: the parameters of ResNet-18, ResNet-50 and BERT-base, in DDP buckets.
 
 The shapes are generated from each architecture's definition (no model is built, nothing is
 downloaded) and grouped the way ``DistributedDataParallel`` does by default: parameters in
@@ -32,6 +32,24 @@ def resnet50(num_classes: int = 1000) -> List[Layer]:
     return layers + [("fc.weight", (num_classes, 2048)), ("fc.bias", (num_classes,))]
 
 
+def resnet18(num_classes: int = 1000) -> List[Layer]:
+    """Parameter names and shapes of torchvision's ``resnet18()`` (11,689,512 parameters):
+    basic blocks of two 3x3 convolutions."""
+    layers: List[Layer] = [("conv1.weight", (64, 3, 7, 7)), ("bn1.weight", (64,)), ("bn1.bias", (64,))]
+    inplanes = 64
+    for stage, planes in enumerate((64, 128, 256, 512), start=1):
+        for b in range(2):
+            p = f"layer{stage}.{b}"
+            for i, cin in enumerate((inplanes, planes), 1):
+                layers += [(f"{p}.conv{i}.weight", (planes, cin, 3, 3)), (f"{p}.bn{i}.weight", (planes,)),
+                           (f"{p}.bn{i}.bias", (planes,))]
+            if b == 0 and inplanes != planes:
+                layers += [(f"{p}.downsample.0.weight", (planes, inplanes, 1, 1)),
+                           (f"{p}.downsample.1.weight", (planes,)), (f"{p}.downsample.1.bias", (planes,))]
+            inplanes = planes
+    return layers + [("fc.weight", (num_classes, 512)), ("fc.bias", (num_classes,))]
+
+
 def bert_base(vocab: int = 30522, hidden: int = 768, layers: int = 12, ffn: int = 3072,
               positions: int = 512) -> List[Layer]:
     """Parameter names and shapes of BERT-base's encoder and pooler (109,482,240 parameters)."""
@@ -49,7 +67,7 @@ def bert_base(vocab: int = 30522, hidden: int = 768, layers: int = 12, ffn: int 
     return out + [("pooler.weight", (hidden, hidden)), ("pooler.bias", (hidden,))]
 
 
-MODELS = {"resnet50": resnet50, "bert-base": bert_base}
+MODELS = {"resnet18": resnet18, "resnet50": resnet50, "bert-base": bert_base}
 
 
 def model_layers(name: str) -> List[Layer]:

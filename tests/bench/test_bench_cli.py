@@ -113,7 +113,7 @@ def test_bad_arguments_are_one_clear_error(capsys):
 
 def test_nodes_run_each_method_flat_and_hierarchical(tmp_path):
     out = tmp_path / "h.json"
-    proc = _bench("--model", "resnet50", "--world-size", "4", "--local-size", "2", "--compressors", "onebit",
+    proc = _bench("--model", "resnet18", "--world-size", "4", "--local-size", "2", "--compressors", "onebit",
                   "--repeats", "1", "--json", str(out), "--no-progress", timeout=240)
     assert proc.returncode == 0, proc.stderr
     records = {r["compressor"]: r for r in json.loads(out.read_text())}

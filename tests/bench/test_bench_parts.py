@@ -7,6 +7,7 @@ from gradcomp.bench import collective, shapes
 
 
 def test_model_shapes_match_the_published_parameter_counts():
+    assert shapes.summary(shapes.resnet18()) == {"layers": 62, "numel": 11_689_512}
     assert shapes.summary(shapes.resnet50()) == {"layers": 161, "numel": 25_557_032}
     assert shapes.summary(shapes.bert_base()) == {"layers": 199, "numel": 109_482_240}
     with pytest.raises(ValueError, match="resnet50"):
