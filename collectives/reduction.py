@@ -29,7 +29,7 @@ from typing import Any, Dict, List, NamedTuple, Optional, Tuple, Type
 
 import torch
 
-from gradcomp.compress import Compressor, Feedback, available_compressors, get_compressor, transaction
+from gradcomp.compress import Compressor, Feedback, available_compressors, get_compressor, is_feedback, transaction
 from gradcomp.compress.base import FLOAT_DTYPES, work_dtype
 
 from . import _telemetry as telemetry
@@ -63,7 +63,7 @@ def make_spec(compressor: Any, algorithm: Optional[str], measure_error: Optional
         base, feedback = _named[compressor], None
     elif isinstance(compressor, Compressor):
         base, feedback = compressor, None
-    elif isinstance(compressor, Feedback) and isinstance(compressor.compressor, Compressor):
+    elif is_feedback(compressor) and isinstance(compressor.compressor, Compressor):
         base, feedback = compressor.compressor, compressor
     else:
         raise ValueError(f"compressor must be a name ({', '.join(available_compressors())}), a Compressor, or an "

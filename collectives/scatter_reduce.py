@@ -24,7 +24,7 @@ from typing import Any, List, Optional
 
 import torch
 
-from gradcomp.compress import ErrorFeedback, Feedback, transaction
+from gradcomp.compress import ErrorFeedback, is_feedback, transaction
 from gradcomp.kernels.memory import empty, zeros
 
 from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, wdtype
@@ -48,7 +48,7 @@ def server_feedback(compressor: Any) -> ErrorFeedback:
     """The server-side error feedback that scatter-reduce keeps for ``compressor`` (the object
     passed to ``allreduce``, an error-feedback wrapper): residuals per :func:`server_key`.
     Use its ``state_dict``/``load_state_dict`` to checkpoint and resume it."""
-    if not isinstance(compressor, Feedback):
+    if not is_feedback(compressor):
         raise ValueError("server-side error feedback exists only for error-feedback wrappers such as ErrorFeedback(c)")
     with _servers_lock:
         server = _servers.get(compressor)

@@ -11,7 +11,7 @@ import importlib as _importlib
 import pkgutil as _pkgutil
 
 from .base import Capabilities, Compressor, CompressorConfig, Encoded, Option, option
-from .error_feedback import EF21, ErrorFeedback, Feedback
+from .error_feedback import EF21, ErrorFeedback, Feedback, is_feedback
 from .payload import Payload
 from .registry import available_compressors, compressor_class, get_compressor, register
 
@@ -24,6 +24,6 @@ from .spec import as_codec, wants_feedback
 
 __all__ = [
     "Capabilities", "Compressor", "CompressorConfig", "Encoded", "Option", "option",
-    "Payload", "Feedback", "ErrorFeedback", "EF21", "DGCMomentum",
+    "Payload", "Feedback", "is_feedback", "ErrorFeedback", "EF21", "DGCMomentum",
     "available_compressors", "compressor_class", "get_compressor", "register", "as_codec", "wants_feedback",
 ]

@@ -31,6 +31,9 @@ from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional
 
 import torch
 
+# what combines vouched for (see vouch), by the tensor's data pointer: (tensor, version, witness)
+Vouched = Dict[int, List[Tuple[torch.Tensor, int, torch.Tensor]]]
+
 _MISSING = object()
 _current: contextvars.ContextVar[Optional["Transaction"]] = contextvars.ContextVar("gradcomp_transaction",
                                                                                   default=None)
@@ -46,9 +49,10 @@ class Transaction:
         self._seen: Dict[Tuple[int, Any], bool] = {}
         self._witnesses: List[torch.Tensor] = []  # device scalars: each observed result's min and max
         self._flags: List[Tuple[torch.Tensor, Callable[[List[int]], str]]] = []  # device flags, what they mean
-        # results whose witness their combine computed on the way (see vouch): the tensor (held,
-        # so its memory is not reused while this lives), its version then, the witness
-        self._vouched: List[Tuple[torch.Tensor, int, torch.Tensor]] = []
+        # results whose witness their combine computed on the way (see vouch), by data pointer:
+        # the tensor (held, so its memory is not reused while this lives), its version then, the
+        # witness
+        self._vouched: Vouched = {}
         self._verdict: Optional[Tuple[bool, List[str]]] = None
         self.failed = False  # an exchange of this step raised
 
@@ -131,7 +135,7 @@ class Transaction:
     def _clear(self) -> None:
         self._undo.clear()
         self._seen.clear()
-        self._witnesses, self._flags, self._verdict, self._vouched = [], [], None, []
+        self._witnesses, self._flags, self._verdict, self._vouched = [], [], None, {}
         self.failed = False
 
     @contextlib.contextmanager
@@ -292,7 +296,7 @@ def vouch(t: torch.Tensor, witness: torch.Tensor) -> None:
     ``t`` or a view of it voids it. Observing any tensor over exactly ``t``'s memory uses it."""
     txn = _current.get()
     if txn is not None and t.is_contiguous() and t.numel():
-        txn._vouched.append((t, t._version, witness))
+        txn._vouched.setdefault(t.data_ptr(), []).append((t, t._version, witness))
 
 
 def vouch_finite(t: torch.Tensor) -> None:
@@ -300,17 +304,17 @@ def vouch_finite(t: torch.Tensor) -> None:
     vouch(t, torch.zeros(1, dtype=torch.float64, device=t.device))
 
 
-def _vouched_for(t: torch.Tensor, vouched: Sequence[Tuple[torch.Tensor, int, torch.Tensor]]) -> Optional[torch.Tensor]:
+def _vouched_for(t: torch.Tensor, vouched: Vouched) -> Optional[torch.Tensor]:
     if not vouched or not t.is_contiguous():
         return None
-    for v, version, witness in vouched:
+    for v, version, witness in vouched.get(t.data_ptr(), ()):
         if (v.data_ptr() == t.data_ptr() and v.dtype == t.dtype and v.numel() == t.numel()
                 and v._version == version):
             return witness
     return None
 
 
-def _witnesses(results: Any, vouched: Sequence[Tuple[torch.Tensor, int, torch.Tensor]] = ()) -> List[torch.Tensor]:
+def _witnesses(results: Any, vouched: Optional["Vouched"] = None) -> List[torch.Tensor]:
     """Each floating-point tensor's minimum and maximum, in float64, on its device: all of
     them are finite exactly when every element is (a NaN propagates, an infinity is an
     extreme, and no sum can overflow), one read-only pass per tensor; or what a combine
@@ -319,7 +323,7 @@ def _witnesses(results: Any, vouched: Sequence[Tuple[torch.Tensor, int, torch.Te
     out = []
     for t in tensors:
         if t is not None and t.numel() and t.is_floating_point():
-            known = _vouched_for(t.detach(), vouched)
+            known = _vouched_for(t.detach(), vouched) if vouched else None
             if known is not None:
                 out.append(known)
                 continue
