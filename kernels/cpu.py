@@ -25,7 +25,7 @@ from typing import Any, Iterator, List, Optional, Tuple
 import numpy as np
 import torch
 
-from .select import _exact_cpu, topk_abs_indices as topk_abs_indices_reference
+from .select import _exact_cpu, kth_smallest_cpu, topk_abs_indices as topk_abs_indices_reference
 
 FUSED_MIN = 1 << 18  # elements: below, the reference paths are as fast and numba is never imported
 _FLOATS = (torch.float32, torch.float64)
@@ -158,7 +158,7 @@ def topk_abs_indices(x: torch.Tensor, k: int, sum_of: Optional[Tuple[torch.Tenso
     mean = s * k / n
     rank = math.ceil(1.05 * mean + 4.0 * math.sqrt(mean) + 1.0)
     while rank < s:
-        t = float(torch.kthvalue(sample, s - rank + 1).values)
+        t = float(kth_smallest_cpu(sample, s - rank + 1))
         if math.isnan(t):
             break
         if sum_of is not None:

@@ -66,6 +66,8 @@ CPU_ONLY: Dict[Tuple[str, str, str], str] = {
     ("kernels/select.py", "_sampled_cpu", "*"): "the sampled threshold, taken for CPU x only; other devices "
                                                  "select on the whole tensor without reading back (_exact)",
     ("kernels/select.py", "_exact_cpu", "*"): "called by _sampled_cpu and kernels/cpu.py only",
+    ("kernels/select.py", "kth_smallest_cpu", "*"): "numpy's selection of a CPU tensor, called by _sampled_cpu, "
+                                                    "_exact_cpu and kernels/cpu.py only",
     ("compress/randomk.py", "_all_finite_cpu", "*"): "the finiteness of a CPU tensor; other devices decide it "
                                                      "on the device",
     ("kernels/quant.py", "may_hold", "__bool__"): "reads a flag of a CPU tensor only; for others it answers True "
