@@ -154,3 +154,27 @@ def test_whole_tensor_selection_reads_nothing_back(dtype):
     assert torch.equal(select._exact(nan, None, 3), torch.tensor([0, 1, 2]))
     cand = torch.arange(100, 140)  # candidates' positions carried through
     assert torch.equal(select._exact(x[:40].abs(), cand, 9), cand[reference_topk(x[:40].abs(), 9)])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_kth_smallest_cpu_is_torch_kthvalue(dtype):
+    """numpy's selection gives torch.kthvalue's value: ties, infinities, -0.0, and NaN ranked last
+    (so the k-th largest of a tensor with NaN in its top k is NaN), strided inputs too."""
+    g = torch.Generator().manual_seed(5)
+    for trial in range(60):
+        m = int(torch.randint(1, 4000, (1,), generator=g))
+        v = torch.randn(m, generator=g, dtype=torch.float64)
+        if trial % 3 == 0:
+            v = v.round()  # many ties, and -0.0 beside 0.0
+        if trial % 4 == 0:
+            v[torch.randint(0, m, (max(1, m // 8),), generator=g)] = float("nan")
+        if trial % 5 == 0:
+            v[torch.randint(0, m, (max(1, m // 8),), generator=g)] = -float("inf")
+        v = v.to(dtype)
+        if trial % 2 and m > 2:
+            v = v[::2]  # a strided view, as the sampled threshold takes it
+        for j in {1, v.numel(), int(torch.randint(1, v.numel() + 1, (1,), generator=g))}:
+            want = torch.kthvalue(v, j).values
+            got = select.kth_smallest_cpu(v, j)
+            assert got.dtype == want.dtype and got.dim() == 0
+            assert (torch.isnan(got) and torch.isnan(want)) or got == want, (trial, j, got, want)
