@@ -158,6 +158,26 @@ def test_all_finite_is_exact():
         assert not transaction.all_finite([torch.zeros(3), t])
 
 
+def test_observed_small_tensors_taken_together_miss_nothing():
+    """Small tensors share one witness (their concatenation's extremes): one NaN or infinity
+    among many, in any dtype, views and empty tensors beside them, still makes the step
+    non-finite; all finite, it stays finite."""
+    base = [torch.randn(n, dtype=d) for n in (1, 7, 300, 4096) for d in (torch.float32, torch.float16, torch.float64)]
+    flat = torch.randn(1000)
+    views = list(flat.split([10, 90, 900])) + [torch.zeros(0), torch.arange(5)]  # an int tensor is not observed
+    big = torch.randn(transaction.SMALL_WITNESS + 1)
+    for bad in (None, float("nan"), float("inf"), -float("inf")):
+        for where in range(len(base) + 2):
+            tensors = [t.clone() for t in base] + [v for v in views] + [big.clone()]
+            if bad is not None:
+                target = tensors[where] if where < len(base) else (views[1] if where == len(base) else tensors[-1])
+                target.reshape(-1)[-1] = bad
+            txn = transaction.Transaction()
+            txn.observe(tensors)
+            assert txn.finite == (bad is None), (bad, where)
+            flat.copy_(torch.randn(1000))  # a view of it may have been made non-finite
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_feedback_on_16bit_gradients_never_sends_inf(dtype):
     """fp16 gradients of ~300-700 under DGC's accumulation grow past 65504 within ~130 steps;
