@@ -189,12 +189,17 @@ def mean_in_order(tensors: Iterable[torch.Tensor], count: int, dtype: torch.dtyp
     return total.div_(count)
 
 
+def shares_memory(t: torch.Tensor, *others: Optional[torch.Tensor]) -> bool:
+    """Whether the non-empty ``t`` lies in the storage of any non-empty tensor of ``others``."""
+    if not t.numel():
+        return False
+    storage = t.untyped_storage().data_ptr()
+    return any(o is not None and o.numel() and o.untyped_storage().data_ptr() == storage for o in others)
+
+
 def fresh(t: torch.Tensor, *others: torch.Tensor) -> torch.Tensor:
     """``t``, cloned if it shares memory with any of ``others`` (so it may be changed in place)."""
-    if t.numel() and any(o is not None and o.numel() and
-                         t.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in others):
-        return t.clone()
-    return t
+    return t.clone() if shares_memory(t, *others) else t
 
 
 def chunk_sizes(numel: int, parts: int) -> List[int]:

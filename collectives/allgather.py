@@ -19,7 +19,7 @@ from __future__ import annotations
 from gradcomp.compress import transaction
 from gradcomp.kernels.memory import empty, zeros
 
-from ._algorithm import Algorithm, Pending, as_dtype, register_algorithm, wdtype
+from ._algorithm import Algorithm, Pending, as_dtype, register_algorithm, shares_memory, wdtype
 from ._header import sizes as header_sizes
 from ._shared import (OK, Flags, Layout, SizedLayout, agreed_buffer, announce, checked, device_of, exact_sizes, header,
                       local_status, pack, padded_buffer, signature, split, status_problem, statuses, verify_many)
@@ -74,10 +74,8 @@ class AllGather(Algorithm):
     def offer(self, tensor):
         """The input receives the mean when it is contiguous, of the result's dtype and shares
         no memory with this rank's payload (which the combine reads while it writes)."""
-        storage = tensor.untyped_storage().data_ptr()
         if (tensor.is_contiguous() and tensor.dtype == self.dtype and tensor.numel() == self.payload.numel
-                and tensor.numel() and not any(t.numel() and t.untyped_storage().data_ptr() == storage
-                                               for t in self.payload.tensors)):
+                and tensor.numel() and not shares_memory(tensor, *self.payload.tensors)):
             self.target = tensor.view(-1)
 
     @property

@@ -19,7 +19,7 @@ import torch
 from gradcomp.compress import Payload
 from gradcomp.kernels.memory import empty
 
-from ._algorithm import Algorithm, as_dtype, fresh, register_algorithm
+from ._algorithm import Algorithm, as_dtype, fresh, register_algorithm, shares_memory
 
 
 @register_algorithm
@@ -39,10 +39,9 @@ class Native(Algorithm):
             raise ValueError(f"{self.comp.name} declares native=True but its first payload tensor is not floating point")
         summed = payload.tensors[0]
         # a payload that is the input (the identity's) is averaged into a copy, made by the
-        # scaling's own pass (Comm.mean)
-        self.shared = any(o.numel() and summed.numel() and
-                          summed.untyped_storage().data_ptr() == o.untyped_storage().data_ptr() for o in (acc, src))
-        self.sent = None if sent is None else fresh(sent, summed) if not self.shared else sent
+        # scaling's own pass (Comm.mean); summed is then never written, and sent needs no copy
+        self.shared = shares_memory(summed, acc, src)
+        self.sent = sent if sent is None or self.shared else fresh(sent, summed)
         self.payload = payload
         self.summed = summed
         self.payload_bytes = payload.nbytes

@@ -27,7 +27,7 @@ import torch
 from gradcomp.compress import ErrorFeedback, is_feedback, transaction
 from gradcomp.kernels.memory import empty, zeros
 
-from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, wdtype
+from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, shares_memory, wdtype
 from ._header import sizes as header_sizes
 from ._shared import (OK, Flags, Layout, SizedLayout, agreed_buffer, announce, checked, device_of, exact_sizes,
                       header, local_status, pack, padded_buffer, signature,
@@ -101,10 +101,8 @@ class ScatterReduce(Algorithm):
         """The input receives the mean when it is contiguous, of the wire's dtype and shares no
         memory with this rank's chunk payloads: the mean is written in the last phase, after
         every read of the input (its chunks' compression, the residual passes)."""
-        storage = tensor.untyped_storage().data_ptr()
         if (tensor.is_contiguous() and tensor.dtype == self.wire_dtype and tensor.numel() == sum(self.chunk_numels)
-                and tensor.numel() and not any(t.numel() and t.untyped_storage().data_ptr() == storage
-                                               for p in self.payloads for t in p.tensors)):
+                and tensor.numel() and not shares_memory(tensor, *(t for p in self.payloads for t in p.tensors))):
             self.target = tensor.view(-1)
 
     @property

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Tuple
 
 import torch
 
@@ -319,7 +319,7 @@ def _vouched_for(t: torch.Tensor, vouched: Vouched) -> Optional[torch.Tensor]:
 SMALL_WITNESS = 1 << 16
 
 
-def _witnesses(results: Any, vouched: Optional["Vouched"] = None) -> List[torch.Tensor]:
+def _witnesses(results: Any, vouched: Optional[Vouched] = None) -> List[torch.Tensor]:
     """Minima and maxima, in float64, on the tensors' device: all of them are finite exactly
     when every element of every floating-point tensor is (a NaN propagates, an infinity is an
     extreme, and no sum can overflow). One read-only pass per tensor, small tensors of one

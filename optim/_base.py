@@ -277,7 +277,8 @@ class Mask:
 MaskLike = Optional[Any]  # a Mask, a bool tensor (True where masked) or None (nothing masked)
 
 
-def _fill_(t: torch.Tensor, m: MaskLike) -> torch.Tensor:
+def zero_masked_(t: torch.Tensor, m: MaskLike) -> torch.Tensor:
+    """``t`` with its masked elements set to +0.0, in place (``m``: see :data:`MaskLike`)."""
     if m is None:
         return t
     return m.fill_(t) if isinstance(m, Mask) else t.masked_fill_(m, 0.0)
@@ -290,7 +291,7 @@ def flat(tensors: Sequence[torch.Tensor], masks: Sequence[MaskLike]) -> torch.Te
         return torch.zeros(0)
     out = torch.cat([t.float().reshape(-1) for t in tensors])
     for t, m, piece in zip(tensors, masks, out.split([t.numel() for t in tensors])):
-        _fill_(piece.view(t.shape), m)  # a contiguous view: zeroed by its positions
+        zero_masked_(piece.view(t.shape), m)  # a contiguous view: zeroed by its positions
     return out
 
 
@@ -299,7 +300,7 @@ def unflat_(out: Sequence[torch.Tensor], masks: Sequence[MaskLike], values: torc
     become zero (whatever a code that cannot say zero decoded there)."""
     for t, m, piece in zip(out, masks, values.split([t.numel() for t in out])):
         t.copy_(piece.view_as(t))
-        _fill_(t, m)
+        zero_masked_(t, m)
 
 
 def zero_masks(tensors: Sequence[torch.Tensor]) -> List[Optional[Mask]]:

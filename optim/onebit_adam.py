@@ -37,7 +37,7 @@ from torch.optim.optimizer import _get_scalar_dtype
 from gradcomp.kernels.memory import empty
 
 from . import _common as common
-from ._base import DistributedOptimizer
+from ._base import DistributedOptimizer, zero_masked_
 
 
 class OneBitAdam(DistributedOptimizer):
@@ -145,9 +145,7 @@ class OneBitAdam(DistributedOptimizer):
                 u = pieces[i].view(p.shape)  # written straight into the flat tensor
                 torch.lerp(self._state_of(p)["exp_avg"].float(), g, weight, out=u)
                 u.div_(denoms[i])
-                mask = masks[i]
-                if mask is not None:
-                    mask.fill_(u)  # by the masked positions when they are few
+                zero_masked_(u, masks[i])  # by the masked positions when they are few
                 i += 1
         if not survives:
             common.poison_(out, bad)
@@ -166,9 +164,7 @@ class OneBitAdam(DistributedOptimizer):
             beta1 = group["betas"][0]
             for p in group["params"]:
                 st, u = self._state_of(p), pieces[i].view(p.shape)
-                mask = masks[i]
-                if mask is not None:
-                    mask.fill_(u)  # masked elements: no momentum, no move
+                zero_masked_(u, masks[i])  # masked elements: no momentum, no move
                 st["step"] += 1
                 if st["exp_avg"].dtype == torch.float32:
                     torch.mul(u, denoms[i], out=st["exp_avg"])

@@ -146,11 +146,14 @@ class OneBitLamb(DistributedOptimizer):
         bad = self._out_of_range(grads, self._vmax)
         # the poison rides in lerp's weight (NaN when bad, the same bits otherwise), as in
         # OneBitAdam; its own pass only when every element is masked
+        weights: Dict[float, torch.Tensor] = {}  # per beta1 of the groups, on bad's device
         local = []
         for p, g, d in zip(self._params, grads, self._denominators()):
             st = self._state_of(p)
-            weight = torch.where(bad, torch.nan, 1 - self._group_of(p)["betas"][0]).float()
-            m = torch.lerp(st["exp_avg"].float(), g.float(), weight)
+            beta1 = self._group_of(p)["betas"][0]
+            if beta1 not in weights:
+                weights[beta1] = torch.where(bad, torch.nan, 1 - beta1).float()
+            m = torch.lerp(st["exp_avg"].float(), g.float(), weights[beta1])
             local.append(m.div_(d).mul_(st["scaling"]))
         sent = flat(local, self.masked())
         if not self.has_unmasked():
