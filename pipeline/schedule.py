@@ -15,8 +15,9 @@ from these lists: a pass that waits for ``act`` first receives its input from st
 ``s < last``), and what a pass produces is sent as soon as it is done. Sends never block a
 rank's schedule, receives do; so a schedule runs without deadlock exactly when :func:`simulate` finds an order in which
 every receive's message was produced before — checked for every registered schedule in the
-tests, over many ``(p, m, v)``. The same run (:func:`timeline`) orders the step's messages for
-the transport (:mod:`gradcomp.pipeline.transport`), identically on every rank.
+tests, over many ``(p, m, v)``. The same run (:func:`timeline`, with each message as long as a
+forward) orders the step's messages for the transport (:mod:`gradcomp.pipeline.transport`),
+identically on every rank.
 
 - ``gpipe`` (Huang et al. 2019): all forwards, then all backwards (in micro-batch order, as
   ``torch.distributed.pipelining.ScheduleGPipe``); every stage holds the activations of all
@@ -284,12 +285,14 @@ def _needed(kind: str, s: int, mb: int, stages: int) -> List[Tuple[str, int, int
 
 
 def timeline(plans: Sequence[Sequence[Action]], p: int, *, forward: float = 1.0,
-             backward: float = 2.0, weight: Optional[float] = None) -> Dict[Tuple[str, int, int], float]:
-    """When each pass ``(kind, stage, mb)`` of ``plans`` (every rank's actions) and each message
-    ``("act" | "grad", boundary, mb)`` is done, with the given pass costs (:func:`pass_costs`)
-    and free communication, each receive waiting for its message; ``ValueError`` naming the
-    stuck ranks if the plans deadlock. The pipeline's transport orders its messages by these
-    times (:mod:`gradcomp.pipeline.transport`)."""
+             backward: float = 2.0, weight: Optional[float] = None,
+             message: float = 0.0) -> Dict[Tuple[str, int, int], float]:
+    """When each pass ``(kind, stage, mb)`` of ``plans`` (every rank's actions) is done and each
+    message ``("act" | "grad", boundary, mb)`` has arrived, with the given pass costs
+    (:func:`pass_costs`) and each message ``message`` after the pass that produced it (0: free
+    communication), each receive waiting for its message; ``ValueError`` naming the stuck
+    ranks if the plans deadlock. The pipeline's transport orders its messages by these times,
+    with messages that cost time (:mod:`gradcomp.pipeline.transport`)."""
     stages = p * (1 + max((a.vstage for plan in plans for a in plan), default=0))
     cost = pass_costs(forward, backward, weight)
     done: Dict[Tuple[str, int, int], float] = {}
@@ -309,7 +312,7 @@ def timeline(plans: Sequence[Sequence[Action]], p: int, *, forward: float = 1.0,
             done[(a.kind, s, a.mb)] = clock[r]
             msg = produced(a.kind, s, a.mb, stages)
             if msg is not None:
-                done[msg] = clock[r]
+                done[msg] = clock[r] + message
             pos[r] += 1
             moved = True
         if not moved:

@@ -289,6 +289,26 @@ def test_message_order_runs_under_nccl_rules(schedule, p, m, v):
     assert _nccl_run(evals, p, [[x for x in eval_order if r in (x.src % p, x.dst % p)] for r in range(p)])
 
 
+def test_a_message_sent_without_waiting_is_ordered_before_one_made_after_a_hop():
+    """1F1B on 2 ranks: the last stage sends micro-batch i+1's gradient right after its
+    backward, while stage 0's activation of i+2 waits for micro-batch i's gradient to cross
+    first. With free messages the two tie and the activation went first, so stage 0 posted the
+    gradient's receive only after its forward (gloo moves a send once its receive is posted);
+    with messages that cost time the gradient comes first. The passes' own times do not move."""
+    from gradcomp.pipeline.schedule import timeline
+    from gradcomp.pipeline.transport import MESSAGE_COST, message_order
+
+    assert MESSAGE_COST > 0
+    m = 8
+    plans = [build("1f1b", r, 2, m) for r in range(2)]
+    order = [f"{x.kind[0]}{x.mb}" for x in message_order(plans, 2)]
+    # in the steady state two messages cross each way per period; before: a0 a1 g0 a2 g1 a3 g2 ...
+    assert order == "a0 a1 g0 g1 a2 a3 g2 g3 a4 a5 g4 g5 a6 a7 g6 g7".split()
+    free = timeline(plans, 2)
+    assert free[("grad", 0, 1)] == free[("act", 0, 2)]  # the tie the order used to break by kind
+    assert max(free.values()) == simulate("1f1b", 2, m).makespan
+
+
 def test_the_example_prints_from_rank_0_only():
     """Issue 28: ``examples/train_pipeline.py --replicas 2`` printed two ranks' lines into each
     other; every print now sits under ``if rank == 0`` (what other ranks know is gathered to it)."""
