@@ -33,11 +33,12 @@ identically on every rank.
   ``W`` instead of ``B``; the ``W`` passes fill the waits for gradients. The order is the one a
   list scheduler finds with unit ``F``, ``I`` and ``W`` and free links (when a rank is free: an
   ``I`` whose gradient arrived, which the stage before waits for; else a forward whose input
-  arrived, if memory allows; else its oldest ``W``). Memory: rank ``r`` holds at most
+  arrived, if memory allows; else its oldest ``W``; on stage 0, whose ``I`` sends nothing, the
+  forward before the ``I``). Memory: rank ``r`` holds at most
   ``min(p, p - r + 1)`` micro-batches whose ``W`` has not run, so stage 0 holds ``p`` as in
   1F1B and no rank more (the other ranks one more than in 1F1B, which is what lets the last
-  stage defer a ``W``). Bubble in the simulation: ``(p - 1) / (3 m + p - 1)`` on 2 ranks, ``m`` even (the
-  paper's), against 1F1B's ``(p - 1) / (m + p - 1)``; 0.17 against 0.27 on 4 ranks, 8
+  stage defer a ``W``). Bubble in the simulation: ``(p - 1) / (3 m + p - 1)`` on 2 ranks for
+  every ``m >= 2`` (the paper's), against 1F1B's ``(p - 1) / (m + p - 1)``; 0.17 against 0.27 on 4 ranks, 8
   micro-batches (the textbook 0.11 needs the paper's hand-placed ``W``; not reached here).
 - ``zb-h2`` (the paper's schedule 2): the same list scheduler with more memory, rank ``r``
   holding at most ``2 p - 1 - r`` micro-batches whose ``W`` has not run (stage 0 ``2 p - 1``,
@@ -147,7 +148,10 @@ def _zero_bubble(p: int, m: int, cap: Tuple[int, ...]) -> Tuple[Tuple[Action, ..
     """Every rank's F/I/W order from a list scheduler on unit passes and free links: at each
     time a rank is free it runs its next ``I`` if that gradient has arrived, else its next
     forward if its input has arrived and fewer than ``cap[rank]`` micro-batches await their
-    ``W``, else its oldest ``W``; else it waits a unit. Every pass is in micro-batch order."""
+    ``W``, else its oldest ``W``; else it waits a unit. Rank 0 runs a forward it may run before
+    an ``I``: its ``I`` sends no message, its forward sends the activation stage 1 waits for
+    (with free links they cost the same; over a link the activation leaves a pass earlier:
+    bench/RESULTS.md 26b). Every pass is in micro-batch order."""
     plans: List[List[Action]] = [[] for _ in range(p)]
     f_done: Dict[Tuple[int, int], int] = {}  # (stage, mb) -> when its forward ended
     i_done: Dict[Tuple[int, int], int] = {}
@@ -158,11 +162,13 @@ def _zero_bubble(p: int, m: int, cap: Tuple[int, ...]) -> Tuple[Tuple[Action, ..
             if free[r] > t:
                 continue
             kind = ""
-            if ni[r] < nf[r] and (r == p - 1 or i_done.get((r + 1, ni[r]), t + 1) <= t):
+            can_i = ni[r] < nf[r] and (r == p - 1 or i_done.get((r + 1, ni[r]), t + 1) <= t)
+            can_f = nf[r] < m and nf[r] - nw[r] < cap[r] and (r == 0 or f_done.get((r - 1, nf[r]), t + 1) <= t)
+            if can_i and not (r == 0 and can_f):  # stage 0's I sends nothing; its forward feeds stage 1
                 kind, mb = "I", ni[r]
                 ni[r] += 1
                 i_done[(r, mb)] = t + 1
-            elif nf[r] < m and nf[r] - nw[r] < cap[r] and (r == 0 or f_done.get((r - 1, nf[r]), t + 1) <= t):
+            elif can_f:
                 kind, mb = "F", nf[r]
                 nf[r] += 1
                 f_done[(r, mb)] = t + 1
