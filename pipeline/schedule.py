@@ -15,9 +15,9 @@ from these lists: a pass that waits for ``act`` first receives its input from st
 ``s < last``), and what a pass produces is sent as soon as it is done. Sends never block a
 rank's schedule, receives do; so a schedule runs without deadlock exactly when :func:`simulate` finds an order in which
 every receive's message was produced before — checked for every registered schedule in the
-tests, over many ``(p, m, v)``. The same run (:func:`timeline`, with each message as long as a
-forward) orders the step's messages for the transport (:mod:`gradcomp.pipeline.transport`),
-identically on every rank.
+tests, over many ``(p, m, v)``. The same run (:func:`timeline`, with messages that take time
+on links that carry one at a time) orders the step's messages for the transport
+(:mod:`gradcomp.pipeline.transport`), identically on every rank.
 
 - ``gpipe`` (Huang et al. 2019): all forwards, then all backwards (in micro-batch order, as
   ``torch.distributed.pipelining.ScheduleGPipe``); every stage holds the activations of all
@@ -295,14 +295,16 @@ def timeline(plans: Sequence[Sequence[Action]], p: int, *, forward: float = 1.0,
              message: float = 0.0) -> Dict[Tuple[str, int, int], float]:
     """When each pass ``(kind, stage, mb)`` of ``plans`` (every rank's actions) is done and each
     message ``("act" | "grad", boundary, mb)`` has arrived, with the given pass costs
-    (:func:`pass_costs`) and each message ``message`` after the pass that produced it (0: free
-    communication), each receive waiting for its message; ``ValueError`` naming the stuck
-    ranks if the plans deadlock. The pipeline's transport orders its messages by these times,
-    with messages that cost time (:mod:`gradcomp.pipeline.transport`)."""
+    (:func:`pass_costs`) and each message taking ``message`` on its link from one rank to
+    another, which carries one message at a time (0: free communication), each receive waiting
+    for its message; ``ValueError`` naming the stuck ranks if the plans deadlock. The
+    pipeline's transport orders its messages by these times, with messages that cost time
+    (:mod:`gradcomp.pipeline.transport`)."""
     stages = p * (1 + max((a.vstage for plan in plans for a in plan), default=0))
     cost = pass_costs(forward, backward, weight)
     done: Dict[Tuple[str, int, int], float] = {}
     pos, clock = [0] * p, [0.0] * p
+    link: Dict[Tuple[int, int], float] = {}  # (from rank, to rank) -> when its last message arrived
     while any(pos[r] < len(plans[r]) for r in range(p)):
         moved = False
         for r in range(p):
@@ -317,8 +319,9 @@ def timeline(plans: Sequence[Sequence[Action]], p: int, *, forward: float = 1.0,
             clock[r] = start + cost[a.kind]
             done[(a.kind, s, a.mb)] = clock[r]
             msg = produced(a.kind, s, a.mb, stages)
-            if msg is not None:
-                done[msg] = clock[r] + message
+            if msg is not None:  # a link's messages all come from rank r, in its order: in time order
+                to = (msg[1] + 1 if msg[0] == "act" else msg[1]) % p
+                done[msg] = link[(r, to)] = max(clock[r], link.get((r, to), 0.0)) + message
             pos[r] += 1
             moved = True
         if not moved:

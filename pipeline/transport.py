@@ -3,8 +3,8 @@
 Invariants (why, and what was measured: docs/pipeline.md, "No deadlock" and "Shapes that change"):
 
 - **One order.** :func:`message_order` sorts the step's messages by when they arrive in
-  :func:`gradcomp.pipeline.schedule.timeline` with each message as long as a forward
-  (:data:`MESSAGE_COST`; ties by kind, boundary, micro-batch), the same list on every rank; each rank issues its own messages' operations in
+  :func:`gradcomp.pipeline.schedule.timeline` with messages that take time, one at a time per
+  link (:data:`MESSAGE_COST`; ties by kind, boundary, micro-batch), the same list on every rank; each rank issues its own messages' operations in
   it, whoever the peer, so the two ends of a link agree (NCCL ignores tags and runs a pair's
   operations in issue order) and the earliest unfinished message always has its send and its
   receive posted: no deadlock, with a stream per pair or one for all of a rank's peers.
@@ -65,15 +65,19 @@ MAGIC = 0x67706970650001  # "gpipe" + version 1
 HEADER = 8  # int64 fields: magic, message code, payload length, compressor hash, dtype, 3 spare
 HEADER_BYTES = HEADER * 8
 HEAD_GUESS = 512  # payload bytes read with the header: a payload's own JSON header is a few hundred
-# What a message costs in the timeline that orders a step's messages, in forwards. Free messages
-# (0) tie a message produced right after another one's arrival with one produced without a
-# wait, and break the tie by kind: in 1F1B's steady state stage 0's next activation then came
-# before the gradient the last stage had already sent, and stage 0 posted that gradient's
-# receive only once its forward was done, while gloo (whose sends move once the receive is
-# posted) held the gradient. Measured, 2 stages at 1 Gbit/s, three alternating runs against
-# torch's same schedule: 1F1B 0.92-0.94x at 0 against 1.06-1.10x at 1 (1.08-1.13x at 3),
-# interleaved 0.77-0.78x against 0.92-0.93x (0.80-0.82x at 3); bench/RESULTS.md section 26a.
-MESSAGE_COST = 1.0
+# What a message costs in the timeline that orders a step's messages, in forwards; a link from
+# one rank to another carries one message at a time there. Free messages (0) tie a message
+# produced right after another one's arrival with one produced without a wait, and break the
+# tie by kind: in 1F1B's steady state stage 0's next activation then came before the gradient
+# the last stage had already sent, and stage 0 posted that gradient's receive only once its
+# forward was done, while gloo (whose sends move once the receive is posted) held the
+# gradient. Measured, 2 stages at 1 Gbit/s, three alternating runs each against torch's same
+# schedule (bench/RESULTS.md 26a, 26f): 1F1B 0.92-0.94x at 0 against 1.06-1.13x at 1 and 3;
+# interleaved 0.77-0.78x at 0, 0.92-0.94x at 1 with links that carry any number at once,
+# 0.80-0.82x at 3 likewise, 1.01-1.02x at 3 with one message at a time per link (a 1 MB
+# message is 8 ms there, a forward 2-3 ms). 1F1B's, GPipe's and ZB-H1's orders on 2 ranks are
+# the same at 1 and at 3.
+MESSAGE_COST = 3.0
 _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 FLOAT_DTYPES = frozenset(_DTYPES)
 
