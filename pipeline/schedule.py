@@ -320,7 +320,7 @@ def timeline(plans: Sequence[Sequence[Action]], p: int, *, forward: float = 1.0,
             done[(a.kind, s, a.mb)] = clock[r]
             msg = produced(a.kind, s, a.mb, stages)
             if msg is not None:  # a link's messages all come from rank r, in its order: in time order
-                to = (msg[1] + 1 if msg[0] == "act" else msg[1]) % p
+                to = (s + 1 if msg[0] == "act" else s - 1) % p  # the rank of the stage after or before
                 done[msg] = link[(r, to)] = max(clock[r], link.get((r, to), 0.0)) + message
             pos[r] += 1
             moved = True

@@ -4,10 +4,11 @@ Invariants (why, and what was measured: docs/pipeline.md, "No deadlock" and "Sha
 
 - **One order.** :func:`message_order` sorts the step's messages by when they arrive in
   :func:`gradcomp.pipeline.schedule.timeline` with messages that take time, one at a time per
-  link (:data:`MESSAGE_COST`; ties by kind, boundary, micro-batch), the same list on every rank; each rank issues its own messages' operations in
-  it, whoever the peer, so the two ends of a link agree (NCCL ignores tags and runs a pair's
-  operations in issue order) and the earliest unfinished message always has its send and its
-  receive posted: no deadlock, with a stream per pair or one for all of a rank's peers.
+  link (:data:`MESSAGE_COST`; ties by kind, boundary, micro-batch), the same list on every
+  rank; each rank issues its own messages' operations in it, whoever the peer, so the two ends
+  of a link agree (NCCL ignores tags and runs a pair's operations in issue order) and the
+  earliest unfinished message always has its send and its receive posted: no deadlock, with a
+  stream per pair or one for all of a rank's peers.
 - **The frontier.** A send is posted once produced, a receive as soon as everything before it
   is posted; posting stops at a send not yet produced and at a receive whose header is not read
   (it may announce a tail). Each post is one ``batch_isend_irecv`` from the calling thread;
