@@ -149,6 +149,13 @@ def _method(spec: Dict[str, Any], world: int, layout, algorithm: Optional[str], 
         # so with several buckets in flight the ranks could issue them in different orders
         return [hook(state, hooks.Bucket(i, b, params[i], i == len(bufs) - 1)).wait() for i, b in enumerate(bufs)]
 
+    def in_flight(state, hook, bufs):
+        # every bucket in flight at once, as DDP launches them (gradcomp's ordered worker keeps the
+        # ranks in step, and compresses a bucket while the one before it is on the wire): there is
+        # no backward here to hide an exchange behind
+        futures = [hook(state, hooks.Bucket(i, b, params[i], i == len(bufs) - 1)) for i, b in enumerate(bufs)]
+        return [f.wait() for f in futures]
+
     if kind in TORCH_METHODS:
         state, hook, setup = hooks.torch_hook(kind, spec["options"])
 
@@ -170,15 +177,12 @@ def _method(spec: Dict[str, Any], world: int, layout, algorithm: Optional[str], 
         auto = state.compression
 
         def exchange(bufs):
-            # every bucket in flight at once, as DDP launches them (the ordered worker keeps the
-            # ranks in step): there is no backward here to hide an exchange behind
-            futures = [hook(state, hooks.Bucket(i, b, params[i], i == len(bufs) - 1)) for i, b in enumerate(bufs)]
-            return [f.wait() for f in futures]
+            return in_flight(state, hook, bufs)
     elif model:  # realistic layers: gradcomp's DDP hook, which compresses parameter by parameter
         state, hook = hooks.gradcomp_hook(spec, local_size=local_size if spec.get("hierarchical") else None)
 
         def exchange(bufs):
-            return launch(state, hook, bufs)
+            return in_flight(state, hook, bufs)
     else:  # one tensor: the compressed collective itself
         base = get_compressor(spec["name"], **spec["options"])
         comp = ErrorFeedback(base) if spec["ef"] else base

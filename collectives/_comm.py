@@ -19,7 +19,7 @@ import contextlib
 import os
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Iterator, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, ContextManager, Iterator, List, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -132,6 +132,48 @@ def on_device(device) -> Iterator[None]:
         _thread.device = before
 
 
+# ---- work ahead: the next job's local phase while this one's bytes are on the wire ----------
+# The worker offers the local phase of its next queued job (``ahead``) while it runs a job; a
+# job that has a wire wait worth filling says so (``may_overlap``), and the first collective
+# issued inside that block runs the offered work after issuing (asynchronously) and before
+# waiting. The work runs at most once, on this thread, and communicates nothing.
+
+@contextlib.contextmanager
+def _thread_value(name: str, value: Any) -> Iterator[None]:
+    """This thread's attribute ``name`` set to ``value`` while the block runs."""
+    before = getattr(_thread, name, None)
+    setattr(_thread, name, value)
+    try:
+        yield
+    finally:
+        setattr(_thread, name, before)
+
+
+def ahead(work: Optional[Callable[[], None]]) -> ContextManager[None]:
+    """Offer ``work`` (local only: no collective, no host read) to the collectives this thread
+    issues inside the block; see :func:`may_overlap`."""
+    return _thread_value("ahead", work)
+
+
+def may_overlap(min_bytes: int = 0) -> ContextManager[None]:
+    """Collectives issued inside the block may run the offered work (:func:`ahead`) while they
+    are on the wire: the first one that hands the backend at least ``min_bytes`` per rank does,
+    after its own ``while_sending`` work."""
+    return _thread_value("overlap", min_bytes)
+
+
+def _take_ahead(nbytes: int) -> Optional[Callable[[], None]]:
+    """The offered work, taken (it runs once), when the block allows it for a collective of
+    ``nbytes``; else None."""
+    least = getattr(_thread, "overlap", None)
+    if least is None or nbytes < least:
+        return None
+    work = getattr(_thread, "ahead", None)
+    if work is not None:
+        _thread.ahead = None
+    return work
+
+
 def device_is_set() -> bool:
     """Whether this thread runs inside :func:`on_device`."""
     return getattr(_thread, "device", None) is not None
@@ -215,7 +257,8 @@ class Comm:
         """Sum ``t`` over the group, in place."""
         if self.size > 1:
             buf = self._wire(t)
-            self._run("all_reduce", lambda: dist.all_reduce(buf, group=self.group))
+            self._overlapped("all_reduce", lambda asy: dist.all_reduce(buf, group=self.group, async_op=asy), None,
+                             _nbytes(buf))
             if buf is not t:
                 t.copy_(buf)
             if count:
@@ -261,7 +304,7 @@ class Comm:
         src = self._wire(t)
         out = src.new_empty((self.size, *t.shape))
         self._overlapped("all_gather", lambda asy: dist.all_gather(list(out.unbind(0)), src, group=self.group,
-                                                                  async_op=asy), while_sending)
+                                                                  async_op=asy), while_sending, _nbytes(src))
         moved = _nbytes(t) * (self.size - 1)
         self.record.bytes_sent += moved
         self.record.bytes_recv += moved
@@ -279,7 +322,7 @@ class Comm:
         out = src.new_empty(int(sum(out_splits)))
         self._overlapped("all_to_all", lambda asy: dist.all_to_all_single(
             out, src, [int(s) for s in out_splits], [int(s) for s in in_splits], group=self.group, async_op=asy),
-            while_sending)
+            while_sending, _nbytes(src) // max(self.size, 1))
         item = inp.element_size()
         self.record.bytes_sent += item * (int(sum(in_splits)) - int(in_splits[self.rank]))
         self.record.bytes_recv += item * (int(sum(out_splits)) - int(out_splits[self.rank]))
@@ -323,16 +366,23 @@ class Comm:
         row = torch.tensor(values, dtype=torch.int64, device=self.device)
         return self.all_gather(row).cpu()
 
-    def _overlapped(self, what: str, issue: Callable[[bool], Any], while_sending: Optional[Callable[[], None]]) -> None:
+    def _overlapped(self, what: str, issue: Callable[[bool], Any], while_sending: Optional[Callable[[], None]],
+                    nbytes: int = 0) -> None:
         """``issue(False)`` (a blocking collective), or with ``while_sending`` the collective
         issued asynchronously, the work run, and then waited for, also when the work raises (the
-        collective completes on every rank either way). The work's time is not comm time."""
-        if while_sending is None:
+        collective completes on every rank either way). The work's time is not comm time. The work
+        offered ahead (:func:`ahead`, inside :func:`may_overlap`, for a collective of at least its
+        ``nbytes``) runs after ``while_sending``."""
+        extra = _take_ahead(nbytes)
+        if while_sending is None and extra is None:
             self._run(what, lambda: issue(False))
             return
         work = self._run(what, lambda: issue(True))
         try:
-            while_sending()
+            if while_sending is not None:
+                while_sending()
+            if extra is not None:
+                extra()
         finally:
             self._run(what, work.wait)
 

@@ -16,6 +16,7 @@ state survives any change of bucket layout (and matches an unbucketed run). Comp
 """
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 import time
@@ -27,11 +28,12 @@ from gradcomp.compress import EF21, Compressor, Payload, transaction
 from gradcomp.compress.cast import CastCompressor
 
 from . import worker
-from ._comm import Comm
+from ._comm import Comm, may_overlap
 from .reduction import flat_job, make_spec
 from ._header import h64
 from ._telemetry import Record, commit, measure_error_default
-from .fused import allreduce_fused
+from .fused import allreduce_fused, exchange_prepared
+from .fused import prepare as prepare_fused
 
 Tensors = Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
 
@@ -151,7 +153,8 @@ Rounds = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optional[torch.Tensor] = None,
-                    label: str = "?", observe: bool = True, layouts: Optional[dict] = None) -> List[torch.Tensor]:
+                    label: str = "?", observe: bool = True, layouts: Optional[dict] = None,
+                    prepared: Optional["PreparedBucket"] = None) -> List[torch.Tensor]:
     """The mean over ``group`` of every tensor in ``items`` (``(key, tensor, codec)``, the same
     order on every rank), in order (new tensors, or views of ``buffer``).
 
@@ -180,77 +183,185 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
     (``gradcomp.compress.transaction``) whether every mean is finite, from the cheapest
     tensors that decide it (the same on every rank of ``group``). ``layouts``: the caller's
     agreed layouts (see ``allreduce_fused``), for a caller that has made the ranks agree on
-    the bucket.
+    the bucket. ``prepared``: what :func:`prepare_bucket` did ahead for these same arguments
+    (the local phase; the exchange continues from there, the same bits).
     """
     txn = transaction.current() if observe else None
-    whole = _exchange_whole(items, buffer, group, world, txn)
-    if whole is not None:
-        return whole
+    if prepared is None:
+        whole = _exchange_whole(items, buffer, group, world, txn)
+        if whole is not None:
+            return whole
+        prepared = PreparedBucket(items, group, world, label, buffer, ahead=False)
     out: List[Optional[torch.Tensor]] = [None] * len(items)
-    _exchange_summable(items, out, group, world, label, txn)
+    # The next bucket's local phase may run while this one's largest exchange is on the wire:
+    # the compressed payloads' when there are any, else the lockstep's (PowerSGD's factors).
+    fused = not measure_error_default() and any(c is not None and not _summable(c) for _, _, c in items)
+    with may_overlap(_OVERLAP_MIN_BYTES) if not fused else nullcontext():
+        _exchange_summable(items, out, group, world, label, txn, prepared)
     rest = [i for i in range(len(items)) if out[i] is None]
     # the others share each exchange (allgather on two ranks, scatter-reduce on more), unless
     # errors are measured, which allreduce does per tensor
-    if rest and not measure_error_default():
-        _exchange_fused(items, rest, out, group, layouts, into=buffer is not None)
+    if rest and fused:
+        with may_overlap(_OVERLAP_MIN_BYTES):
+            _exchange_fused(items, rest, out, group, layouts, into=buffer is not None, prepared=prepared.fused)
     _exchange_each(items, [i for i in rest if out[i] is None], out, group)
     if txn is not None:
         txn.observe([out[i] for i in rest])
     return out  # type: ignore[return-value]
 
 
+class PreparedBucket:
+    """A bucket's local phase, done ahead (see :func:`prepare_bucket`): the summable items'
+    round generators advanced to their first average (:class:`Lockstep`) and the other
+    compressed items compressed (``fused.Prepared``)."""
+
+    def __init__(self, items: Sequence[Item], group, world: int, label: str, buffer: Optional[torch.Tensor],
+                 ahead: bool) -> None:
+        self.summable: Optional[Lockstep] = None
+        self.fused: Any = None
+        self.ahead = ahead
+        if not ahead:  # made by exchange_bucket itself: each part runs its local phase when it comes
+            return
+        self.summable = Lockstep.start(items, world, label)
+        rest = [items[i] for i in range(len(items)) if self.summable is None or i not in self.summable.gens]
+        if rest and not measure_error_default():
+            self.fused = prepare_fused(rest, group, into=buffer is not None)
+        # the same split as exchange_bucket's: what the lockstep did not take goes fused
+
+
+def prepare_bucket(items: Sequence[Item], group, world: int, *, buffer: Optional[torch.Tensor] = None,
+                   label: str = "?") -> Optional[PreparedBucket]:
+    """The local phase of ``exchange_bucket`` with the same arguments, done ahead on the calling
+    thread (no communication, no host read): error feedback accumulates, every compressed
+    gradient is compressed, PowerSGD computes its first factors. The training runtime runs it
+    for the next bucket while the current one's payloads are on the wire (the worker's
+    look-ahead); ``exchange_bucket(..., prepared=)`` continues from it, with the same bits and
+    the same collectives in the same order, so the ranks need not prepare alike. None when
+    there is nothing to do ahead (a bucket averaged whole: dense or one 16-bit cast).
+    Call both inside the same open transaction."""
+    if world == 1 or _whole_applies(items, buffer):
+        return None
+    return PreparedBucket(items, group, world, label, buffer, ahead=True)
+
+
 def _exchange_whole(items: Sequence[Item], buffer: Optional[torch.Tensor], group, world: int,
                     txn: Optional[Any]) -> Optional[List[torch.Tensor]]:
     """The bucket averaged as a whole (:func:`_whole`) when it is all dense, or one 16-bit cast
     with at most a few small dense tensors beside it; else None (nothing was sent)."""
-    codecs = {id(codec): codec for _, _, codec in items}
-    casts = [c for c in codecs.values() if c is not None]
-    if not (buffer is not None and items and sum(g.numel() for _, g, _ in items) == buffer.numel()
-            and (not casts or (len(casts) == 1 and isinstance(casts[0], CastCompressor)))):
+    if not _whole_applies(items, buffer):
         return None
+    assert buffer is not None
+    casts = [c for c in {id(codec): codec for _, _, codec in items}.values() if c is not None]
     dense = [i for i, (_, _, c) in enumerate(items) if c is None] if casts else []
-    if sum(items[i][1].numel() for i in dense) * 20 > buffer.numel():
-        return None
     whole, averaged = _whole(items, buffer, casts[0] if casts else None, group, world, exact=dense)
     if txn is not None:  # the 16-bit mean is finite exactly when its fp32 copy is: half the bytes to read
         txn.observe(averaged)
     return whole
 
 
+# the smallest collective (bytes per rank) worth running the next bucket's local phase beside:
+# not a header, a status word or a size vector, which take a round trip and no bandwidth
+_OVERLAP_MIN_BYTES = 4096
+
+
+def _summable(codec: Any) -> bool:
+    """Whether a codec's payload travels in the lockstep (averaged as it is, or in rounds)."""
+    return codec.base.multi_round or codec.base.native
+
+
+def _whole_applies(items: Sequence[Item], buffer: Optional[torch.Tensor]) -> bool:
+    """Whether :func:`_exchange_whole` averages the bucket whole: all dense, or one 16-bit cast
+    with at most a few small dense tensors (a twentieth of the elements) beside it."""
+    codecs = {id(codec): codec for _, _, codec in items}
+    casts = [c for c in codecs.values() if c is not None]
+    if not (buffer is not None and items and sum(g.numel() for _, g, _ in items) == buffer.numel()
+            and (not casts or (len(casts) == 1 and isinstance(casts[0], CastCompressor)))):
+        return False
+    dense = [i for i, (_, _, c) in enumerate(items) if c is None] if casts else []
+    return sum(items[i][1].numel() for i in dense) * 20 <= buffer.numel()
+
+
 def _exchange_summable(items: Sequence[Item], out: List[Optional[torch.Tensor]], group, world: int, label: str,
-                       txn: Optional[Any]) -> None:
-    """Dense gradients and summable codecs (native, multi-round) in lockstep (:func:`_lockstep`):
-    their results into ``out``; the other items are left None."""
-    gens: Dict[int, Rounds] = {}
-    for i, (key, grad, codec) in enumerate(items):
-        if codec is None:
-            gens[i] = _dense(grad)
-        elif codec.base.multi_round:
-            # the result goes straight into the gradient, which the caller overwrites with it anyway
-            gens[i] = codec.rounds(grad, key, out=grad if grad.is_contiguous() else None)
-        elif codec.base.native:
-            gens[i] = _native(codec, grad, key)
-    if not gens:
+                       txn: Optional[Any], prepared: Optional["PreparedBucket"] = None) -> None:
+    """Dense gradients and summable codecs (native, multi-round) in lockstep (:class:`Lockstep`):
+    their results into ``out``; the other items are left None. ``prepared``: the bucket's
+    local phase done ahead (its lockstep already started, or None when it has none)."""
+    lock = prepared.summable if prepared is not None and prepared.ahead else Lockstep.start(items, world, label)
+    if lock is None:
         return
-    rec = Record("allreduce", "bucket", label, "bucket", world, dense_bytes=sum(_nbytes(items[i][1]) for i in gens))
-    results, last = _lockstep(gens, group, world, rec)
+    results, last = lock.run(group, world)
     for i, value in results.items():
         out[i] = value
-    commit(rec)
+    commit(lock.rec)
     if txn is not None:
         # Each item's last average decides: a dense mean is the result itself, a native
         # payload decodes to finite values only when it is finite, and PowerSGD's result
         # P Q^T (saturated) is finite exactly when its last average, Q, is. EF21 adds its
         # aggregate estimate, so its result itself is checked.
-        txn.observe([last[i] for i in gens])
-        txn.observe([out[i] for i in gens if isinstance(items[i][2], EF21)])
+        txn.observe([last[i] for i in lock.gens])
+        txn.observe([out[i] for i in lock.gens if isinstance(items[i][2], EF21)])
+
+
+class Lockstep:
+    """Round generators driven together: one allreduce per dtype and round for all of them.
+    :meth:`start` makes them and runs each to its first average (local work only: what may run
+    ahead), :meth:`run` drives the rounds."""
+
+    def __init__(self, gens: Dict[int, Rounds], rec: Record) -> None:
+        self.gens, self.rec = gens, rec
+        self.results: Dict[int, torch.Tensor] = {}
+        self.pending: Dict[int, torch.Tensor] = {}
+        for i, gen in gens.items():
+            _advance(i, gen, None, self.pending, self.results, rec)
+
+    @classmethod
+    def start(cls, items: Sequence[Item], world: int, label: str) -> Optional["Lockstep"]:
+        """The lockstep of ``items``' dense gradients and summable codecs, started; None when
+        the bucket has none."""
+        gens: Dict[int, Rounds] = {}
+        for i, (key, grad, codec) in enumerate(items):
+            if codec is None:
+                gens[i] = _dense(grad)
+            elif codec.base.multi_round:
+                # the result goes straight into the gradient, which the caller overwrites with it anyway
+                gens[i] = codec.rounds(grad, key, out=grad if grad.is_contiguous() else None)
+            elif codec.base.native:
+                gens[i] = _native(codec, grad, key)
+        if not gens:
+            return None
+        rec = Record("allreduce", "bucket", label, "bucket", world,
+                     dense_bytes=sum(_nbytes(items[i][1]) for i in gens))
+        return cls(gens, rec)
+
+    def run(self, group, world: int) -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:
+        """Every round; each generator's result and the last average it was sent."""
+        gens, rec, results, pending = self.gens, self.rec, self.results, self.pending
+        last: Dict[int, torch.Tensor] = {}
+        while pending:
+            sent, pending = pending, {}
+            kinds: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
+            for i in sorted(sent):
+                kinds.setdefault((sent[i].dtype, sent[i].device), []).append(i)
+            for idx in kinds.values():
+                flat = torch.cat([sent[i].reshape(-1) for i in idx])
+                rec.payload_bytes += _nbytes(flat)
+                _mean_(flat, group, world, rec)
+                for i, avg in zip(idx, flat.split([sent[i].numel() for i in idx])):
+                    last[i] = avg
+                    _advance(i, gens[i], avg.view(sent[i].shape), pending, results, rec)
+        return results, last
 
 
 def _exchange_fused(items: Sequence[Item], rest: Sequence[int], out: List[Optional[torch.Tensor]], group,
-                    layouts: Optional[dict] = None, into: bool = False) -> None:
+                    layouts: Optional[dict] = None, into: bool = False, prepared: Any = None) -> None:
     """Items ``rest`` in one ``allreduce_fused``: each exchange made once for all of them
-    (``into``: the means written into the gradients where the algorithm can)."""
-    for i, value in zip(rest, allreduce_fused([items[i] for i in rest], group=group, layouts=layouts, into=into)):
+    (``into``: the means written into the gradients where the algorithm can; ``prepared``:
+    their local phase, done ahead by :func:`prepare_bucket` for these same items)."""
+    if prepared is not None:
+        means = exchange_prepared(prepared, layouts)
+    else:
+        means = allreduce_fused([items[i] for i in rest], group=group, layouts=layouts, into=into)
+    for i, value in zip(rest, means):
         out[i] = value
 
 
@@ -294,30 +405,6 @@ def _whole(items: Sequence[Item], buffer: torch.Tensor, cast: Optional[CastCompr
             views[i].copy_(piece)
     commit(rec)
     return [v.view(g.shape) for (_, g, _), v in zip(items, views)], [flat] + ([dense] if dense is not None else [])
-
-
-def _lockstep(gens: Dict[int, Rounds], group, world: int, rec: Record
-              ) -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:
-    """Drive round generators together: one allreduce per dtype and round for all of them.
-    Returns each generator's result and the last average it was sent."""
-    results: Dict[int, torch.Tensor] = {}
-    last: Dict[int, torch.Tensor] = {}
-    pending: Dict[int, torch.Tensor] = {}
-    for i, gen in gens.items():
-        _advance(i, gen, None, pending, results, rec)
-    while pending:
-        sent, pending = pending, {}
-        kinds: Dict[Tuple[torch.dtype, torch.device], List[int]] = {}
-        for i in sorted(sent):
-            kinds.setdefault((sent[i].dtype, sent[i].device), []).append(i)
-        for idx in kinds.values():
-            flat = torch.cat([sent[i].reshape(-1) for i in idx])
-            rec.payload_bytes += _nbytes(flat)
-            _mean_(flat, group, world, rec)
-            for i, avg in zip(idx, flat.split([sent[i].numel() for i in idx])):
-                last[i] = avg
-                _advance(i, gens[i], avg.view(sent[i].shape), pending, results, rec)
-    return results, last
 
 
 def _advance(i: int, gen: Rounds, value: Optional[torch.Tensor], pending: Dict[int, torch.Tensor],

@@ -29,7 +29,7 @@ from . import _telemetry as telemetry
 from . import worker
 from ._algorithm import ALGORITHMS
 from ._comm import Comm
-from .reduction import label, make_spec, reduce_many
+from .reduction import exchange_started, label, make_spec, start_many
 from ._shared import Item
 
 __all__ = ["allreduce_fused"]
@@ -93,18 +93,51 @@ def _fused_job(items: List[Item], specs: list, group, algorithm: Optional[str],
     return out
 
 
+class Prepared:
+    """A fused set after its local phase (:func:`prepare`): the algorithm chosen, each tensor
+    compressed, this rank's local failure kept for the exchange to report."""
+
+    def __init__(self, items: List[Item], specs: list, group, algorithm: Optional[str], into: bool) -> None:
+        labels = {label(s) for s in specs}
+        rec = self.rec = telemetry.Record("allreduce", "?", labels.pop() if len(labels) == 1 else "mixed", "fused", 1)
+        comm = self.comm = Comm(group, rec, "allreduce", worker.device_of([t for _, t, _ in items]))
+        rec.world_size = comm.size
+        name = rec.algorithm = algorithm or next(c.name for c in sorted(_sharing().values(), key=lambda c: c.order)
+                                                 if c.prefers(specs[0].base if specs else None, comm.size))
+        for _, tensor, _ in items:
+            if isinstance(tensor, torch.Tensor):
+                rec.dense_bytes += tensor.numel() * tensor.element_size()
+        self.items, self.specs, self.cls = items, specs, ALGORITHMS[name]
+        self.feedbacks = [s.feedback for s in specs]
+        self.started, self.error = start_many(self.cls, items, specs, comm, self.feedbacks, into)
+
+    def exchange(self, layouts: Optional[dict] = None) -> List[torch.Tensor]:
+        out = exchange_started(self.cls, self.items, self.specs, self.comm, self.feedbacks, self.started, self.error,
+                               shared=True, layouts=layouts)
+        telemetry.commit(self.rec)
+        return out
+
+
+def prepare(items: Sequence[Item], group, *, algorithm: Optional[str] = None, into: bool = False) -> Prepared:
+    """The local phase of ``allreduce_fused(items, group, algorithm=algorithm, into=into)``
+    on the calling thread (each tensor's error feedback and compression; no communication),
+    for :func:`exchange_prepared` to finish later: what a bucket's exchange does ahead while
+    the previous bucket is on the wire. The caller checked ``items`` (compressors resolve, no
+    multi-round one) and runs both phases inside the same open transaction."""
+    items = list(items)
+    specs = [make_spec(c, algorithm or "allgather", False, False) for _, _, c in items]
+    return Prepared(items, specs, group, algorithm, into)
+
+
+def exchange_prepared(prepared: Prepared, layouts: Optional[dict] = None) -> List[torch.Tensor]:
+    """The exchange of a :func:`prepare`d set: the bits ``allreduce_fused`` gives, on the
+    calling thread (under the transaction the local phase ran in)."""
+    with transaction.step() as txn:
+        out = prepared.exchange(layouts)
+        txn.observe(out)
+    return out
+
+
 def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[str],
                     layouts: Optional[dict] = None, into: bool = False) -> List[torch.Tensor]:
-    labels = {label(s) for s in specs}
-    rec = telemetry.Record("allreduce", "?", labels.pop() if len(labels) == 1 else "mixed", "fused", 1)
-    comm = Comm(group, rec, "allreduce", worker.device_of([t for _, t, _ in items]))
-    rec.world_size = comm.size
-    name = rec.algorithm = algorithm or next(c.name for c in sorted(_sharing().values(), key=lambda c: c.order)
-                                             if c.prefers(specs[0].base if specs else None, comm.size))
-    for _, tensor, _ in items:
-        if isinstance(tensor, torch.Tensor):
-            rec.dense_bytes += tensor.numel() * tensor.element_size()
-    out = reduce_many(ALGORITHMS[name], items, specs, comm, feedbacks=[s.feedback for s in specs], shared=True,
-                      layouts=layouts, into=into)
-    telemetry.commit(rec)
-    return out
+    return Prepared(items, specs, group, algorithm, into).exchange(layouts)

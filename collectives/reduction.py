@@ -111,6 +111,19 @@ def reduce_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: 
     exchange), each tensor's finish (:func:`finish`: feedback keeps what the wire did not carry).
     ``allreduce`` is the case of one tensor on its own wire, ``allreduce_fused`` of any number
     sharing each exchange (``shared``; ``layouts`` and ``into``: see ``allreduce_fused``)."""
+    started, error = start_many(cls, items, specs, comm, feedbacks, into)
+    return exchange_started(cls, items, specs, comm, feedbacks, started, error, shared=shared, part=part, parts=parts,
+                            layouts=layouts)
+
+
+def start_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: List[Spec], comm: Comm,
+               feedbacks: List[Optional[Feedback]], into: bool = False
+               ) -> Tuple[List["Started"], Optional[BaseException]]:
+    """The local phase of :func:`reduce_many` for every tensor (no communication): each
+    tensor's :func:`start` and this rank's local failure (None, the exception, or the
+    :class:`~gradcomp.compress.transaction.Deferred` refusals found on the device), which the
+    exchange reports to every rank. It may run early, while an earlier exchange is on the wire
+    (the worker's look-ahead, see :func:`gradcomp.collectives.bucket.prepare_bucket`)."""
     started: List[Started] = []
     error: Optional[BaseException] = None
     # local work first: a failure here must reach the other ranks, through the header or, on an
@@ -124,6 +137,14 @@ def reduce_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: 
     if error is None and refused:
         error = transaction.Deferred(refused)
     started += [Started(None, None, (0, []))] * (len(items) - len(started))
+    return started, error
+
+
+def exchange_started(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: List[Spec], comm: Comm,
+                     feedbacks: List[Optional[Feedback]], started: List["Started"], error: Optional[BaseException], *,
+                     shared: bool = False, part: int = 0, parts: int = 1,
+                     layouts: Optional[dict] = None) -> List[torch.Tensor]:
+    """The exchange and finish of :func:`reduce_many` after its local phase (:func:`start_many`)."""
     results = cls.exchange(comm, items, specs, started, error, shared=shared, part=part, parts=parts,
                            layouts=layouts)
     return [torch.empty_like(tensor) if s.algo is None else finish(s.algo, tensor, s.acc, feedback, *result)

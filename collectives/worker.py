@@ -41,7 +41,18 @@ threads):
   queued, waiting on it would wait for the worker itself; such callbacks run on every rank
   right after the same job, so the order stays the same everywhere;
 - ``inline=True`` runs the job on the caller's thread once the queue is empty (the last bucket
-  of a backward pass: nothing is left to overlap with, two thread hand-offs are saved).
+  of a backward pass: nothing is left to overlap with, two thread hand-offs are saved), unless
+  the job can be prepared ahead and the worker is busy: it is queued then, so its local phase
+  can run beside the wire time of the job before it.
+
+Work ahead. A job may carry a ``prepare(twin)`` attribute: its local phase (compression, error
+feedback; no collective, no host read, and it raises nothing: a failure is kept for the job to
+report as its local phase would). While the worker runs a job, it offers the next queued job's
+``prepare`` to that job's collectives (``_comm.ahead``); the job's largest exchange runs it
+after issuing its bytes and before waiting for them (``_comm.may_overlap``), in the next job's
+context, on the same device and stream. So a bucket is compressed while the one before it is on
+the wire. Nothing else changes: the jobs' collectives are issued in the same order, by the same
+thread, and whether a job was prepared ahead changes no bits (the training runtime's buckets).
 
 What users must not do: issue their own collective (on any group: the default group's
 twin runs on another communicator) while gradcomp jobs are in flight — between ``backward()``
@@ -59,6 +70,7 @@ new ``init_process_group`` drops whatever is left.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextvars
 import queue
 import threading
@@ -69,7 +81,7 @@ import torch.distributed as dist
 
 # on_device: torch.cuda.device on CUDA; also marks the thread as having set its device (the strict
 # test mode refuses object collectives elsewhere)
-from ._comm import CommunicationError, group_timeout, initialized, on_device, resolve
+from ._comm import CommunicationError, ahead, group_timeout, initialized, on_device, resolve
 
 Job = Callable[[Callable[[Any], Any]], Any]  # job(twin): twin maps a caller's group to the one to use
 Then = Optional[Callable[[torch.futures.Future], Any]]
@@ -149,6 +161,7 @@ class Worker:
         self.world = dist.group.WORLD  # the default group this worker and its twins belong to
         self._map: Dict[int, Any] = {}
         self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._ahead: "collections.deque" = collections.deque()  # items taken off the queue early (look-ahead)
         self._last: Optional[torch.futures.Future] = None  # the latest job queued (with its .then())
         self._last_on: Dict[torch.device, torch.futures.Future] = {}  # the same per CUDA device
         self.adopt(groups)
@@ -184,7 +197,7 @@ class Worker:
         if threading.current_thread() is self.thread:  # from a callback on this worker
             _complete(fut, job, self.twin, device)
             return out
-        if inline:
+        if inline and not (getattr(job, "prepare", None) is not None and self._busy()):
             self.wait_queued()  # on CUDA this orders the caller's stream after the worker's too
             _complete(fut, job, self.twin, device)
             return out
@@ -198,6 +211,11 @@ class Worker:
         # the caller should have nothing left to do but return.
         self._queue.put((job, fut, contextvars.copy_context(), device, ready, tuple(inputs)))
         return out
+
+    def _busy(self) -> bool:
+        """Whether a queued job may still be running (its future not done)."""
+        last = self._last
+        return last is not None and not last.done()
 
     def wait_queued(self) -> None:
         """Wait until every job queued so far (and its ``.then()``) has run; on CUDA, the
@@ -223,7 +241,7 @@ class Worker:
         streams: Dict[Any, Any] = {}
         while True:
             try:
-                item = self._queue.get(timeout=_POLL_S)
+                item = self._ahead.popleft() if self._ahead else self._queue.get(timeout=_POLL_S)
             except queue.Empty:
                 if self.world is not dist.group.WORLD:  # destroyed without shutdown(): free the twins
                     _drop_stale()
@@ -233,10 +251,44 @@ class Worker:
                 return
             self._run(streams, *item)  # its own frame: nothing of the job stays referenced while idle
 
+    def _peek(self) -> Optional[tuple]:
+        """The next queued item, taken off the queue into the look-ahead (None: nothing queued)."""
+        if not self._ahead:
+            try:
+                self._ahead.append(self._queue.get_nowait())
+            except queue.Empty:
+                return None
+        return self._ahead[0]
+
+    def _offer(self, device: torch.device) -> Callable[[], None]:
+        """The work ahead offered while a job on ``device`` runs: the next queued job's local
+        phase, when it has one and works on the same device (see the module docstring)."""
+        def work() -> None:
+            item = self._peek()
+            if item is None:  # nothing queued, or the stop mark
+                return
+            job, _, context, nxt, ready, inputs = item
+            prepare = getattr(job, "prepare", None)
+            if prepare is None or nxt != device:
+                return
+            if ready is not None:  # the next job's inputs were written on its caller's stream
+                stream = torch.cuda.current_stream(nxt)
+                stream.wait_event(ready)
+                for t in inputs:
+                    if isinstance(t, torch.Tensor) and t.device == nxt:
+                        t.record_stream(stream)
+
+            def run() -> None:
+                with on_device(nxt):
+                    prepare(self.twin)
+            context.run(run)
+        return work
+
     def _run(self, streams: Dict[Any, Any], job: Job, fut: torch.futures.Future, context: contextvars.Context,
              device: torch.device, ready: Optional[Any], inputs: Tuple[torch.Tensor, ...]) -> None:
         if ready is None:
-            context.run(_complete, fut, job, self.twin, device)
+            with ahead(self._offer(device)):
+                context.run(_complete, fut, job, self.twin, device)
             return
         stream = streams.get(device.index)
         if stream is None:
@@ -246,7 +298,8 @@ class Worker:
             for t in inputs:  # made on the caller's stream, read on this one until its work is done
                 if isinstance(t, torch.Tensor) and t.device == device:
                     t.record_stream(stream)
-            context.run(_complete, fut, job, self.twin, device)  # set_result records the stream's work
+            with ahead(self._offer(device)):
+                context.run(_complete, fut, job, self.twin, device)  # set_result records the stream's work
 
 
 def _complete(fut: torch.futures.Future, job: Job, twin: Callable[[Any], Any], device: torch.device) -> None:

@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from gradcomp.collectives import (Hierarchy, Identity, agree, choose_algorithm, describe_params, exchange_bucket,
-                                  exchange_bucket_by_owners, fingerprint, make_node_groups, rank_of,
+                                  exchange_bucket_by_owners, fingerprint, make_node_groups, prepare_bucket, rank_of,
                                   refuse_on_every_rank, server_feedback, world_of, worker)
 from gradcomp.compress.transaction import Transaction
 from .policy import Policy
@@ -176,6 +176,8 @@ class Runtime:
             self._txn = Transaction()
         txn = self._txn
 
+        ahead: List[Any] = []  # the bucket's local phase when the worker ran it ahead: [prepared or error]
+
         def job(twin):
             group = twin(self.group)
             with txn.active():  # every state change of the iteration, kept or undone together
@@ -185,6 +187,11 @@ class Runtime:
                         hier = Hierarchy(twin(nodes.intra), twin(nodes.inter), local_size, nodes.local_rank,
                                          world // local_size)
                         out = exchange_bucket_by_owners(items, hier, owners, label=label)
+                    elif ahead:
+                        if isinstance(ahead[0], BaseException):  # raised where the local phase would have
+                            raise ahead[0]
+                        out = exchange_bucket(items, group, world, buffer=buffer, label=label, layouts=self._layouts,
+                                              prepared=ahead[0])
                     else:
                         out = self.exchange(items, group, world, buffer, label)
                     # both exchanges tell txn whether every mean is finite (its cheapest witnesses)
@@ -197,12 +204,35 @@ class Runtime:
                 self.end_iteration()
             return out
 
+        if nodes is None and self._ahead_ok(items):
+            def prepare(twin) -> None:
+                """The local phase, run by the worker while the bucket before this one is on the
+                wire (see ``worker``): only on a layout every rank has agreed on (its first
+                sight is checked by a collective inside the job)."""
+                with txn.active():
+                    try:
+                        prepared = prepare_bucket(items, twin(self.group), world, buffer=buffer, label=label)
+                    except Exception as exc:  # noqa: BLE001 (kept, and raised by the job at the same point)
+                        ahead.append(exc)
+                    else:
+                        if prepared is not None:
+                            ahead.append(prepared)
+            job.prepare = prepare  # type: ignore[attr-defined]
+
         # the gradients' device, never the thread's: a worker thread's current device is GPU 0
         device = worker.device_of(buffer, grads)
         if world == 1:
             return worker.completed(job, then, twin=lambda g: None, device=device)
         inputs = [buffer, *grads] if buffer is not None else list(grads)  # made on the caller's stream
         return self._worker.submit(job, device=device, then=then, inline=inline, inputs=inputs)
+
+    def _ahead_ok(self, items: Sequence[Any]) -> bool:
+        """Whether a bucket's local phase may run ahead, on the worker, beside the wire time of
+        the bucket before it: a flat exchange (this class's, not a subclass's that times or
+        chooses per bucket) of a layout every rank has already agreed on."""
+        if type(self).exchange is not Runtime.exchange or self.world == 1:
+            return False
+        return tuple((n, tuple(g.shape), g.dtype, id(c)) for n, g, c in items) in self._checked
 
     def route(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor, Any]]:
         """Each gradient with its codec (None: dense) at the current iteration, as the policy
