@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gradcomp.collectives import Identity, check_device_set, fingerprint, refuse_on_every_rank, worker
 from gradcomp.collectives.shards import piece_key
 
-from ._shards import GroupLayout, bucket_key, weight_key
+from ._shards import GroupLayout, bucket_key, bucket_piece, weight_key
 from .lowbit import PackedState, as_packed, is_packed, saved
 
 FORMAT = "gradcomp.sharded/1"
@@ -116,15 +116,40 @@ def _grad_pieces(view: ShardView, flat: List[torch.Tensor]) -> Dict[str, torch.T
     return pieces
 
 
-def _weight_residuals(view: ShardView) -> Optional[List[torch.Tensor]]:
+def _weight_residuals(view: ShardView, residual: Any = None,
+                      plan: Optional[List[List[int]]] = None) -> Optional[List[torch.Tensor]]:
+    """This rank's weight residuals laid out on each group's master shard (zeros where none):
+    independent of the bucket layout. ``residual``/``plan`` as for :func:`_grad_residuals`; a
+    saved group without per-bucket keys holds the whole shard's residual under the group's key
+    (checkpoints from before the weights were gathered bucket by bucket)."""
     ef = view.weight_feedback
     if ef is None:
         return None
-    out = []
+    if residual is None:
+        residual = ef.residual
+    buckets = list(view.buckets) if plan is None else [tuple(b) for b in plan]
+    out = [torch.zeros(m.numel(), dtype=torch.float32) for m in view.masters]
     for g, m in enumerate(view.masters):
-        res = ef.residual(weight_key(g))
-        out.append(res.reshape(-1).cpu().clone() if res.numel() == m.numel() else torch.zeros(m.numel()))
+        whole = residual(weight_key(g))
+        if whole is not None and whole.numel() == m.numel() and m.numel():
+            out[g] = whole.reshape(-1).float().cpu().clone()
+    for k, (g, start, stop) in enumerate(buckets):
+        a, z = bucket_piece(view.layouts[g], view.rank, start, stop)
+        res = residual(weight_key(g, k))
+        if z > a and res is not None and res.numel() == z - a:
+            out[g][a:z] = res.reshape(-1).float().cpu()
     return out
+
+
+def _weight_pieces(view: ShardView, flat: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """The weight residual of each bucket's piece of this rank's shard, cut from ``flat`` (one
+    shard-sized tensor per group), in the masters' dtype."""
+    pieces: Dict[str, torch.Tensor] = {}
+    for k, (g, start, stop) in enumerate(view.buckets):
+        a, z = bucket_piece(view.layouts[g], view.rank, start, stop)
+        if z > a:
+            pieces[weight_key(g, k)] = flat[g][a:z].to(view.masters[g].dtype)
+    return pieces
 
 
 def consolidated(view: ShardView, to: int) -> Optional[Dict[str, Any]]:
@@ -273,6 +298,12 @@ def load(view: ShardView, sd: Mapping[str, Any]) -> int:
             flat = _grad_residuals(view, state.get, plan)
             assert flat is not None
             _set_residuals(view.grad_feedback, _grad_pieces(view, flat))
+        if view.weight_feedback is not None:
+            # the weights' residual keys name buckets too (or, saved before the weights were
+            # gathered bucket by bucket, whole groups): re-keyed for this run's buckets
+            weights = _weight_residuals(view, sd["weight_feedback"]["state"].get, plan)
+            assert weights is not None
+            _set_residuals(view.weight_feedback, _weight_pieces(view, weights))
     else:
         _load_consolidated(view, sd)
     return int(sd["skipped"])
@@ -290,8 +321,8 @@ def _load_consolidated(view: ShardView, sd: Mapping[str, Any]) -> None:
     for m, full, (lo, hi) in zip(view.masters, sd["master"], bounds):
         m.copy_(full[lo:hi])
     if view.weight_feedback is not None:
-        _set_residuals(view.weight_feedback, {weight_key(g): full[lo:hi] for g, (full, (lo, hi))
-                                             in enumerate(zip(sd["weight_residual"], bounds)) if hi > lo})
+        _set_residuals(view.weight_feedback, _weight_pieces(view, [full[lo:hi] for full, (lo, hi)
+                                                                  in zip(sd["weight_residual"], bounds)]))
     if view.grad_feedback is not None and view.world > 1:
         # what the mean gradient still owes is the mean of the residuals; here w - 1 ranks send
         # each piece (its owner does not), so each holds w / (w - 1) of it

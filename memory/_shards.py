@@ -17,7 +17,7 @@ of that range inside rank ``j``'s shard.
 """
 from __future__ import annotations
 
-from typing import List, NamedTuple, Sequence, Tuple
+from typing import List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -92,9 +92,19 @@ def bucket_key(group: int, k: int) -> str:
     return f"g{group}/b{k}"
 
 
-def weight_key(group: int) -> str:
-    """The error-feedback key of parameter group ``group``'s weight all-gather."""
-    return f"w{group}"
+def weight_key(group: int, k: Optional[int] = None) -> str:
+    """The error-feedback key of bucket ``k``'s weight all-gather (``group``: its parameter
+    group). Without ``k``: the key of the whole group's all-gather, which checkpoints saved
+    before the weights were gathered bucket by bucket hold."""
+    return f"w{group}" if k is None else f"w{group}/b{k}"
+
+
+def bucket_piece(layout: GroupLayout, rank: int, start: int, stop: int) -> Tuple[int, int]:
+    """The part of ``[start, stop)`` inside ``rank``'s shard, in shard coordinates (empty:
+    equal ends)."""
+    lo, hi = layout.shard(rank)
+    a, z = max(lo, start), min(hi, stop)
+    return (a - lo, z - lo) if a < z else (0, 0)
 
 
 def layer_slices(layout: GroupLayout, rank: int, layers: Sequence[int]) -> List[Tuple[int, int, int]]:

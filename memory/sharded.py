@@ -17,16 +17,28 @@ per group, one flat tensor of its shard — the **master copy** of those element
    raise together when one rank's exchange failed. Otherwise the inner optimizer — any
    ``torch.optim`` class, built on the shard tensors with the groups' hyper-parameters — steps
    the master shard;
-3. an **all-gather** of the master shards writes the parameters of every rank: exact (fp32),
-   or compressed (``weight_compressor="bf16"``/``"int8"``, ZeRO++'s qwZ) with error feedback on
-   the weights: the owner sends ``Q(master + e)`` and keeps ``e`` (its residual), and every rank,
-   the owner too, sets the parameters to the decoded bits — replicas stay identical, and the
-   master copy stays exact (it is moved only by the optimizer).
+3. an **all-gather** of the master shards writes the parameters of every rank, bucket by
+   bucket (the gradients' buckets, in the order the forward pass uses their parameters) on the
+   worker thread: exact (fp32), or compressed (``weight_compressor="bf16"``/``"int8"``, ZeRO++'s
+   qwZ) with error feedback on the weights: the owner sends ``Q(master + e)`` and keeps ``e``
+   (its residual), and every rank, the owner too, sets the parameters to the decoded bits —
+   replicas stay identical, and the master copy stays exact (it is moved only by the
+   optimizer). ``step()`` waits for every bucket's gather; with ``prefetch=True`` it returns at
+   once and the next forward pass waits for each bucket just before a module of ``model`` uses
+   its parameters, so the gathers overlap that forward pass (FSDP's forward prefetch).
 
 ``state_bits=8`` stores the inner optimizer's moment tensors in 8 bits between steps
 (:class:`~gradcomp.memory.lowbit.LowBitState`; the small-tensor rule is decided on the whole
 group, not on the shard). Optimizer classes with ``layerwise = True`` are told which slices of
 their shard belong to which parameter (``inner.shard_layout(layout, num_layers, group)``).
+
+Prefetch. Between ``step()`` and the forward pre-hook that waits for a bucket, that bucket's
+parameters are being written: read parameters outside ``model``'s forward pass (a metric, an
+EMA, your own collective) only after ``synchronize()``. ``model.state_dict()``, this
+optimizer's ``step``, ``state_dict`` and ``load_state_dict`` wait by themselves. A module waits
+for the parameters it owns (``named_parameters(recurse=False)``), as an FSDP unit does: a
+forward that reads another module's parameter before that module runs (a tied weight used
+functionally) needs ``synchronize()`` or ``prefetch=False``.
 
 Checkpoints: ``state_dict()`` is this rank's shard (loaded by the same rank of the same world
 size); ``consolidated_state_dict(to=0)`` gathers a whole checkpoint on one rank, which
@@ -34,7 +46,8 @@ size); ``consolidated_state_dict(to=0)`` gathers a whole checkpoint on one rank,
 """
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Dict, Iterable, List, Mapping, Optional
+import weakref
+from typing import Any, Callable, ContextManager, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -48,7 +61,8 @@ from gradcomp.training.wrapper import Wrapper, broadcast_params
 from gradcomp.collectives.identity import agree, describe_params, fingerprint, names_of
 
 from . import _shardckpt
-from ._shards import Bucket, GroupLayout, bucket_key, flat_of, group_buckets, group_layout, layer_slices, weight_key
+from ._shards import (Bucket, GroupLayout, bucket_key, bucket_piece, flat_of, group_buckets, group_layout,
+                      layer_slices, weight_key)
 from .lowbit import _COMPENSATIONS, BITS, MIN_NUMEL, LowBitState, bits_problem
 
 __all__ = ["ShardedOptimizer"]
@@ -97,7 +111,9 @@ class ShardedOptimizer(Wrapper):
     parameters' all-gather — None (exact) or e.g. ``"bf16"``, ``"int8"``, with error feedback on
     the weights. ``state_bits``: 32 or 8. ``stage``: 1 keeps the full gradients after the
     reduce-scatter, 2 frees them. ``bucket_mb`` caps a bucket; ``model`` names the parameters in
-    checkpoints (else ``param{i}``); ``process_group`` defaults to every rank. The remaining
+    checkpoints (else ``param{i}``); ``prefetch=True`` (needs ``model``) lets the parameters'
+    all-gather run into the next forward pass (see the module docstring); ``process_group``
+    defaults to every rank. The remaining
     keywords are the inner optimizer's defaults (``lr=...``). ``state_compensation``: how
     8-bit state compensates its rounding (:class:`~gradcomp.memory.LowBitState`). ``param_groups`` and ``state`` are
     the inner optimizer's (its tensors are the shards), so LR schedulers work as usual.
@@ -108,7 +124,7 @@ class ShardedOptimizer(Wrapper):
                  bucket_mb: float = 25.0, model: Optional[torch.nn.Module] = None,
                  compressor_options: Optional[Mapping[str, Any]] = None,
                  weight_options: Optional[Mapping[str, Any]] = None, state_compensation: str = "stochastic",
-                 **defaults: Any) -> None:
+                 prefetch: bool = False, **defaults: Any) -> None:
         if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
             raise ValueError(f"optimizer_class must be a torch.optim.Optimizer subclass (e.g. torch.optim.AdamW), "
                              f"got {optimizer_class!r}")
@@ -122,6 +138,11 @@ class ShardedOptimizer(Wrapper):
             raise ValueError(f"stage={stage!r} is not allowed; allowed: 1 (keep gradients), 2 (free them)")
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or not bucket_mb > 0:
             raise ValueError(f"bucket_mb={bucket_mb!r} is not allowed; it must be a number > 0")
+        if not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch={prefetch!r} is not allowed; it must be True or False")
+        if prefetch and model is None:
+            raise ValueError("prefetch=True needs model=: the forward pre-hooks of its modules wait for each "
+                             "bucket's parameters")
         if callable(getattr(optimizer_class, "comm_hook", None)):
             # the same on every rank (the class is the same everywhere: ranks that disagree on
             # it are not each other's peers in any ShardedOptimizer)
@@ -170,6 +191,10 @@ class ShardedOptimizer(Wrapper):
         # payloads travel on their agreed layout (no size exchange, no parsing)
         self._layouts: Dict[Any, Any] = {}
         self._gathered: Optional[Transaction] = None  # the last weight all-gather, decided at the next step
+        self._pending: Dict[int, torch.futures.Future] = {}  # bucket -> its weight all-gather, in flight
+        self._order = self._gather_order()
+        self.prefetch = prefetch
+        self._hooks = self._hook(model) if prefetch else []
         self._reset()
 
     # ---- construction -----------------------------------------------------------------------
@@ -260,6 +285,7 @@ class ShardedOptimizer(Wrapper):
         """Run ``closure`` (once) if given; finish the reduce-scatter; step the shard; gather the
         parameters. A step with a non-finite reduced gradient on any rank changes nothing."""
         loss = None
+        self.synchronize()
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
@@ -334,31 +360,141 @@ class ShardedOptimizer(Wrapper):
         return grads
 
     def _gather(self) -> None:
-        """Every rank's master shards into every rank's parameters (compressed when asked).
-        Compressed, the gather's state changes (error feedback) and the flags of the payloads
-        it received form a transaction of their own, decided at the next step's one read
-        (:meth:`_reduced`), not by a read of its own."""
+        """Every rank's master shards into every rank's parameters (compressed when asked), one
+        all-gather per bucket, queued on the worker in :attr:`_order`; waited for here, or with
+        ``prefetch`` by the next forward pass (:meth:`_hook`). Compressed, the gathers' state
+        changes (error feedback) and the flags of the payloads they received form a transaction
+        of their own, decided at the next step's one read (:meth:`_reduced`), not by a read of
+        its own."""
+        if self.prefetch and self._ran is not None:
+            self._attribute()
         txn = Transaction()
+        self._gathered = txn
         try:
             with txn.active():
-                self._gather_all()
+                for k in self._order:
+                    self._pending[k] = self._launch_gather(k, txn)
         except BaseException:
-            txn.rollback()
+            self._settle_gather(self._order, failed=True)
             raise
-        self._gathered = txn
+        if not self.prefetch:
+            self.synchronize()
 
-    def _gather_all(self) -> None:
-        for g, (m, lay) in enumerate(zip(self.masters, self.layouts)):
-            ps = self._trainable[g]
-            if not ps:
+    def _launch_gather(self, k: int, txn: Transaction) -> torch.futures.Future:
+        b = self._buckets[k]
+        lay, m = self.layouts[b.group], self.masters[b.group]
+        a, z = bucket_piece(lay, self.rank, b.start, b.stop)
+        params = [self._trainable[b.group][i] for i in b.members]
+        places = [(p, lay.offsets[i] - b.start, lay.numels[i]) for p, i in zip(params, b.members)]
+        dense = self.weight_feedback is None
+        splits, feedback, key = lay.splits(b.start, b.stop), self.weight_feedback, weight_key(b.group, k)
+        group, layouts = self.group, self._layouts
+
+        def job(group_for: Callable[[Any], Any]) -> None:
+            with txn.active():
+                piece = m[a:z].to(params[0].dtype) if dense else m[a:z]
+                full = all_gather(piece, splits, compressor=feedback, key=key, group=group_for(group), layouts=layouts)
+                for p, off, n in places:
+                    p.data.copy_(full[off:off + n].view_as(p))
+
+        if self._worker is None:
+            return worker.completed(job, twin=lambda g: g, device=m.device)
+        return self._worker.submit(job, device=m.device)
+
+    def synchronize(self) -> None:
+        """Wait for the parameters' all-gathers still in flight (``prefetch=True``); on CUDA the
+        current stream is then ordered after them. Raises what a gather raised (its state
+        changes undone), after waiting for the rest."""
+        if self._pending:
+            self._settle_gather(list(self._pending))
+
+    def _settle_gather(self, ks: Sequence[int], failed: bool = False) -> None:
+        """Wait for the gathers of buckets ``ks``; when one raised (or ``failed``), wait for every
+        other one too, undo the gathers' transaction and raise the first error."""
+        error: Optional[BaseException] = None
+        for k in ks:
+            fut = self._pending.pop(k, None)
+            if fut is None:
                 continue
-            sizes = [b - a for a, b in zip(lay.bounds[:-1], lay.bounds[1:])]
-            dense = self.weight_feedback is None
-            shard = m.to(ps[0].dtype) if dense else m
-            full = all_gather(shard, sizes, compressor=self.weight_feedback, key=weight_key(g), group=self.group,
-                              layouts=self._layouts)
-            for p, off, n in zip(ps, lay.offsets, lay.numels):
-                p.data.copy_(full[off:off + n].view_as(p))
+            try:
+                fut.wait()
+            except BaseException as exc:  # noqa: B902 - re-raised below, after the rest
+                error = error or exc
+        if error is None and not failed:
+            return
+        for fut in list(self._pending.values()):
+            try:
+                fut.wait()
+            except BaseException:  # noqa: B902 - the first error is the one raised
+                pass
+        self._pending.clear()
+        gathered, self._gathered = self._gathered, None
+        if gathered is not None:
+            gathered.rollback()
+        if error is not None:
+            raise error
+
+    def _gather_order(self) -> List[int]:
+        """The buckets in the order a forward pass uses them: by their first parameter's position
+        among the parameters given (the same on every rank, which issue the gathers in it)."""
+        first = {k: min(self._layers[b.group][i] for i in b.members) for k, b in enumerate(self._buckets)}
+        return sorted(first, key=first.__getitem__)
+
+    def _hook(self, model: torch.nn.Module) -> List[Any]:
+        """Forward pre-hooks on ``model``'s modules that wait for the buckets of the parameters
+        each uses, and a state_dict pre-hook that waits for all; held by a weak reference, so
+        the hooks do not keep this optimizer alive. Which module uses which parameters is
+        learnt from the first forward pass (:meth:`_attribute`)."""
+        bucket_of = {id(self._trainable[b.group][i]): k for k, b in enumerate(self._buckets) for i in b.members}
+        # every trainable parameter is one of model's (names_of checked it): a module owns it
+        self._modules = [(id(m), m) for m in model.modules()]
+        self._parent = {id(child): id(m) for m in model.modules() for child in m.children()}
+        self._direct = {id(m): {bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of}
+                        for m in model.modules()}
+        self._root = id(model)
+        self._ran: Optional[set] = set()  # modules whose forward ran, until the first gather
+        self._waits: Dict[int, Tuple[int, ...]] = {}
+        ref = weakref.ref(self)
+        handles = []
+        for mid, module in self._modules:
+            def before(_module: Any, _args: Any, mid: int = mid) -> None:
+                opt = ref()
+                if opt is None:
+                    return
+                if opt._ran is not None:
+                    opt._ran.add(mid)
+                elif opt._pending:
+                    ks = opt._waits.get(mid)
+                    if ks:
+                        opt._settle_gather(ks)
+
+            handles.append(module.register_forward_pre_hook(before))
+
+        def before_state_dict(*_: Any) -> None:
+            opt = ref()
+            if opt is not None:
+                opt.synchronize()
+
+        handles.append(model.register_state_dict_pre_hook(before_state_dict))
+        return handles
+
+    def _attribute(self) -> None:
+        """Which buckets each module's pre-hook waits for, from the forward passes seen before the
+        first gather: its own parameters' buckets when its forward ran; otherwise (a module
+        whose parameters its parent reads, as ``nn.MultiheadAttention`` reads its ``out_proj``)
+        its parameters are waited for by the nearest module above it whose forward ran, the
+        model itself at the latest."""
+        ran, self._ran = self._ran or set(), None
+        waits: Dict[int, set] = {}
+        for mid, _ in self._modules:
+            ks = self._direct[mid]
+            if not ks:
+                continue
+            at = mid
+            while at not in ran and at != self._root:
+                at = self._parent.get(at, self._root)
+            waits.setdefault(at, set()).update(ks)
+        self._waits = {mid: tuple(sorted(ks)) for mid, ks in waits.items()}
 
     # ---- the backward hooks -----------------------------------------------------------------
     def _reset(self) -> None:
@@ -417,18 +553,21 @@ class ShardedOptimizer(Wrapper):
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard: inner optimizer state, master shards, error feedback."""
+        self.synchronize()
         self._drain()
         return _shardckpt.shard_state(self._checkpoint_view())
 
     def consolidated_state_dict(self, to: int = 0) -> Optional[Dict[str, Any]]:
         """The whole optimizer, gathered on rank ``to`` (None on the others; every rank must
         call it): loads at any world size."""
+        self.synchronize()
         self._drain()
         return _shardckpt.consolidated(self._checkpoint_view(), to)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load this rank's ``state_dict()`` or a ``consolidated_state_dict()`` of any world
         size; every rank raises the same error when any rank's checkpoint does not fit."""
+        self.synchronize()
         self._drain()
         self._layouts.clear()  # the next exchanges are checked again
         if self._gathered is not None:  # the last gather's undo would restore what the checkpoint replaces

@@ -378,6 +378,62 @@ def case_bad_weight_payload(rank, world):
     return out
 
 
+def case_prefetch(rank, world):
+    """prefetch=True on the shared test models (a conv net with BatchNorm, a transformer block
+    whose attention reads its out_proj's weight without calling out_proj, many tiny tensors
+    beside a large one), several buckets each, exact and int8 + bf16: after three steps the
+    parameters, masters and residuals are the bits of prefetch=False; the gathers were in
+    flight when step() returned and every one was waited for by the next forward pass. A
+    checkpoint whose weight residual is keyed by group (saved before the weights were gathered
+    bucket by bucket) loads into the per-bucket keys."""
+    import models
+    from gradcomp.memory import ShardedOptimizer
+    from gradcomp.memory._shardckpt import _weight_residuals
+
+    out = {}
+    for kind in ("conv_bn", "transformer", "many_small"):
+        for kw in ({}, {"compressor": "int8", "weight_compressor": "bf16"}):
+            runs = []
+            for prefetch in (False, True):
+                torch.manual_seed(0)
+                net = models.model(kind)
+                opt = ShardedOptimizer(_trainable(net), torch.optim.AdamW, model=net, lr=1e-3, bucket_mb=0.004,
+                                       prefetch=prefetch, **kw)
+                x, y = models.data(kind, 8, seed=rank)
+                flying, waited = [], []
+                for _ in range(3):
+                    opt.zero_grad()
+                    loss = torch.nn.functional.cross_entropy(net(x), y)
+                    waited.append(not opt._pending)
+                    loss.backward()
+                    opt.step()
+                    flying.append(len(opt._pending))
+                opt.synchronize()  # the last step's gathers, which no forward waited for
+                runs.append((_flat(net), opt.state_dict(), flying, waited, len(opt._buckets), opt, net))
+            (flat0, sd0, flying0, _, buckets, _, _), (flat1, sd1, flying1, waited1, _, opt1, net1) = runs
+            res = {"same": torch.equal(flat0, flat1), "ckpt": _equal(sd0["master"], sd1["master"])
+                   and _equal(sd0["weight_feedback"], sd1["weight_feedback"])
+                   and _equal(sd0["grad_feedback"], sd1["grad_feedback"]),
+                   "buckets": buckets, "flying": flying1, "flying_without": flying0, "waited": waited1[1:],
+                   "replicas": _replicas_equal(net1, world)}
+            if kind == "transformer":  # attention reads out_proj's weight: attention's pre-hook waits for it
+                k = next(k for k, b in enumerate(opt1._buckets) for i in b.members
+                         if opt1._trainable[b.group][i] is net1.attn.out_proj.weight)
+                res["out_proj"] = k in opt1._waits.get(id(net1.attn), ()) and id(net1.attn.out_proj) not in opt1._waits
+            if kw:  # the residuals keyed by group, as older checkpoints hold them
+                old = copy.deepcopy(sd1)
+                whole = _weight_residuals(opt1._checkpoint_view())
+                old["weight_feedback"]["state"] = {f"w{g}": r for g, r in enumerate(whole)}
+                torch.manual_seed(0)
+                fresh = models.model(kind)
+                again = ShardedOptimizer(_trainable(fresh), torch.optim.AdamW, model=fresh, lr=1e-3, bucket_mb=0.004,
+                                         **kw)
+                again.load_state_dict(old)
+                res["rekeyed"] = _equal(again.state_dict()["weight_feedback"], sd1["weight_feedback"])
+            out[f"{kind} {kw.get('weight_compressor', 'exact')}"] = res
+    return out
+
+
 def _catch(out, key, fn):
     """``out[key]``: the ValueError's message ``fn()`` raised, or None."""
     try:
@@ -493,7 +549,8 @@ def spawn_two(rank, world, saves4):
             "resume": case_resume(rank, world), "nonfinite": case_nonfinite(rank, world),
             "refused": case_refused(rank, world), "bad_weight": case_bad_weight_payload(rank, world),
             "errors": case_errors(rank, world, saves4["dense"]["shard"]),
-            "reshard": case_reshard(rank, world, saves4), "saves": case_saves(rank, world)}
+            "reshard": case_reshard(rank, world, saves4), "saves": case_saves(rank, world),
+            "prefetch": case_prefetch(rank, world)}
 
 
 def case_memory(rank, world):
@@ -618,6 +675,21 @@ def test_a_flagged_weight_payload_raises_at_the_next_step_everywhere(results):
     assert r0["error"] and "failed on another rank" in r0["error"], r0
     assert r0["unchanged"] and r1["unchanged"]
     assert r0["goes_on"] and r1["goes_on"]
+
+
+def test_prefetch_gives_the_same_bits_and_overlaps_the_next_forward(results):
+    """The weight all-gather per bucket, run into the next forward pass (issue 24, item 3)."""
+    for per_rank in results[2]:
+        got = per_rank["prefetch"]
+        assert len(got) == 6
+        for name, res in got.items():
+            assert res["buckets"] >= 3, (name, res)
+            assert res["same"] and res["ckpt"] and res["replicas"], (name, res)
+            assert all(n == res["buckets"] for n in res["flying"]), (name, res)  # step() returned at once
+            assert not any(res["flying_without"]), (name, res)
+            assert all(res["waited"]), (name, res)  # the forward waited for every bucket
+            assert res.get("rekeyed", True) and res.get("out_proj", True), (name, res)
+        assert got["transformer exact"]["out_proj"] is True
 
 
 def test_errors_are_the_same_on_every_rank(results):

@@ -124,3 +124,25 @@ def test_buckets_are_cut_last_parameter_first_under_the_cap():
     assert plan([20, 1], 8) == [(1, (1,), 20, 21), (1, (0,), 0, 20)]  # a larger parameter is a bucket alone
     assert plan([4, 0, 4], 8) == [(1, (0, 1, 2), 0, 8)]
     assert plan([], 8) == []
+
+
+def test_prefetch_needs_the_model_of_the_parameters():
+    ours, _ = _pair()
+    with pytest.raises(ValueError, match="prefetch=True needs model="):
+        ShardedOptimizer(ours.parameters(), torch.optim.AdamW, lr=0.01, prefetch=True)
+    with pytest.raises(ValueError, match="prefetch='yes' is not allowed"):
+        ShardedOptimizer(ours.parameters(), torch.optim.AdamW, lr=0.01, model=ours, prefetch="yes")
+    stray = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match="not parameters of the model given"):
+        ShardedOptimizer([*ours.parameters(), stray], torch.optim.AdamW, lr=0.01, model=ours, prefetch=True)
+
+
+def test_prefetch_alone_is_the_inner_optimizer():
+    """One process: the gathers complete at once, the bits are plain torch.optim's."""
+    ours, ref = _pair()
+    opt = ShardedOptimizer(ours.parameters(), torch.optim.AdamW, bucket_mb=0.0005, lr=0.01, model=ours,
+                           prefetch=True)
+    plain = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    _steps(ours, opt, 4)
+    _steps(ref, plain, 4)
+    assert all(torch.equal(a, b) for a, b in zip(ours.parameters(), ref.parameters()))
