@@ -10,6 +10,8 @@ model) on several gloo ranks with AdamW, once per method, side by side in one ru
 - ``ours-int8w``: int8 weights (all-gather with error feedback on the weights);
 - ``ours-8bit``: 8-bit optimizer state;
 - ``ours-int8g-bf16w``: int8 gradients + bf16 weights (the issue's target configuration);
+- ``ours-int8g-bf16w-prefetch``: the same, the weights' all-gather running into the next
+  forward pass (``prefetch=True``);
 - ``ours-int8g-bf16w-8bit``: the same with 8-bit state.
 
 Every run starts from the same weights and sees the same batches; the methods take turns epoch
@@ -42,6 +44,7 @@ METHODS: Dict[str, Dict[str, Any]] = {
     "ours-int8w": {"kind": "ours", "weight_compressor": "int8"},
     "ours-8bit": {"kind": "ours", "state_bits": 8},
     "ours-int8g-bf16w": {"kind": "ours", "compressor": "int8", "weight_compressor": "bf16"},
+    "ours-int8g-bf16w-prefetch": {"kind": "ours", "compressor": "int8", "weight_compressor": "bf16", "prefetch": True},
     "ours-int8g-bf16w-8bit": {"kind": "ours", "compressor": "int8", "weight_compressor": "bf16", "state_bits": 8},
 }
 REFERENCE = "ddp-adamw"
@@ -146,6 +149,8 @@ class _Run:
                                         + list(getattr(self.opt, "masters", [])))
                 self.opt.step()
                 self.times.append((time.perf_counter() - t0) * 1e3)
+        if hasattr(self.opt, "synchronize"):  # prefetched weights in flight: done before the next barrier
+            self.opt.synchronize()
         tel = telemetry()
         if self.spec["kind"] == "ours":
             self.sent += tel["total"]["bytes_sent"]

@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gradcomp.collectives import Identity, check_device_set, fingerprint, refuse_on_every_rank, worker
 from gradcomp.collectives.shards import piece_key
 
-from ._shards import GroupLayout, bucket_key, bucket_piece, weight_key
+from ._shards import GroupLayout, bucket_key, parse_weight_key, weight_key
 from .lowbit import PackedState, as_packed, is_packed, saved
 
 FORMAT = "gradcomp.sharded/1"
@@ -51,6 +51,8 @@ class ShardView:
     weight_feedback: Any  # ErrorFeedback of the weights' all-gather, or None
     identity: Dict[str, Any]
     skipped: int
+    # (group, (start, stop) of this rank's shard, or None for all of it) of each weight all-gather's piece
+    weight_pieces: Sequence[Tuple[int, Optional[Tuple[int, int]]]] = ()
 
 
 def _cpu(tree: Any) -> Any:
@@ -116,39 +118,37 @@ def _grad_pieces(view: ShardView, flat: List[torch.Tensor]) -> Dict[str, torch.T
     return pieces
 
 
-def _weight_residuals(view: ShardView, residual: Any = None,
-                      plan: Optional[List[List[int]]] = None) -> Optional[List[torch.Tensor]]:
+def _weight_residuals(view: ShardView, saved: Optional[Mapping[str, torch.Tensor]] = None
+                      ) -> Optional[List[torch.Tensor]]:
     """This rank's weight residuals laid out on each group's master shard (zeros where none):
-    independent of the bucket layout. ``residual``/``plan`` as for :func:`_grad_residuals`; a
-    saved group without per-bucket keys holds the whole shard's residual under the group's key
-    (checkpoints from before the weights were gathered bucket by bucket)."""
+    independent of how the gathers were cut. ``saved``: a saved error feedback's ``key ->
+    tensor`` (default: this run's); each key says where its residual lies
+    (``_shards.weight_key``)."""
     ef = view.weight_feedback
     if ef is None:
         return None
-    if residual is None:
-        residual = ef.residual
-    buckets = list(view.buckets) if plan is None else [tuple(b) for b in plan]
+    if saved is None:
+        saved = {weight_key(g, piece): ef.residual(weight_key(g, piece)) for g, piece in view.weight_pieces}
     out = [torch.zeros(m.numel(), dtype=torch.float32) for m in view.masters]
-    for g, m in enumerate(view.masters):
-        whole = residual(weight_key(g))
-        if whole is not None and whole.numel() == m.numel() and m.numel():
-            out[g] = whole.reshape(-1).float().cpu().clone()
-    for k, (g, start, stop) in enumerate(buckets):
-        a, z = bucket_piece(view.layouts[g], view.rank, start, stop)
-        res = residual(weight_key(g, k))
-        if z > a and res is not None and res.numel() == z - a:
+    for key, res in saved.items():
+        where = parse_weight_key(str(key))
+        if where is None or not isinstance(res, torch.Tensor) or not 0 <= where[0] < len(out):
+            continue
+        g, piece = where
+        a, z = piece if piece is not None else (0, out[g].numel())
+        if z > a and z <= out[g].numel() and res.numel() == z - a:
             out[g][a:z] = res.reshape(-1).float().cpu()
     return out
 
 
 def _weight_pieces(view: ShardView, flat: List[torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """The weight residual of each bucket's piece of this rank's shard, cut from ``flat`` (one
-    shard-sized tensor per group), in the masters' dtype."""
+    """The weight residual of each piece this run gathers, cut from ``flat`` (one shard-sized
+    tensor per group), in the masters' dtype."""
     pieces: Dict[str, torch.Tensor] = {}
-    for k, (g, start, stop) in enumerate(view.buckets):
-        a, z = bucket_piece(view.layouts[g], view.rank, start, stop)
+    for g, piece in view.weight_pieces:
+        a, z = piece if piece is not None else (0, view.masters[g].numel())
         if z > a:
-            pieces[weight_key(g, k)] = flat[g][a:z].to(view.masters[g].dtype)
+            pieces[weight_key(g, piece)] = flat[g][a:z].to(view.masters[g].dtype)
     return pieces
 
 
@@ -299,9 +299,9 @@ def load(view: ShardView, sd: Mapping[str, Any]) -> int:
             assert flat is not None
             _set_residuals(view.grad_feedback, _grad_pieces(view, flat))
         if view.weight_feedback is not None:
-            # the weights' residual keys name buckets too (or, saved before the weights were
-            # gathered bucket by bucket, whole groups): re-keyed for this run's buckets
-            weights = _weight_residuals(view, sd["weight_feedback"]["state"].get, plan)
+            # the weights' residual keys say which slice of the shard each holds: re-keyed for the
+            # pieces this run gathers (prefetch cuts the gather into pieces; without it, one)
+            weights = _weight_residuals(view, sd["weight_feedback"]["state"])
             assert weights is not None
             _set_residuals(view.weight_feedback, _weight_pieces(view, weights))
     else:

@@ -92,19 +92,42 @@ def bucket_key(group: int, k: int) -> str:
     return f"g{group}/b{k}"
 
 
-def weight_key(group: int, k: Optional[int] = None) -> str:
-    """The error-feedback key of bucket ``k``'s weight all-gather (``group``: its parameter
-    group). Without ``k``: the key of the whole group's all-gather, which checkpoints saved
-    before the weights were gathered bucket by bucket hold."""
-    return f"w{group}" if k is None else f"w{group}/b{k}"
+class GatherPiece(NamedTuple):
+    """One all-gather of a group's weights: ``slices[r]`` is the ``(start, stop)`` of rank ``r``'s
+    shard (shard coordinates) that it sends; every rank's slice is about ``1/count`` of its shard,
+    so no rank pads its piece to a larger one's size."""
+    group: int
+    slices: Tuple[Tuple[int, int], ...]
 
 
-def bucket_piece(layout: GroupLayout, rank: int, start: int, stop: int) -> Tuple[int, int]:
-    """The part of ``[start, stop)`` inside ``rank``'s shard, in shard coordinates (empty:
-    equal ends)."""
-    lo, hi = layout.shard(rank)
-    a, z = max(lo, start), min(hi, stop)
-    return (a - lo, z - lo) if a < z else (0, 0)
+def gather_pieces(layout: GroupLayout, group: int, count: int) -> List[GatherPiece]:
+    """Group ``group``'s weight all-gather cut into ``count`` balanced pieces: piece ``c`` takes
+    the ``c``-th of ``count`` equal parts of every rank's shard. Piece 0 holds the start of
+    every shard, so the forward pass's first parameters (the start of rank 0's shard) arrive
+    with the first piece."""
+    sizes = [hi - lo for lo, hi in zip(layout.bounds[:-1], layout.bounds[1:])]
+    return [GatherPiece(group, tuple((c * s // count, (c + 1) * s // count) for s in sizes)) for c in range(count)]
+
+
+def weight_key(group: int, piece: Optional[Tuple[int, int]] = None) -> str:
+    """The error-feedback key of a weight all-gather: the whole shard of parameter group
+    ``group`` (``"w{group}"``), or its slice ``piece = (start, stop)`` (``"w{group}/{start}:{stop}"``,
+    shard coordinates): a checkpoint's keys say where each residual lies, whatever pieces the
+    run that saved it gathered."""
+    return f"w{group}" if piece is None else f"w{group}/{piece[0]}:{piece[1]}"
+
+
+def parse_weight_key(key: str) -> Optional[Tuple[int, Optional[Tuple[int, int]]]]:
+    """``(group, (start, stop) or None for the whole shard)`` of a :func:`weight_key`, or None."""
+    head, _, tail = key.partition("/")
+    if not (head.startswith("w") and head[1:].isdigit()):
+        return None
+    if not tail:
+        return int(head[1:]), None
+    a, _, z = tail.partition(":")
+    if not (a.isdigit() and z.isdigit()):
+        return None
+    return int(head[1:]), (int(a), int(z))
 
 
 def layer_slices(layout: GroupLayout, rank: int, layers: Sequence[int]) -> List[Tuple[int, int, int]]:

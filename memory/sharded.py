@@ -61,8 +61,8 @@ from gradcomp.training.wrapper import Wrapper, broadcast_params
 from gradcomp.collectives.identity import agree, describe_params, fingerprint, names_of
 
 from . import _shardckpt
-from ._shards import (Bucket, GroupLayout, bucket_key, bucket_piece, flat_of, group_buckets, group_layout,
-                      layer_slices, weight_key)
+from ._shards import (Bucket, GatherPiece, GroupLayout, bucket_key, flat_of, gather_pieces, group_buckets,
+                      group_layout, layer_slices, weight_key)
 from .lowbit import _COMPENSATIONS, BITS, MIN_NUMEL, LowBitState, bits_problem
 
 __all__ = ["ShardedOptimizer"]
@@ -191,9 +191,14 @@ class ShardedOptimizer(Wrapper):
         # payloads travel on their agreed layout (no size exchange, no parsing)
         self._layouts: Dict[Any, Any] = {}
         self._gathered: Optional[Transaction] = None  # the last weight all-gather, decided at the next step
-        self._pending: Dict[int, torch.futures.Future] = {}  # bucket -> its weight all-gather, in flight
-        self._order = self._gather_order()
         self.prefetch = prefetch
+        # the weights' all-gathers: one per group, or with prefetch as many balanced pieces per group
+        # as it has buckets, in the order the forward pass needs them (see _gather_order)
+        self._pieces: List[GatherPiece] = self._gather_order(
+            [gp for g, lay in enumerate(self.layouts) if self._trainable[g]
+             for gp in gather_pieces(lay, g, sum(b.group == g for b in self._buckets) if prefetch else 1)
+             if any(a < z for a, z in gp.slices)])
+        self._pending: Dict[int, torch.futures.Future] = {}  # piece -> its all-gather, in flight
         self._hooks = self._hook(model) if prefetch else []
         self._reset()
 
@@ -361,8 +366,8 @@ class ShardedOptimizer(Wrapper):
 
     def _gather(self) -> None:
         """Every rank's master shards into every rank's parameters (compressed when asked), one
-        all-gather per bucket, queued on the worker in :attr:`_order`; waited for here, or with
-        ``prefetch`` by the next forward pass (:meth:`_hook`). Compressed, the gathers' state
+        all-gather per piece (:attr:`_pieces`), queued on the worker in that order; waited for
+        here, or with ``prefetch`` by the next forward pass (:meth:`_hook`). Compressed, the gathers' state
         changes (error feedback) and the flags of the payloads they received form a transaction
         of their own, decided at the next step's one read (:meth:`_reduced`), not by a read of
         its own."""
@@ -372,34 +377,45 @@ class ShardedOptimizer(Wrapper):
         self._gathered = txn
         try:
             with txn.active():
-                for k in self._order:
+                for k in range(len(self._pieces)):
                     self._pending[k] = self._launch_gather(k, txn)
         except BaseException:
-            self._settle_gather(self._order, failed=True)
+            self._settle_gather(list(self._pending), failed=True)
             raise
         if not self.prefetch:
             self.synchronize()
 
     def _launch_gather(self, k: int, txn: Transaction) -> torch.futures.Future:
-        b = self._buckets[k]
-        lay, m = self.layouts[b.group], self.masters[b.group]
-        a, z = bucket_piece(lay, self.rank, b.start, b.stop)
-        params = [self._trainable[b.group][i] for i in b.members]
-        places = [(p, lay.offsets[i] - b.start, lay.numels[i]) for p, i in zip(params, b.members)]
+        piece = self._pieces[k]
+        g = piece.group
+        lay, m = self.layouts[g], self.masters[g]
+        a, z = piece.slices[self.rank]
+        params = self._trainable[g]
         dense = self.weight_feedback is None
-        splits, feedback, key = lay.splits(b.start, b.stop), self.weight_feedback, weight_key(b.group, k)
+        splits = [stop - start for start, stop in piece.slices]
+        places = self._places(piece)
+        feedback, key = self.weight_feedback, weight_key(g, self._slice_of(piece))
         group, layouts = self.group, self._layouts
 
         def job(group_for: Callable[[Any], Any]) -> None:
             with txn.active():
-                piece = m[a:z].to(params[0].dtype) if dense else m[a:z]
-                full = all_gather(piece, splits, compressor=feedback, key=key, group=group_for(group), layouts=layouts)
-                for p, off, n in places:
-                    p.data.copy_(full[off:off + n].view_as(p))
+                mine = m[a:z].to(params[0].dtype) if dense else m[a:z]
+                full = all_gather(mine, splits, compressor=feedback, key=key, group=group_for(group), layouts=layouts)
+                for i, at, src, n in places:
+                    p = params[i]
+                    if at == 0 and n == p.numel():
+                        p.data.copy_(full[src:src + n].view_as(p))
+                    elif p.data.is_contiguous():
+                        p.data.view(-1)[at:at + n].copy_(full[src:src + n])
+                    else:  # part of a parameter in another memory format (channels_last)
+                        flat = p.data.reshape(-1).clone()
+                        flat[at:at + n] = full[src:src + n]
+                        p.data.copy_(flat.view_as(p))
 
         if self._worker is None:
             return worker.completed(job, twin=lambda g: g, device=m.device)
-        return self._worker.submit(job, device=m.device)
+        # without prefetch the caller waits at once: run on its thread once the queue is empty (no hand-off)
+        return self._worker.submit(job, device=m.device, inline=not self.prefetch)
 
     def synchronize(self) -> None:
         """Wait for the parameters' all-gathers still in flight (``prefetch=True``); on CUDA the
@@ -434,22 +450,51 @@ class ShardedOptimizer(Wrapper):
         if error is not None:
             raise error
 
-    def _gather_order(self) -> List[int]:
-        """The buckets in the order a forward pass uses them: by their first parameter's position
-        among the parameters given (the same on every rank, which issue the gathers in it)."""
-        first = {k: min(self._layers[b.group][i] for i in b.members) for k, b in enumerate(self._buckets)}
-        return sorted(first, key=first.__getitem__)
+    def _slice_of(self, piece: GatherPiece) -> Optional[Tuple[int, int]]:
+        """This rank's slice of ``piece`` as its error-feedback key names it: None when the piece
+        is the group's whole shard (the key of a gather not cut into pieces)."""
+        whole = sum(gp.group == piece.group for gp in self._pieces) == 1
+        return None if whole else piece.slices[self.rank]
+
+    def _places(self, piece: GatherPiece) -> List[Tuple[int, int, int, int]]:
+        """Where the gathered vector of ``piece`` goes: ``(parameter, its first element written,
+        first element read, count)`` for every overlap of a rank's slice with a parameter of the
+        group."""
+        lay = self.layouts[piece.group]
+        out, src = [], 0
+        for r, (a, z) in enumerate(piece.slices):
+            lo = lay.bounds[r]
+            start, stop = lo + a, lo + z  # the slice in the group's vector
+            for i, (off, n) in enumerate(zip(lay.offsets, lay.numels)):
+                s, e = max(start, off), min(stop, off + n)
+                if s < e:
+                    out.append((i, s - off, src + s - start, e - s))
+            src += z - a
+        return out
+
+    def _gather_order(self, pieces: List[GatherPiece]) -> List[GatherPiece]:
+        """``pieces`` in the order a forward pass needs them: by the position, among the
+        parameters given, of the first parameter each writes (the same on every rank, which
+        issue the gathers in this order); a group's pieces stay in their order."""
+        def first(gp: GatherPiece) -> Tuple[int, int]:
+            lay = self.layouts[gp.group]
+            places = [i for i, *_ in self._places(gp)]
+            return (min(self._layers[gp.group][i] for i in places) if places else len(self._all), pieces.index(gp))
+        return sorted(pieces, key=first)
 
     def _hook(self, model: torch.nn.Module) -> List[Any]:
         """Forward pre-hooks on ``model``'s modules that wait for the buckets of the parameters
         each uses, and a state_dict pre-hook that waits for all; held by a weak reference, so
         the hooks do not keep this optimizer alive. Which module uses which parameters is
         learnt from the first forward pass (:meth:`_attribute`)."""
-        bucket_of = {id(self._trainable[b.group][i]): k for k, b in enumerate(self._buckets) for i in b.members}
+        pieces_of: Dict[int, set] = {}  # parameter -> the pieces that write it
+        for k, gp in enumerate(self._pieces):
+            for i, *_ in self._places(gp):
+                pieces_of.setdefault(id(self._trainable[gp.group][i]), set()).add(k)
         # every trainable parameter is one of model's (names_of checked it): a module owns it
         self._modules = [(id(m), m) for m in model.modules()]
         self._parent = {id(child): id(m) for m in model.modules() for child in m.children()}
-        self._direct = {id(m): {bucket_of[id(p)] for p in m.parameters(recurse=False) if id(p) in bucket_of}
+        self._direct = {id(m): set().union(*(pieces_of.get(id(p), set()) for p in m.parameters(recurse=False)))
                         for m in model.modules()}
         self._root = id(model)
         self._ran: Optional[set] = set()  # modules whose forward ran, until the first gather
@@ -549,7 +594,8 @@ class ShardedOptimizer(Wrapper):
         return _shardckpt.ShardView(self.rank, self.world, self.group, self.layouts,
                                     [(b.group, b.start, b.stop) for b in self._buckets], self.masters,
                                     self.optimizer, self.grad_feedback, self.weight_feedback, self.identity(),
-                                    self.skipped)
+                                    self.skipped, [(gp.group, self._slice_of(gp)) for gp in self._pieces
+                                                   if gp.slices[self.rank][0] < gp.slices[self.rank][1]])
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's shard: inner optimizer state, master shards, error feedback."""

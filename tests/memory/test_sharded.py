@@ -383,9 +383,9 @@ def case_prefetch(rank, world):
     whose attention reads its out_proj's weight without calling out_proj, many tiny tensors
     beside a large one), several buckets each, exact and int8 + bf16: after three steps the
     parameters, masters and residuals are the bits of prefetch=False; the gathers were in
-    flight when step() returned and every one was waited for by the next forward pass. A
-    checkpoint whose weight residual is keyed by group (saved before the weights were gathered
-    bucket by bucket) loads into the per-bucket keys."""
+    flight when step() returned and every one was waited for by the next forward pass. Each
+    mode's checkpoint loads into the other: the weight residual keyed by the whole shard
+    (without prefetch, and in checkpoints from before it) or by the pieces' slices, re-cut."""
     import models
     from gradcomp.memory import ShardedOptimizer
     from gradcomp.memory._shardckpt import _weight_residuals
@@ -410,26 +410,28 @@ def case_prefetch(rank, world):
                     flying.append(len(opt._pending))
                 opt.synchronize()  # the last step's gathers, which no forward waited for
                 runs.append((_flat(net), opt.state_dict(), flying, waited, len(opt._buckets), opt, net))
-            (flat0, sd0, flying0, _, buckets, _, _), (flat1, sd1, flying1, waited1, _, opt1, net1) = runs
+            (flat0, sd0, flying0, _, buckets, opt0, _), (flat1, sd1, flying1, waited1, _, opt1, net1) = runs
+            residuals = [_weight_residuals(o._checkpoint_view()) for o in (opt0, opt1)]
             res = {"same": torch.equal(flat0, flat1), "ckpt": _equal(sd0["master"], sd1["master"])
-                   and _equal(sd0["weight_feedback"], sd1["weight_feedback"])
-                   and _equal(sd0["grad_feedback"], sd1["grad_feedback"]),
-                   "buckets": buckets, "flying": flying1, "flying_without": flying0, "waited": waited1[1:],
-                   "replicas": _replicas_equal(net1, world)}
+                   and _equal(sd0["grad_feedback"], sd1["grad_feedback"]) and _equal(*residuals),
+                   "buckets": buckets, "pieces": len(opt1._pieces), "flying": flying1, "flying_without": flying0,
+                   "waited": waited1[1:], "replicas": _replicas_equal(net1, world)}
             if kind == "transformer":  # attention reads out_proj's weight: attention's pre-hook waits for it
-                k = next(k for k, b in enumerate(opt1._buckets) for i in b.members
-                         if opt1._trainable[b.group][i] is net1.attn.out_proj.weight)
-                res["out_proj"] = k in opt1._waits.get(id(net1.attn), ()) and id(net1.attn.out_proj) not in opt1._waits
-            if kw:  # the residuals keyed by group, as older checkpoints hold them
-                old = copy.deepcopy(sd1)
-                whole = _weight_residuals(opt1._checkpoint_view())
-                old["weight_feedback"]["state"] = {f"w{g}": r for g, r in enumerate(whole)}
-                torch.manual_seed(0)
-                fresh = models.model(kind)
-                again = ShardedOptimizer(_trainable(fresh), torch.optim.AdamW, model=fresh, lr=1e-3, bucket_mb=0.004,
-                                         **kw)
-                again.load_state_dict(old)
-                res["rekeyed"] = _equal(again.state_dict()["weight_feedback"], sd1["weight_feedback"])
+                ks = {k for k, gp in enumerate(opt1._pieces) for i, *_ in opt1._places(gp)
+                      if opt1._trainable[gp.group][i] is net1.attn.out_proj.weight}
+                res["out_proj"] = bool(ks) and ks <= set(opt1._waits.get(id(net1.attn), ())) \
+                    and id(net1.attn.out_proj) not in opt1._waits
+            if kw:  # each mode's checkpoint loads into the other (the weight residual's keys re-cut)
+                rekeyed = True
+                for sd, prefetch, want in ((sd0, True, residuals[0]), (sd1, False, residuals[1])):
+                    torch.manual_seed(0)
+                    fresh = models.model(kind)
+                    again = ShardedOptimizer(_trainable(fresh), torch.optim.AdamW, model=fresh, lr=1e-3,
+                                             bucket_mb=0.004, prefetch=prefetch, **kw)
+                    again.load_state_dict(sd)
+                    rekeyed = rekeyed and _equal(_weight_residuals(again._checkpoint_view()), want) \
+                        and any(r.abs().sum() > 0 for r in want)
+                res["rekeyed"] = rekeyed
             out[f"{kind} {kw.get('weight_compressor', 'exact')}"] = res
     return out
 
@@ -685,7 +687,8 @@ def test_prefetch_gives_the_same_bits_and_overlaps_the_next_forward(results):
         for name, res in got.items():
             assert res["buckets"] >= 3, (name, res)
             assert res["same"] and res["ckpt"] and res["replicas"], (name, res)
-            assert all(n == res["buckets"] for n in res["flying"]), (name, res)  # step() returned at once
+            assert res["pieces"] == res["buckets"], (name, res)  # one balanced piece of each shard per bucket
+            assert all(n == res["pieces"] for n in res["flying"]), (name, res)  # step() returned at once
             assert not any(res["flying_without"]), (name, res)
             assert all(res["waited"]), (name, res)  # the forward waited for every bucket
             assert res.get("rekeyed", True) and res.get("out_proj", True), (name, res)
