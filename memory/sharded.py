@@ -17,15 +17,17 @@ per group, one flat tensor of its shard — the **master copy** of those element
    raise together when one rank's exchange failed. Otherwise the inner optimizer — any
    ``torch.optim`` class, built on the shard tensors with the groups' hyper-parameters — steps
    the master shard;
-3. an **all-gather** of the master shards writes the parameters of every rank, bucket by
-   bucket (the gradients' buckets, in the order the forward pass uses their parameters) on the
-   worker thread: exact (fp32), or compressed (``weight_compressor="bf16"``/``"int8"``, ZeRO++'s
-   qwZ) with error feedback on the weights: the owner sends ``Q(master + e)`` and keeps ``e``
-   (its residual), and every rank, the owner too, sets the parameters to the decoded bits —
-   replicas stay identical, and the master copy stays exact (it is moved only by the
-   optimizer). ``step()`` waits for every bucket's gather; with ``prefetch=True`` it returns at
-   once and the next forward pass waits for each bucket just before a module of ``model`` uses
-   its parameters, so the gathers overlap that forward pass (FSDP's forward prefetch).
+3. an **all-gather** of the master shards writes the parameters of every rank: exact (fp32),
+   or compressed (``weight_compressor="bf16"``/``"int8"``, ZeRO++'s qwZ) with error feedback on
+   the weights: the owner sends ``Q(master + e)`` and keeps ``e`` (its residual), and every rank,
+   the owner too, sets the parameters to the decoded bits — replicas stay identical, and the
+   master copy stays exact (it is moved only by the optimizer). ``step()`` waits for it (one
+   all-gather per parameter group). With ``prefetch=True`` each group's gather is cut into
+   balanced pieces (one per bucket: piece ``c`` is the ``c``-th equal part of every rank's
+   shard), queued on the worker in the order the forward pass needs them, and ``step()``
+   returns at once: the next forward pass waits for each piece just before a module of
+   ``model`` reads its parameters, so the gathers overlap that forward pass (FSDP's forward
+   prefetch).
 
 ``state_bits=8`` stores the inner optimizer's moment tensors in 8 bits between steps
 (:class:`~gradcomp.memory.lowbit.LowBitState`; the small-tensor rule is decided on the whole
