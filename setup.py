@@ -57,7 +57,7 @@ setup(
         # CuPy built for the CUDA major version of torch (torch.version.cuda): 12 or 13
         "cuda": ["cupy-cuda12x"],
         "cuda13": ["cupy-cuda13x"],
-        "test": ["pytest", "hypothesis", "pytest-benchmark", "mypy"],
+        "test": ["pytest", "pytest-xdist", "hypothesis", "pytest-benchmark", "mypy"],
         "bench": ["matplotlib", "scikit-learn", "tqdm"],
     },
 )

@@ -140,9 +140,11 @@ def pytest_argv(py: str, only_device_packages: Optional[bool] = None) -> List[st
     """How a pytest run starts: plain, or (``only_device_packages``, by default
     GPU_CHECK_DEVICE_PACKAGES_ONLY=1) through this module with every distribution the device
     lacks hidden; run it with PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 then (see :func:`run_part`)."""
+    # "-o addopts=": not pytest.ini's two pytest-xdist workers (the device has no pytest-xdist, and its
+    # tests share one GPU)
     if device_packages_only() if only_device_packages is None else only_device_packages:
-        return [py, "-m", "gradcomp.bench.gpu_check", "--pytest-device-packages", "--"]
-    return [py, "-m", "pytest"]
+        return [py, "-m", "gradcomp.bench.gpu_check", "--pytest-device-packages", "--", "-o", "addopts="]
+    return [py, "-m", "pytest", "-o", "addopts="]
 
 
 def plan(root: Path, logs: Path, py: str = sys.executable) -> List[Part]:

@@ -5,8 +5,9 @@ under torchrun, as a user runs gradcomp. One ``PASS`` or ``FAIL`` line per check
 - ``CompressedOptimizer`` (top-k, error feedback): parameters identical on both ranks;
 - a ``Pipeline`` step (1F1B, 2 stages, int8 activations, fp16 gradients): the same finite loss
   on both ranks;
-- a ``ShardedOptimizer`` step (AdamW, int8 gradients, bf16 weights, 8-bit state): parameters
-  identical on both ranks.
+- ``ShardedOptimizer`` steps (AdamW, int8 gradients, bf16 weights, 8-bit state): parameters
+  identical on both ranks, and the same bits with ``prefetch=True`` (the weights' all-gather
+  running into the next forward pass).
 
 ``torchrun --standalone --nproc_per_node=2 -m gradcomp.bench.gpu_check_nccl`` (NCCL and the
 GPU of ``LOCAL_RANK``); ``--backend gloo --device cpu`` runs the same checks on CPU ranks.
@@ -100,16 +101,23 @@ def check_pipeline(device: torch.device, rank: int) -> str:
 def check_sharded(device: torch.device, rank: int) -> str:
     from gradcomp.memory import ShardedOptimizer
 
-    model = _mlp(device)
-    opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, model=model, compressor="int8",
-                           weight_compressor="bf16", state_bits=8)
-    for step in range(3):
-        x, y = _batch(device, rank, step)
-        opt.zero_grad()
-        nn.functional.cross_entropy(model(x), y).backward()
-        opt.step()
-    assert _same_on_every_rank(_flat(model)), "the ranks' parameters differ after 3 ShardedOptimizer steps"
-    return "3 steps of ShardedOptimizer(AdamW, int8 gradients, bf16 weights, 8-bit state), identical parameters"
+    flats = []
+    for prefetch in (False, True):  # with prefetch the weights' gathers run into the next forward pass
+        model = _mlp(device)
+        opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-3, model=model, compressor="int8",
+                               weight_compressor="bf16", state_bits=8, bucket_mb=0.01, prefetch=prefetch)
+        for step in range(3):
+            x, y = _batch(device, rank, step)
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+        opt.synchronize()
+        assert _same_on_every_rank(_flat(model)), f"the ranks' parameters differ after 3 ShardedOptimizer steps " \
+                                                  f"(prefetch={prefetch})"
+        flats.append(_flat(model))
+    assert torch.equal(flats[0], flats[1]), "prefetch=True changed the parameters of 3 ShardedOptimizer steps"
+    return ("3 steps of ShardedOptimizer(AdamW, int8 gradients, bf16 weights, 8-bit state), identical parameters, "
+            "the same bits with prefetch=True")
 
 
 CHECKS: List[Callable[[torch.device, int], str]] = [check_hook, check_compressed_optimizer, check_pipeline,
