@@ -201,7 +201,7 @@ class ShardedOptimizer(Wrapper):
              for gp in gather_pieces(lay, g, sum(b.group == g for b in self._buckets) if prefetch else 1)
              if any(a < z for a, z in gp.slices)])
         self._pending: Dict[int, torch.futures.Future] = {}  # piece -> its all-gather, in flight
-        self._hooks = self._hook(model) if prefetch else []
+        self._hooks = self._hook(model) if prefetch and model is not None else []  # prefetch needs model (checked)
         self._reset()
 
     # ---- construction -----------------------------------------------------------------------
