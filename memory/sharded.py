@@ -34,7 +34,7 @@ per group, one flat tensor of its shard — the **master copy** of those element
 group, not on the shard). Optimizer classes with ``layerwise = True`` are told which slices of
 their shard belong to which parameter (``inner.shard_layout(layout, num_layers, group)``).
 
-Prefetch. Between ``step()`` and the forward pre-hook that waits for a bucket, that bucket's
+Prefetch. Between ``step()`` and the forward pre-hook that waits for a piece, that piece's
 parameters are being written: read parameters outside ``model``'s forward pass (a metric, an
 EMA, your own collective) only after ``synchronize()``. ``model.state_dict()``, this
 optimizer's ``step``, ``state_dict`` and ``load_state_dict`` wait by themselves. A module waits
@@ -143,8 +143,8 @@ class ShardedOptimizer(Wrapper):
         if not isinstance(prefetch, bool):
             raise ValueError(f"prefetch={prefetch!r} is not allowed; it must be True or False")
         if prefetch and model is None:
-            raise ValueError("prefetch=True needs model=: the forward pre-hooks of its modules wait for each "
-                             "bucket's parameters")
+            raise ValueError("prefetch=True needs model=: the forward pre-hooks of its modules wait for the "
+                             "gathers of the parameters each reads")
         if callable(getattr(optimizer_class, "comm_hook", None)):
             # the same on every rank (the class is the same everywhere: ranks that disagree on
             # it are not each other's peers in any ShardedOptimizer)
@@ -200,6 +200,9 @@ class ShardedOptimizer(Wrapper):
             [gp for g, lay in enumerate(self.layouts) if self._trainable[g]
              for gp in gather_pieces(lay, g, sum(b.group == g for b in self._buckets) if prefetch else 1)
              if any(a < z for a, z in gp.slices)])
+        # per piece, fixed from here on: where its gathered vector goes and this rank's error-feedback key
+        self._places_of = [self._places(gp) for gp in self._pieces]
+        self._keys = [weight_key(gp.group, self._slice_of(gp)) for gp in self._pieces]
         self._pending: Dict[int, torch.futures.Future] = {}  # piece -> its all-gather, in flight
         self._hooks = self._hook(model) if prefetch and model is not None else []  # prefetch needs model (checked)
         self._reset()
@@ -395,8 +398,7 @@ class ShardedOptimizer(Wrapper):
         params = self._trainable[g]
         dense = self.weight_feedback is None
         splits = [stop - start for start, stop in piece.slices]
-        places = self._places(piece)
-        feedback, key = self.weight_feedback, weight_key(g, self._slice_of(piece))
+        places, feedback, key = self._places_of[k], self.weight_feedback, self._keys[k]
         group, layouts = self.group, self._layouts
 
         def job(group_for: Callable[[Any], Any]) -> None:
@@ -427,7 +429,7 @@ class ShardedOptimizer(Wrapper):
             self._settle_gather(list(self._pending))
 
     def _settle_gather(self, ks: Sequence[int], failed: bool = False) -> None:
-        """Wait for the gathers of buckets ``ks``; when one raised (or ``failed``), wait for every
+        """Wait for the gathers of pieces ``ks``; when one raised (or ``failed``), wait for every
         other one too, undo the gathers' transaction and raise the first error."""
         error: Optional[BaseException] = None
         for k in ks:
@@ -478,23 +480,22 @@ class ShardedOptimizer(Wrapper):
         """``pieces`` in the order a forward pass needs them: by the position, among the
         parameters given, of the first parameter each writes (the same on every rank, which
         issue the gathers in this order); a group's pieces stay in their order."""
-        def first(gp: GatherPiece) -> Tuple[int, int]:
-            lay = self.layouts[gp.group]
+        def first(gp: GatherPiece) -> int:
             places = [i for i, *_ in self._places(gp)]
-            return (min(self._layers[gp.group][i] for i in places) if places else len(self._all), pieces.index(gp))
-        return sorted(pieces, key=first)
+            return min(self._layers[gp.group][i] for i in places) if places else len(self._all)
+        return sorted(pieces, key=first)  # stable: a group's pieces keep their order
 
     def _hook(self, model: torch.nn.Module) -> List[Any]:
-        """Forward pre-hooks on ``model``'s modules that wait for the buckets of the parameters
+        """Forward pre-hooks on ``model``'s modules that wait for the pieces holding the parameters
         each uses, and a state_dict pre-hook that waits for all; held by a weak reference, so
         the hooks do not keep this optimizer alive. Which module uses which parameters is
         learnt from the first forward pass (:meth:`_attribute`)."""
         pieces_of: Dict[int, set] = {}  # parameter -> the pieces that write it
-        for k, gp in enumerate(self._pieces):
-            for i, *_ in self._places(gp):
+        for k, (gp, places) in enumerate(zip(self._pieces, self._places_of)):
+            for i, *_ in places:
                 pieces_of.setdefault(id(self._trainable[gp.group][i]), set()).add(k)
         # every trainable parameter is one of model's (names_of checked it): a module owns it
-        self._modules = [(id(m), m) for m in model.modules()]
+        self._modules = [id(m) for m in model.modules()]
         self._parent = {id(child): id(m) for m in model.modules() for child in m.children()}
         self._direct = {id(m): set().union(*(pieces_of.get(id(p), set()) for p in m.parameters(recurse=False)))
                         for m in model.modules()}
@@ -503,8 +504,8 @@ class ShardedOptimizer(Wrapper):
         self._waits: Dict[int, Tuple[int, ...]] = {}
         ref = weakref.ref(self)
         handles = []
-        for mid, module in self._modules:
-            def before(_module: Any, _args: Any, mid: int = mid) -> None:
+        for module in model.modules():
+            def before(_module: Any, _args: Any, mid: int = id(module)) -> None:
                 opt = ref()
                 if opt is None:
                     return
@@ -526,14 +527,14 @@ class ShardedOptimizer(Wrapper):
         return handles
 
     def _attribute(self) -> None:
-        """Which buckets each module's pre-hook waits for, from the forward passes seen before the
-        first gather: its own parameters' buckets when its forward ran; otherwise (a module
+        """Which pieces each module's pre-hook waits for, from the forward passes seen before the
+        first gather: its own parameters' pieces when its forward ran; otherwise (a module
         whose parameters its parent reads, as ``nn.MultiheadAttention`` reads its ``out_proj``)
         its parameters are waited for by the nearest module above it whose forward ran, the
         model itself at the latest."""
         ran, self._ran = self._ran or set(), None
         waits: Dict[int, set] = {}
-        for mid, _ in self._modules:
+        for mid in self._modules:
             ks = self._direct[mid]
             if not ks:
                 continue
