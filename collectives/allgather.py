@@ -21,8 +21,9 @@ from gradcomp.kernels.memory import empty, zeros
 
 from ._algorithm import Algorithm, Pending, as_dtype, register_algorithm, shares_memory, wdtype
 from ._header import sizes as header_sizes
-from ._shared import (OK, Flags, Layout, SizedLayout, agreed_buffer, announce, checked, device_of, exact_sizes, header,
-                      local_status, pack, padded_buffer, signature, split, status_problem, statuses, verify_many)
+from ._shared import (OK, Bounds, Flags, Layout, SizedLayout, agreed_buffer, announce, bounded_layout, bounded_set,
+                      checked, device_of, exact_sizes, header, local_status, pack, padded_buffer, signature, split,
+                      status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
 
 
@@ -95,9 +96,12 @@ class AllGather(Algorithm):
         device, exact = device_of(items), exact_sizes(specs)
         sig = signature(cls.name, comm.size, items, specs) if layouts is not None else None
         if sig is not None and sig in layouts:
-            if exact:
-                return cls._agreed_sized(comm, items, algos, error, layouts[sig], device)
-            return cls._agreed(comm, items, algos, error, layouts[sig], device)
+            entry = layouts[sig]
+            if not exact:
+                return cls._agreed(comm, items, algos, error, entry, device)
+            if entry.begin():  # payloads of the agreed capacities: a fixed-size exchange
+                return cls._agreed(comm, items, algos, error, entry.fixed, device)
+            return cls._agreed_sized(comm, items, algos, error, entry, device)
         error = transaction.resolve(error)  # the checked header says it: refusals read now
         buf = pack([None if a is None or error is not None else a.buf for a in algos], device, error)
         table = comm.exchange(header(comm.size, cls.name, items, specs, error, [buf.numel()]))
@@ -108,18 +112,25 @@ class AllGather(Algorithm):
         out = [None if a is None else a.combine([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
         if sig is not None:  # every rank got here: the layout is checked, later exchanges send it raw
             payloads = [None if a is None else a.payload for a in algos]
-            layouts[sig] = SizedLayout(payloads) if exact else Layout(payloads)
+            layouts[sig] = Bounds(SizedLayout(payloads), bounded_set(specs)) if exact else Layout(payloads)
         return out
 
     @classmethod
-    def _agreed_sized(cls, comm, items, algos, error, layout, device):
+    def _agreed_sized(cls, comm, items, algos, error, entry, device):
         """An agreed set of variable-size payloads (``collectives/_shared.py``): every rank's
         status and leading dimensions in one small all-gather, read at once (the exchange's one
-        host read), then the payloads in one all-gather padded to the largest rank's bytes."""
+        host read), then the payloads in one all-gather padded to the largest rank's bytes.
+        The sizes read set the capacities of the set's next exchanges (``Bounds``)."""
+        layout = entry.sized
         payloads = [None if a is None else a.payload for a in algos]
         status, dims = local_status(layout, payloads, error)
         table = announce(comm, status, dims, layout.count, error, device)  # the one host read
         placed = [layout.place(row[1:], r) for r, row in enumerate(table)]
+        if entry.bounded:
+            found = bounded_layout(layout, [row[1:] for row in table],
+                                   [a is not None and not a.comp.fixed_size for a in algos])
+            if found is not None:
+                entry.set({k: c for (k, _, _), c in zip(items, found[0]) if c is not None}, found[1])
         templates, nbytes = placed[comm.rank]
         buf = padded_buffer(templates, payloads, nbytes, max(n for _, n in placed), device)
         rows = comm.all_gather(buf, cls.finish_all(algos))

@@ -216,7 +216,7 @@ class PreparedBucket:
     compressed items compressed (``fused.Prepared``)."""
 
     def __init__(self, items: Sequence[Item], group, world: int, label: str, buffer: Optional[torch.Tensor],
-                 ahead: bool) -> None:
+                 ahead: bool, layouts: Optional[dict] = None) -> None:
         self.summable: Optional[Lockstep] = None
         self.fused: Any = None
         self.ahead = ahead
@@ -225,12 +225,12 @@ class PreparedBucket:
         self.summable = Lockstep.start(items, world, label)
         rest = [items[i] for i in range(len(items)) if self.summable is None or i not in self.summable.gens]
         if rest and not measure_error_default():
-            self.fused = prepare_fused(rest, group, into=buffer is not None)
+            self.fused = prepare_fused(rest, group, into=buffer is not None, layouts=layouts)
         # the same split as exchange_bucket's: what the lockstep did not take goes fused
 
 
 def prepare_bucket(items: Sequence[Item], group, world: int, *, buffer: Optional[torch.Tensor] = None,
-                   label: str = "?") -> Optional[PreparedBucket]:
+                   label: str = "?", layouts: Optional[dict] = None) -> Optional[PreparedBucket]:
     """The local phase of ``exchange_bucket`` with the same arguments, done ahead on the calling
     thread (no communication, no host read): error feedback accumulates, every compressed
     gradient is compressed, PowerSGD computes its first factors. The training runtime runs it
@@ -238,10 +238,10 @@ def prepare_bucket(items: Sequence[Item], group, world: int, *, buffer: Optional
     look-ahead); ``exchange_bucket(..., prepared=)`` continues from it, with the same bits and
     the same collectives in the same order, so the ranks need not prepare alike. None when
     there is nothing to do ahead (a bucket averaged whole: dense or one 16-bit cast).
-    Call both inside the same open transaction."""
+    Call both inside the same open transaction, with the same ``layouts``."""
     if world == 1 or _whole_applies(items, buffer):
         return None
-    return PreparedBucket(items, group, world, label, buffer, ahead=True)
+    return PreparedBucket(items, group, world, label, buffer, ahead=True, layouts=layouts)
 
 
 def _exchange_whole(items: Sequence[Item], buffer: Optional[torch.Tensor], group, world: int,

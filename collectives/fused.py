@@ -30,7 +30,7 @@ from . import worker
 from ._algorithm import ALGORITHMS
 from ._comm import Comm
 from .reduction import exchange_started, label, make_spec, start_many
-from ._shared import Item
+from ._shared import Item, local_bounds
 
 __all__ = ["allreduce_fused"]
 
@@ -97,7 +97,8 @@ class Prepared:
     """A fused set after its local phase (:func:`prepare`): the algorithm chosen, each tensor
     compressed, this rank's local failure kept for the exchange to report."""
 
-    def __init__(self, items: List[Item], specs: list, group, algorithm: Optional[str], into: bool) -> None:
+    def __init__(self, items: List[Item], specs: list, group, algorithm: Optional[str], into: bool,
+                 layouts: Optional[dict] = None) -> None:
         labels = {label(s) for s in specs}
         rec = self.rec = telemetry.Record("allreduce", "?", labels.pop() if len(labels) == 1 else "mixed", "fused", 1)
         comm = self.comm = Comm(group, rec, "allreduce", worker.device_of([t for _, t, _ in items]))
@@ -109,7 +110,8 @@ class Prepared:
                 rec.dense_bytes += tensor.numel() * tensor.element_size()
         self.items, self.specs, self.cls = items, specs, ALGORITHMS[name]
         self.feedbacks = [s.feedback for s in specs]
-        self.started, self.error = start_many(self.cls, items, specs, comm, self.feedbacks, into)
+        self.started, self.error = start_many(self.cls, items, specs, comm, self.feedbacks, into,
+                                              bounds=local_bounds(layouts, name, comm.size, items, specs))
 
     def exchange(self, layouts: Optional[dict] = None) -> List[torch.Tensor]:
         out = exchange_started(self.cls, self.items, self.specs, self.comm, self.feedbacks, self.started, self.error,
@@ -118,15 +120,17 @@ class Prepared:
         return out
 
 
-def prepare(items: Sequence[Item], group, *, algorithm: Optional[str] = None, into: bool = False) -> Prepared:
-    """The local phase of ``allreduce_fused(items, group, algorithm=algorithm, into=into)``
-    on the calling thread (each tensor's error feedback and compression; no communication),
-    for :func:`exchange_prepared` to finish later: what a bucket's exchange does ahead while
-    the previous bucket is on the wire. The caller checked ``items`` (compressors resolve, no
-    multi-round one) and runs both phases inside the same open transaction."""
+def prepare(items: Sequence[Item], group, *, algorithm: Optional[str] = None, into: bool = False,
+            layouts: Optional[dict] = None) -> Prepared:
+    """The local phase of ``allreduce_fused(items, group, algorithm=algorithm, into=into,
+    layouts=layouts)`` on the calling thread (each tensor's error feedback and compression; no
+    communication), for :func:`exchange_prepared` to finish later with the same ``layouts``:
+    what a bucket's exchange does ahead while the previous bucket is on the wire. The caller
+    checked ``items`` (compressors resolve, no multi-round one) and runs both phases inside the
+    same open transaction."""
     items = list(items)
     specs = [make_spec(c, algorithm or "allgather", False, False) for _, _, c in items]
-    return Prepared(items, specs, group, algorithm, into)
+    return Prepared(items, specs, group, algorithm, into, layouts)
 
 
 def exchange_prepared(prepared: Prepared, layouts: Optional[dict] = None) -> List[torch.Tensor]:
@@ -140,4 +144,4 @@ def exchange_prepared(prepared: Prepared, layouts: Optional[dict] = None) -> Lis
 
 def _fused_exchange(items: List[Item], specs: list, group, algorithm: Optional[str],
                     layouts: Optional[dict] = None, into: bool = False) -> List[torch.Tensor]:
-    return Prepared(items, specs, group, algorithm, into).exchange(layouts)
+    return Prepared(items, specs, group, algorithm, into, layouts).exchange(layouts)

@@ -31,11 +31,13 @@ import torch
 
 from gradcomp.compress import Compressor, Feedback, available_compressors, get_compressor, is_feedback, transaction
 from gradcomp.compress.base import FLOAT_DTYPES, work_dtype
+from gradcomp.compress.sparse import payload_bounds
 
 from . import _telemetry as telemetry
 from . import allgather, native, rounds  # noqa: F401  (importing each registers its algorithm)
 from ._algorithm import ALGORITHMS, Algorithm, fresh
 from ._comm import Comm
+from ._shared import local_bounds
 from .scatter_reduce import server_feedback
 
 _named: Dict[str, Compressor] = {}
@@ -111,24 +113,26 @@ def reduce_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: 
     exchange), each tensor's finish (:func:`finish`: feedback keeps what the wire did not carry).
     ``allreduce`` is the case of one tensor on its own wire, ``allreduce_fused`` of any number
     sharing each exchange (``shared``; ``layouts`` and ``into``: see ``allreduce_fused``)."""
-    started, error = start_many(cls, items, specs, comm, feedbacks, into)
+    started, error = start_many(cls, items, specs, comm, feedbacks, into,
+                                bounds=local_bounds(layouts, cls.name, comm.size, items, specs))
     return exchange_started(cls, items, specs, comm, feedbacks, started, error, shared=shared, part=part, parts=parts,
                             layouts=layouts)
 
 
 def start_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: List[Spec], comm: Comm,
-               feedbacks: List[Optional[Feedback]], into: bool = False
+               feedbacks: List[Optional[Feedback]], into: bool = False, bounds: Optional[Dict[str, int]] = None
                ) -> Tuple[List["Started"], Optional[BaseException]]:
     """The local phase of :func:`reduce_many` for every tensor (no communication): each
     tensor's :func:`start` and this rank's local failure (None, the exception, or the
     :class:`~gradcomp.compress.transaction.Deferred` refusals found on the device), which the
     exchange reports to every rank. It may run early, while an earlier exchange is on the wire
-    (the worker's look-ahead, see :func:`gradcomp.collectives.bucket.prepare_bucket`)."""
+    (the worker's look-ahead, see :func:`gradcomp.collectives.bucket.prepare_bucket`).
+    ``bounds``: the capacities agreed for variable-size payloads (``_shared.local_bounds``)."""
     started: List[Started] = []
     error: Optional[BaseException] = None
     # local work first: a failure here must reach the other ranks, through the header or, on an
     # agreed layout, this rank's status word (a refusal found on the device stays there: Deferred)
-    with transaction.deferring() as refused:
+    with transaction.deferring() as refused, payload_bounds(bounds):
         try:
             for (key, tensor, _), spec, feedback in zip(items, specs, feedbacks):
                 started.append(start(cls, tensor, spec, comm, key, feedback, into))

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -29,9 +29,9 @@ from gradcomp.kernels.memory import empty, zeros
 
 from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, shares_memory, wdtype
 from ._header import sizes as header_sizes
-from ._shared import (OK, Flags, Layout, SizedLayout, agreed_buffer, announce, checked, device_of, exact_sizes,
-                      header, local_status, pack, padded_buffer, signature,
-                      split, status_problem, statuses, verify_many)
+from ._shared import (OK, Bounds, Flags, Layout, SizedLayout, agreed_buffer, announce, bounded, bounded_layout,
+                      bounded_set, checked, device_of, exact_sizes, header, local_status, pack, padded_buffer,
+                      signature, split, status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
 
 _servers: "weakref.WeakKeyDictionary[Any, ErrorFeedback]" = weakref.WeakKeyDictionary()
@@ -126,9 +126,12 @@ class ScatterReduce(Algorithm):
         device, exact = device_of(items), exact_sizes(specs)
         sig = signature(cls.name, w, items, specs) if layouts is not None else None
         if sig is not None and sig in layouts:
-            if exact:
-                return cls._agreed_sized(comm, items, algos, error, layouts[sig], device)
-            return cls._agreed(comm, items, algos, error, layouts[sig], device)
+            entry = layouts[sig]
+            if not exact:
+                return cls._agreed(comm, items, algos, error, entry, device)
+            if entry.begin():  # payloads of the agreed capacities, the reduced chunks' too: fixed sizes
+                return bounded(entry, lambda: cls._agreed(comm, items, algos, error, entry.fixed, device))
+            return cls._agreed_sized(comm, items, algos, error, entry, device)
         error = transaction.resolve(error)  # the checked header says it: refusals read now
         # what goes to rank j: every tensor's chunk-j payload, behind n lengths
         per_dest = [[None] * n for _ in range(w)]
@@ -159,20 +162,23 @@ class ScatterReduce(Algorithm):
         out = [None if a is None else a.finish([parts[i] for parts in per_rank]) for i, a in enumerate(algos)]
         if sig is not None:  # every rank got here: the layout is checked, later exchanges send it raw
             kind = SizedLayout if exact else Layout
-            layouts[sig] = (
+            entry = (
                 [kind([None if a is None else a.payloads[j] for a in algos]) for j in range(w)],
                 [kind([None if a is None else a.reduced[j] for a in algos]) for j in range(w)])
+            layouts[sig] = Bounds(entry, bounded_set(specs)) if exact else entry
         return out
 
     @classmethod
-    def _agreed_sized(cls, comm, items, algos, error, layout, device):
+    def _agreed_sized(cls, comm, items, algos, error, entry, device):
         """Both phases on an agreed layout of variable-size payloads (``_shared.py``): every
         rank's sizes for every destination in one small all-gather, read at once, then one
         all-to-all of the chunk payloads at their exact sizes; after the reduction the reduced
         chunks' sizes the same way, then one all-gather padded to the largest. Two host reads,
-        one per phase; a failure in either is in the statuses read and raises on every rank."""
+        one per phase; a failure in either is in the statuses read and raises on every rank.
+        The sizes read set the capacities of the set's next exchanges (``Bounds``)."""
         w, me = comm.size, comm.rank
-        sends, back = layout
+        sends, back = entry.sized
+        bound = [a is not None and not a.comp.fixed_size for a in algos]
         flags = Flags(transaction.current())
         keys = [k for k, _, _ in items]
         # phase 1: every chunk payload to its destination
@@ -181,6 +187,7 @@ class ScatterReduce(Algorithm):
         status = max(st for st, _ in states)
         dims = None if status != OK else [d for _, ds in states for d in ds]
         table = announce(comm, status, dims, sum(x.count for x in sends), error, device)
+        phase1 = [row[1:] for row in table]
         starts = [sum(x.count for x in sends[:j]) for j in range(w)]
         placed = [[sends[j].place(table[r][1 + starts[j]:1 + starts[j] + sends[j].count], r) for j in range(w)]
                   for r in range(w)]  # rank r's templates and bytes for destination j
@@ -208,6 +215,8 @@ class ScatterReduce(Algorithm):
         table = announce(comm, status, None if dims is None else dims + [0] * (count - len(dims)), count, failure,
                          device)
         placed2 = [back[r].place(table[r][1:1 + back[r].count], r) for r in range(w)]
+        if entry.bounded:
+            entry.set(*_capacities(keys, bound, sends, back, phase1, [row[1:] for row in table]))
         buf = padded_buffer(placed2[me][0], reduced, placed2[me][1], max(n for _, n in placed2), device)
         rows = comm.all_gather(buf, cls.finish_all(algos))
         out = []
@@ -352,6 +361,31 @@ class ScatterReduce(Algorithm):
         payload, sent = self.comp.compress_decoded(as_dtype(acc, self.wire_dtype), key)
         self.server.update(key, acc, sent)
         return payload
+
+
+def _capacities(keys: List[str], bound: List[bool], sends: list, back: list, phase1: list, phase2: list
+                ) -> Tuple[Optional[Dict[str, int]], Any]:
+    """The capacities (per compressor key: every chunk's and every reduced chunk's) and the
+    fixed layouts ``(sends, back)`` of a sized exchange's sizes (``phase1``: every rank's
+    sizes for every destination, ``phase2``: every rank's reduced chunks'); None when a
+    fixed-size payload's sizes differ between ranks."""
+    caps: Dict[str, int] = {}
+    fixed_sends, fixed_back = [], []
+    at = 0
+    for j, layout in enumerate(sends):  # chunk j's payloads from every rank: one capacity per tensor
+        found = bounded_layout(layout, [row[at:at + layout.count] for row in phase1], bound)
+        at += layout.count
+        if found is None:
+            return None, None
+        caps.update({chunk_key(k, j): c for k, c in zip(keys, found[0]) if c is not None})
+        fixed_sends.append(found[1])
+    for r, layout in enumerate(back):  # rank r's reduced chunk: compressed on rank r alone
+        found = bounded_layout(layout, [phase2[r][:layout.count]], bound)
+        if found is None:
+            return None, None
+        caps.update({server_key(k, r): c for k, c in zip(keys, found[0]) if c is not None})
+        fixed_back.append(found[1])
+    return caps, (fixed_sends, fixed_back)
 
 
 def exchange_status(comm, nbytes: int, error) -> list:

@@ -209,6 +209,10 @@ class Compressor(_ReadsCapabilities, ABC):
     # combine writes only the positions sent); a collective then allocates the result zeroed,
     # and leaves it uninitialised otherwise (zeroing a recycled heap block is a pass of its own)
     starts_from_zeros: ClassVar[bool] = False
+    # a variable-size compressor (fixed_size=False) that sends payloads of an agreed capacity
+    # where the collectives ask it to (``compress.sparse.payload_bounds``): under error feedback
+    # its agreed exchanges then need no size vector, and no host read
+    bounded_sizes: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -2,21 +2,25 @@
 
 Payload: ``[values, indices]`` as for ``topk`` (values in the input dtype, indices ascending,
 int32 or int64 from 2**31 elements). The count depends on the data, so the size is variable:
-64 bits per kept fp32 element, at worst twice the dense size. ``tau`` is absolute: it must suit
-the scale of the gradients. NaN and Inf are always kept. Biased: pair it with error feedback.
+64 bits per kept fp32 element, at worst twice the dense size. On a layout the ranks agreed on,
+under error feedback, the collectives fix a capacity per tensor from the sizes they saw (see
+``collectives/_shared.py``) and the payload has exactly that many elements: the first ones
+selected and fillers (``compress/sparse.py``); what does not fit stays in the residual.
+``tau`` is absolute: it must suit the scale of the gradients. NaN and Inf are always kept.
+Biased: pair it with error feedback.
 """
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
 
-from gradcomp.kernels.select import threshold_indices
+from gradcomp.kernels.select import threshold_bounded, threshold_indices
 from gradcomp.kernels.sparse import index_dtype
 
 from .base import Capabilities, Compressor, CompressorConfig, Encoded, option
 from .registry import register
-from .sparse import (check_sparse, decode_sparse, decode_sparse_into, sparse_on_device, sparse_payload,
-                     sparse_residual)
+from .sparse import (bound_for, bounded_payload, bounded_residual, check_sparse, decode_sparse, decode_sparse_into,
+                     sparse_on_device, sparse_payload, sparse_residual)
 
 
 @register("threshold")
@@ -32,12 +36,20 @@ class Threshold(Compressor):
     config: Config
     capabilities = Capabilities(fixed_size=False)
     payloads_checked = True  # threshold_indices: in range, ascending
+    bounded_sizes = True
 
     def _compress(self, flat, shape, key, step, want_decoded):
-        tensors, decoded = sparse_payload(flat, threshold_indices(flat, self.config.tau), want_decoded)
+        size = bound_for(key)
+        if size is not None:
+            tensors, decoded = bounded_payload(flat, *threshold_bounded(flat, self.config.tau, size), want_decoded)
+        else:
+            tensors, decoded = sparse_payload(flat, threshold_indices(flat, self.config.tau), want_decoded)
         return Encoded(tensors, {}, decoded)
 
     def _compress_residual(self, flat, key, step):
+        size = bound_for(key)
+        if size is not None:
+            return Encoded(bounded_residual(flat, *threshold_bounded(flat, self.config.tau, size)), {})
         return Encoded(sparse_residual(flat, threshold_indices(flat, self.config.tau)), {})
 
     def _decompress(self, payload):
@@ -52,8 +64,8 @@ class Threshold(Compressor):
 
     @classmethod
     def check_on_device(cls, payload):
-        return sparse_on_device(payload)
+        return sparse_on_device(payload, padded=True)
 
     @classmethod
     def _check_tensors(cls, payload):
-        check_sparse(payload, cls.name)
+        check_sparse(payload, cls.name, padded=True)

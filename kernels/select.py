@@ -23,8 +23,9 @@ NaN bits sort above Inf), so the gradient is read once and nothing its size is w
 """
 from __future__ import annotations
 
+import functools
 import math
-from typing import Optional
+from typing import Optional, Tuple
 
 import numpy as np
 import torch
@@ -120,6 +121,31 @@ def threshold_indices(x: torch.Tensor, tau: float) -> torch.Tensor:
     if kernels_apply(x) and x.dtype in FLOAT_SUFFIX:
         return launch_threshold_indices(x, float(_round_up(float(tau), x.dtype, torch.device("cpu"))))
     return _at_least(x, _round_up(float(tau), x.dtype, x.device), signed=True)
+
+
+def threshold_bounded(x: torch.Tensor, tau: float, size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The first ``size`` positions (int64, ascending) of ``threshold_indices(x, tau)``, the
+    rest of ``size`` filled with ``x``'s last position, and a bool mask of those fillers: a
+    selection of fixed size, so nothing is read back on any device (``nonzero_static``).
+    Selected elements beyond the first ``size`` are left out: the caller keeps them (error
+    feedback's residual)."""
+    if x.dim() != 1:
+        raise ValueError(f"threshold_bounded expects a 1-D tensor, got shape {tuple(x.shape)}")
+    n = x.numel()
+    if not 0 <= size <= n:
+        raise ValueError(f"threshold_bounded: size={size} must be in [0, {n}] for a tensor of {n} elements")
+    keep = torch.lt(x.abs(), _host_threshold(tau, x.dtype))  # a scalar argument: nothing copied to the device
+    torch.logical_not(keep, out=keep)  # written as not(<) so that NaN is kept
+    idx = torch.nonzero_static(keep, size=size, fill_value=n).squeeze(1)
+    filler = idx.eq(n)
+    return idx.clamp_(max=max(n - 1, 0)), filler
+
+
+@functools.lru_cache(maxsize=64)
+def _host_threshold(tau: float, dtype: torch.dtype) -> float:
+    """``_round_up(tau)`` as a Python float (exact: every value of a float dtype is a double),
+    computed on the host once per ``tau`` and dtype."""
+    return _round_up(float(tau), dtype, torch.device("cpu")).item()
 
 
 def _at_least(x: torch.Tensor, t: torch.Tensor, signed: bool) -> torch.Tensor:

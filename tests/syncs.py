@@ -63,6 +63,8 @@ CPU_ONLY: Dict[Tuple[str, str, str], str] = {
     ("kernels/select.py", "_at_least", "__float__"): "the integer compare branch, taken for CPU x only",
     ("kernels/select.py", "_at_least", "numpy"): "the integer compare branch, taken for CPU x only",
     ("kernels/select.py", "_round_up", "__float__"): "reads a tensor it built on the host from a Python float",
+    ("kernels/select.py", "_host_threshold", "item"): "reads a tensor it built on the host from a Python float "
+                                                      "(_round_up's result), once per tau and dtype",
     ("kernels/select.py", "_sampled_cpu", "*"): "the sampled threshold, taken for CPU x only; other devices "
                                                  "select on the whole tensor without reading back (_exact)",
     ("kernels/select.py", "_exact_cpu", "*"): "called by _sampled_cpu and kernels/cpu.py only",

@@ -211,7 +211,8 @@ class Runtime:
                 sight is checked by a collective inside the job)."""
                 with txn.active():
                     try:
-                        prepared = prepare_bucket(items, twin(self.group), world, buffer=buffer, label=label)
+                        prepared = prepare_bucket(items, twin(self.group), world, buffer=buffer, label=label,
+                                                  layouts=self._layouts)
                     except Exception as exc:  # noqa: BLE001 (kept, and raised by the job at the same point)
                         ahead.append(exc)
                     else:

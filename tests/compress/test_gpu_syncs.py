@@ -19,7 +19,7 @@ from gradcomp.kernels._launch import torch_only
 pytestmark = pytest.mark.gpu
 
 # the compressors at one host sync per iteration through the hook (BUDGET there); powersgd, multi-round,
-# has its own test below
+# and threshold, bounded only on an agreed capacity, have their own tests below
 NAMES = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "signum", "topk", "dgc", "randomk", "int8",
          "qsgd", "terngrad", "natural"]
 SIZES = [(64, 33), (4096,), (1 << 20,)]  # small, and past the whole-tensor selection's size
@@ -47,9 +47,17 @@ def test_a_step_makes_no_cuda_sync(name, kernels):
     tensors = [torch.randn(s, device="cuda", generator=g) for s in SIZES]
     c = get_compressor(name)
     codec = c if name in ("none", "fp16", "bf16") or c.capabilities.unbiased else ErrorFeedback(c)
+    _no_sync_step(codec, tensors, kernels)
+
+
+def _no_sync_step(codec, tensors, kernels, bounds=None):
+    """Two warm-up steps (kernels compiled, buffers made, warm starts drawn), then one under
+    ``set_sync_debug_mode("error")`` inside a transaction: finite, nothing flagged. ``bounds``:
+    the capacities (``payload_bounds``) in force. Returns its results."""
+    from gradcomp.compress.sparse import payload_bounds
     mode = torch_only() if kernels == "torch-only" else torch.cuda.device(0)
-    with mode:
-        for _ in range(2):  # warm-up: kernels compiled, buffers made, warm starts drawn
+    with mode, payload_bounds(bounds):
+        for _ in range(2):
             _step(codec, tensors, "w")
         torch.cuda.synchronize()
         txn = Transaction()
@@ -61,6 +69,23 @@ def test_a_step_makes_no_cuda_sync(name, kernels):
                 torch.cuda.set_sync_debug_mode("default")
         assert txn.problems == [] and all(torch.isfinite(o).all() for o in outs)
         txn.commit()
+    return outs
+
+
+@pytest.mark.parametrize("kernels", ["cuda-kernels", "torch-only"])
+def test_bounded_threshold_makes_no_cuda_sync(kernels):
+    """threshold as its bounded exchanges run it (``payload_bounds``: a capacity per key that a
+    sized exchange agreed): selection, residual, check and decode make no CUDA synchronisation,
+    also where the count outgrows the capacity (the largest tensor's)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [torch.randn(s, device="cuda", generator=g) for s in SIZES]
+    codec = ErrorFeedback(get_compressor("threshold", tau=1.0))
+    caps = {f"w{i}": min(t.numel(), int((t.abs() >= 1.0).sum()) // (4 if i == 2 else 1) + 64)
+            for i, t in enumerate(tensors)}
+    outs = _no_sync_step(codec, tensors, kernels, caps)
+    assert [o.numel() for o in outs] == [t.numel() for t in tensors]
 
 
 @pytest.mark.parametrize("kernels", ["cuda-kernels", "torch-only"])

@@ -81,3 +81,78 @@ def test_hostile_payloads_are_rejected():
 def test_bad_tau(bad):
     with pytest.raises(ValueError, match="tau"):
         get_compressor("threshold", tau=bad)
+
+
+# ---- bounded payloads (compress/sparse.py payload_bounds): a fixed size, fillers, the rest kept in the residual
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+def test_a_bound_above_the_count_gives_the_same_bits(dtype):
+    """With room for every kept element: the same decoding, residual and leading values and
+    indices as without a bound, then fillers (value 0 at the last position); NaN, Inf, an
+    element kept at the last position itself among them."""
+    from gradcomp.compress.sparse import payload_bounds
+    x = torch.randn(3000, dtype=torch.float64).to(dtype)
+    x[5], x[9], x[-1] = float("nan"), float("-inf"), 2.5
+    c = get_compressor("threshold", tau=0.9)
+    free, bound = x.clone(), x.clone()
+    exact = c.compress_residual(free, key="k")
+    m = exact.tensors[0].numel()
+    with payload_bounds({"k": m + 100}):
+        padded = c.compress_residual(bound, key="k")
+        decoded_payload, decoded = c.compress_decoded(x.clone(), key="k")
+    assert padded.tensors[0].shape == (m + 100,) and padded.tensors[1].dtype == torch.int32
+    assert torch.equal(padded.tensors[0][:m].nan_to_num(7.0), exact.tensors[0].nan_to_num(7.0))
+    assert torch.equal(padded.tensors[1][:m], exact.tensors[1])
+    assert (padded.tensors[1][m:] == 2999).all() and (padded.tensors[0][m:] == 0).all()
+    assert torch.equal(free.nan_to_num(7.0), bound.nan_to_num(7.0))  # the residuals: x - x at every sent place
+    assert torch.equal(c.decompress(padded).nan_to_num(7.0), c.decompress(exact).nan_to_num(7.0))
+    assert torch.equal(decoded.reshape(-1).nan_to_num(7.0), c.decompress(exact).nan_to_num(7.0))
+    safe, bad = type(c).check_on_device(padded)
+    assert not bool(bad) and torch.equal(safe.tensors[1], padded.tensors[1])
+
+
+def test_what_does_not_fit_stays_in_the_residual():
+    """A bound below the count: the first kept elements go, the others stay whole in the
+    residual (sent + residual == input, exactly); the next step sends them."""
+    from gradcomp.compress.sparse import payload_bounds
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(5000, generator=g)
+    c = get_compressor("threshold", tau=0.5)
+    count = int((x.abs() >= 0.5).sum())
+    res = x.clone()
+    with payload_bounds({"k": count // 3}):
+        p = c.compress_residual(res, key="k")
+    assert p.tensors[0].numel() == count // 3
+    assert torch.equal(c.decompress(p) + res, x)
+    assert int((res.abs() >= 0.5).sum()) == count - count // 3
+    assert res[: int(p.tensors[1][-1]) + 1].abs().max() < 0.5  # the lowest positions went first
+    ef = ErrorFeedback(c)
+    sent = torch.zeros(5000)
+    for _ in range(3):  # error feedback drains it: everything above tau arrives within three steps
+        with payload_bounds({"k": count // 3 + 1}):
+            sent += c.decompress(ef.compress(x if not sent.any() else torch.zeros(5000), key="k"))
+    assert torch.equal(sent.abs() >= 0.5, x.abs() >= 0.5)
+
+
+def test_fillers_are_checked():
+    """Fillers pass the checks only as value 0 at the last position, after the real entries;
+    top-k's payloads, which nobody pads, stay strictly increasing."""
+    from gradcomp.compress.sparse import check_sparse, sparse_on_device
+    c = get_compressor("threshold", tau=0.0)
+
+    def payload(values, indices, n=10):
+        return Payload("threshold", (n,), torch.float32,
+                       [torch.tensor(values), torch.tensor(indices, dtype=torch.int32)], {})
+    good = payload([1.0, 2.0, 0.0, 0.0], [3, 9, 9, 9])
+    type(c).check_payload(good)  # the host check: accepted
+    assert not bool(type(c).check_on_device(good)[1])
+    for bad in (payload([1.0, 2.0, 5.0], [3, 9, 9]),  # a filler with a value
+                payload([1.0, 0.0, 2.0], [3, 3, 9]),  # a repeat that is not the last position
+                payload([0.0, 0.0, 1.0], [9, 9, 3])):  # order
+        with pytest.raises(ValueError, match="strictly increasing"):
+            type(c).check_payload(bad)
+        assert bool(type(c).check_on_device(bad)[1])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        check_sparse(payload([1.0, 0.0], [9, 9]), "topk")
+    assert bool(sparse_on_device(payload([1.0, 0.0], [9, 9]))[1])
