@@ -9,13 +9,12 @@ single allreduce. An algorithm that can share its exchanges among many tensors i
 """
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 
 from gradcomp.compress import Payload
-from gradcomp.compress.sparse import payload_bounds
 from gradcomp.compress.transaction import Deferred, Transaction
 from gradcomp.kernels.memory import copy_from_host
 
@@ -424,8 +423,9 @@ class Bounds:
         return False
 
     def set(self, caps: Optional[Dict[str, int]], fixed: Any) -> None:
-        """After a sized exchange: the next ``REAGREE`` are bounded (None: all stay sized)."""
-        if self.bounded and caps is not None:
+        """After a sized exchange of a ``bounded`` set: the next ``REAGREE`` are bounded (None:
+        the next stays sized)."""
+        if caps is not None:
             self.caps, self.fixed, self.left = caps, fixed, REAGREE
 
 
@@ -465,9 +465,3 @@ def local_bounds(layouts: Optional[dict], algorithm: str, size: int, items: List
     entry = layouts.get(signature(algorithm, size, items, specs))
     return entry.local_caps() if isinstance(entry, Bounds) else None
 
-
-def bounded(entry: Bounds, run: Callable[[], Any]) -> Any:
-    """``run()`` (a bounded exchange) with the entry's capacities in force, for a phase that
-    compresses again inside the exchange."""
-    with payload_bounds(entry.caps):
-        return run()

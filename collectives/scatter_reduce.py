@@ -25,11 +25,12 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from gradcomp.compress import ErrorFeedback, is_feedback, transaction
+from gradcomp.compress.sparse import payload_bounds
 from gradcomp.kernels.memory import empty, zeros
 
 from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, shares_memory, wdtype
 from ._header import sizes as header_sizes
-from ._shared import (OK, Bounds, Flags, Layout, SizedLayout, agreed_buffer, announce, bounded, bounded_layout,
+from ._shared import (OK, Bounds, Flags, Layout, SizedLayout, agreed_buffer, announce, bounded_layout,
                       bounded_set, checked, device_of, exact_sizes, header, local_status, pack, padded_buffer,
                       signature, split, status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
@@ -130,7 +131,8 @@ class ScatterReduce(Algorithm):
             if not exact:
                 return cls._agreed(comm, items, algos, error, entry, device)
             if entry.begin():  # payloads of the agreed capacities, the reduced chunks' too: fixed sizes
-                return bounded(entry, lambda: cls._agreed(comm, items, algos, error, entry.fixed, device))
+                with payload_bounds(entry.caps):  # the reduced chunks are compressed inside the exchange
+                    return cls._agreed(comm, items, algos, error, entry.fixed, device)
             return cls._agreed_sized(comm, items, algos, error, entry, device)
         error = transaction.resolve(error)  # the checked header says it: refusals read now
         # what goes to rank j: every tensor's chunk-j payload, behind n lengths
