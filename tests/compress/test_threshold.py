@@ -156,3 +156,21 @@ def test_fillers_are_checked():
     with pytest.raises(ValueError, match="strictly increasing"):
         check_sparse(payload([1.0, 0.0], [9, 9]), "topk")
     assert bool(sparse_on_device(payload([1.0, 0.0], [9, 9]))[1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("n", [0, 1, 7, 4099])
+def test_bounded_selection_on_the_host_is_the_device_form(dtype, n):
+    """``threshold_bounded``'s CPU branch (the integer compare, then the first ``size``
+    positions) gives the bits of its device form (``nonzero_static``, filled and clamped) for
+    every size from none to all, NaN, Inf and a kept last element included."""
+    from gradcomp.kernels.select import _host_threshold, threshold_bounded
+    x = (3 * torch.randn(n, dtype=torch.float64)).to(dtype)
+    if n > 10:
+        x[3], x[5], x[-1] = float("nan"), float("-inf"), 2.5
+    keep = torch.logical_not(torch.lt(x.abs(), _host_threshold(2.5, dtype)))
+    for size in sorted({0, n // 50, n // 10, int(keep.sum()), n}):
+        device_idx = torch.nonzero_static(keep, size=size, fill_value=n).squeeze(1)
+        idx, filler = threshold_bounded(x, 2.5, size)
+        assert torch.equal(filler, device_idx.eq(n))
+        assert torch.equal(idx, device_idx.clamp(max=max(n - 1, 0)))
