@@ -2,7 +2,10 @@
 
 Not part of the unit-test run. Run with::
 
-    python -m pytest bench/test_bench_compressors.py --benchmark-only --benchmark-columns=median,iqr,rounds
+    python -m pytest -n 0 bench/test_bench_compressors.py --benchmark-only --benchmark-columns=median,iqr,rounds
+
+(``-n 0``: the project's pytest options start two xdist workers, under which pytest-benchmark
+switches itself off; the calls then run once each, a smoke test with nothing timed.)
 
 Each benchmark compresses and decompresses one 25M-element fp32 tensor (100 MB, a ResNet-50
 sized gradient); ``extra_info["gbps"]`` is fp32 input GB/s at the median. Set ``GRADCOMP_BENCH_NUMEL``
@@ -28,6 +31,8 @@ def grad():
 
 
 def _record(benchmark, grad):
+    if benchmark.stats is None:  # benchmarks switched off (xdist, --benchmark-disable): nothing was timed
+        return
     median = benchmark.stats.stats.median
     benchmark.extra_info["gbps"] = round(grad.numel() * 4 / median / 1e9, 3)
 
