@@ -128,7 +128,7 @@ def test_the_rule_of_use():
         assert not cpu.applies(16, x.half()) and not cpu.applies(16, x.bfloat16())
         assert not cpu.applies(16, torch.empty(16, device="meta"))
         assert cpu.applies(16, x, torch.zeros(2, dtype=torch.uint8))
-    assert cpu.FUSED_MIN == 1 << 18 and not cpu.applies(1 << 17, x)
+    assert cpu.FUSED_MIN == 1 << 14 and not cpu.applies((1 << 14) - 1, x)
 
 
 @pytest.mark.parametrize("name", ["onebit", "signsgd", "topk"])
