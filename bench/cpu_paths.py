@@ -5,7 +5,10 @@ in: ``python bench/cpu_paths.py [--repeats N]`` (1 thread, medians after one war
   on one rank (PowerSGD's rounds driven alone, with and without ``out=`` the gradient);
 - the quantizers on one 25M-element fp32 tensor: ``decompress`` (a new tensor),
   ``decompress_into`` (added into an existing buffer, as the collectives decode) and, for
-  int8, ``ErrorFeedback.compress``.
+  int8, ``ErrorFeedback.compress``;
+- with ``--fused-min``, only that: onebit+ef and topk+ef over ResNet-50's tensors of 2**14 to
+  2**18 elements, the fused CPU loops' threshold (``kernels.cpu.FUSED_MIN``) at 2**18 and at
+  its value, alternating over three rounds.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ import torch
 
 from gradcomp.bench import shapes
 from gradcomp.compress import ErrorFeedback, get_compressor
+from gradcomp.kernels import cpu
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -40,15 +44,42 @@ def _drive(gen):
         return stop.value
 
 
+def fused_min(layers: list, grads: list, repeats: int) -> None:
+    """The mid-sized tensors' error-feedback compress and decode with the fused loops from 2**18
+    elements (the old threshold) and from :data:`cpu.FUSED_MIN`."""
+    mid = [(lay, g) for lay, g in zip(layers, grads) if (1 << 14) <= g.numel() < (1 << 18)]
+    outs = [torch.zeros_like(g) for _, g in mid]
+    current = cpu.FUSED_MIN
+    print(f"# resnet50's {len(mid)} tensors of 2**14 to 2**18 elements ({sum(g.numel() for _, g in mid):,})")
+    try:
+        for rnd in range(3):
+            for threshold in (1 << 18, current):
+                cpu.FUSED_MIN = threshold
+                for name in ("onebit", "topk"):
+                    ef = ErrorFeedback(get_compressor(name))
+                    payloads = [ef.compress(g, key=n) for (n, _), g in mid]
+                    comp = median_ms(lambda: [ef.compress(g, key=n) for (n, _), g in mid], repeats)
+                    dec = median_ms(lambda: [ef.compressor.decompress_into(p, o, alpha=0.5)
+                                             for p, o in zip(payloads, outs)], repeats)
+                    print(f"round {rnd}  fused from 2**{threshold.bit_length() - 1}  {name}+ef  "
+                          f"compress {comp:6.1f} ms   decompress_into {dec:5.1f} ms")
+    finally:
+        cpu.FUSED_MIN = current
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--fused-min", action="store_true", help="only the fused loops' threshold, old against current")
     args = ap.parse_args()
     torch.set_num_threads(1)
     r = args.repeats
     layers = shapes.resnet50()
     grads = [torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, (_, s) in enumerate(layers)]
     print(f"# 1 thread, torch {torch.__version__}, medians of {r} after one warm-up")
+    if args.fused_min:
+        fused_min(layers, grads, r)
+        return
     topk = ErrorFeedback(get_compressor("topk"))
     print(f"resnet50 (161 tensors)  topk+ef compress                  {median_ms(lambda: [topk.compress(g, key=n) for (n, _), g in zip(layers, grads)], r):8.1f} ms")
     for label, use_out in (("without out=", False), ("with out=grad", True)):

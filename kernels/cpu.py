@@ -13,7 +13,8 @@ costs ~0.5 s and loading the compiled loops from the on-disk cache (``cache=True
 file or in numba's cache directory) a few tens of ms more; the first compile on a machine,
 ~0.5 s per loop and dtype, is paid once. Below 2**14 elements the torch/numpy paths cost about as
 much as the fused loop; from there up the fused loop wins (ResNet-50's 23 tensors of 2**14 to
-2**18 elements, one process: top-k+ef's compress 13.1-13.4 -> 7.4-7.7 ms; RESULTS section 30).
+2**18 elements, one process: top-k+ef's compress 9.9-10.0 -> 5.7-6.2 ms, onebit+ef's 8.0-9.9 ->
+6.0-7.4 ms; ``python bench/cpu_paths.py --fused-min``, RESULTS section 30).
 """
 from __future__ import annotations
 
