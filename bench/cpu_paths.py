@@ -6,9 +6,9 @@ in: ``python bench/cpu_paths.py [--repeats N]`` (1 thread, medians after one war
 - the quantizers on one 25M-element fp32 tensor: ``decompress`` (a new tensor),
   ``decompress_into`` (added into an existing buffer, as the collectives decode) and, for
   int8, ``ErrorFeedback.compress``;
-- with ``--fused-min``, only that: onebit+ef and topk+ef over ResNet-50's tensors of 2**14 to
-  2**18 elements, the fused CPU loops' threshold (``kernels.cpu.FUSED_MIN``) at 2**18 and at
-  its value, alternating over three rounds.
+- with ``--fused-min``, only that: onebit+ef and topk+ef over ResNet-50's tensors from the fused
+  CPU loops' threshold (``kernels.cpu.FUSED_MIN``) to 2**18 elements, with the threshold at
+  2**18 (its former value) and at its value, alternating over three rounds.
 """
 from __future__ import annotations
 
@@ -45,15 +45,16 @@ def _drive(gen):
 
 
 def fused_min(layers: list, grads: list, repeats: int) -> None:
-    """The mid-sized tensors' error-feedback compress and decode with the fused loops from 2**18
-    elements (the old threshold) and from :data:`cpu.FUSED_MIN`."""
-    mid = [(lay, g) for lay, g in zip(layers, grads) if (1 << 14) <= g.numel() < (1 << 18)]
+    """The error-feedback compress and decode of the tensors between :data:`cpu.FUSED_MIN` and
+    2**18 elements (the old threshold), with the fused loops from each."""
+    old, current = 1 << 18, cpu.FUSED_MIN
+    mid = [(lay, g) for lay, g in zip(layers, grads) if current <= g.numel() < old]
     outs = [torch.zeros_like(g) for _, g in mid]
-    current = cpu.FUSED_MIN
-    print(f"# resnet50's {len(mid)} tensors of 2**14 to 2**18 elements ({sum(g.numel() for _, g in mid):,})")
+    print(f"# resnet50's {len(mid)} tensors of 2**{current.bit_length() - 1} to 2**{old.bit_length() - 1} "
+          f"elements ({sum(g.numel() for _, g in mid):,})")
     try:
         for rnd in range(3):
-            for threshold in (1 << 18, current):
+            for threshold in (old, current):
                 cpu.FUSED_MIN = threshold
                 for name in ("onebit", "topk"):
                     ef = ErrorFeedback(get_compressor(name))

@@ -11,10 +11,11 @@ another order: equal up to float64 rounding, the same decode values in practice)
 The threshold keeps numba out of processes that only ever see small tensors: importing it
 costs ~0.5 s and loading the compiled loops from the on-disk cache (``cache=True``, beside this
 file or in numba's cache directory) a few tens of ms more; the first compile on a machine,
-~0.5 s per loop and dtype, is paid once. Below 2**14 elements the torch/numpy paths cost about as
-much as the fused loop; from there up the fused loop wins (ResNet-50's 23 tensors of 2**14 to
-2**18 elements, one process: top-k+ef's compress 9.9-10.0 -> 5.7-6.2 ms, onebit+ef's 8.0-9.9 ->
-6.0-7.4 ms; ``python bench/cpu_paths.py --fused-min``, RESULTS section 30).
+~0.5 s per loop and dtype, is paid once. From 2**14 elements up the fused loops were measured
+faster (ResNet-50's 23 tensors of 2**14 to 2**18 elements, one process: top-k+ef's compress
+9.9-10.0 -> 5.7-6.2 ms, onebit+ef's 8.0-9.9 -> 6.0-7.4 ms; ``python bench/cpu_paths.py
+--fused-min``, RESULTS section 30); smaller tensors, where per-call costs dominate, keep the
+reference paths (not measured below 2**14).
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import torch
 
 from .select import _exact_cpu, kth_smallest_cpu, topk_abs_indices as topk_abs_indices_reference
 
-FUSED_MIN = 1 << 14  # elements: below, the reference paths are as fast, and numba is never imported
+FUSED_MIN = 1 << 14  # elements: below, the reference paths run and numba is never imported
 _FLOATS = (torch.float32, torch.float64)
 _SAMPLE = 1 << 17  # elements of the strided sample that estimates the top-k threshold
 _CODES = np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little").astype(np.bool_)
