@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from gradcomp.compress import Payload
+from gradcomp.compress.payload import view_bytes
 from gradcomp.compress.transaction import Deferred, Transaction
 from gradcomp.kernels.memory import copy_from_host
 
@@ -127,8 +128,9 @@ class Template:
             buf[off + size:off + -(-size // _ALIGN) * _ALIGN].zero_()
 
     def read(self, row: torch.Tensor) -> Payload:
-        """The payload a peer's buffer holds at this template's place (views of ``row``)."""
-        tensors = [row[off:off + size].view(dtype).reshape(shape)
+        """The payload a peer's buffer holds at this template's place (views of ``row``; an
+        empty tensor for one of no bytes, wherever ``row`` starts: :func:`view_bytes`)."""
+        tensors = [view_bytes(row[off:off + size], dtype, shape)
                    for off, (dtype, shape, size) in zip(self.offsets, self.tensors)]
         return Payload(self.compressor, self.shape, self.dtype, tensors, dict(self.meta))
 

@@ -29,7 +29,7 @@ import math
 import os
 import struct
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -71,6 +71,18 @@ def memory_bytes() -> Optional[int]:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (AttributeError, ValueError, OSError):
         return None
+
+
+def view_bytes(raw: torch.Tensor, dtype: torch.dtype, shape: Sequence[int]) -> torch.Tensor:
+    """The bytes of the 1-D uint8 tensor ``raw`` as a tensor of ``dtype`` and ``shape`` on its
+    device: a view where they lie aligned for ``dtype``, a copy where not. No bytes give a new
+    empty tensor: a slice of no bytes keeps its storage offset, which need not be aligned (row
+    ``r`` of a ``(world, 0)`` buffer starts at byte ``r``), and has nothing to view."""
+    if not raw.numel():
+        return torch.empty(tuple(shape), dtype=dtype, device=raw.device)
+    if raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).reshape(tuple(shape))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -197,10 +209,7 @@ class Payload:
         for tdtype, tshape, size in sized:
             if size > n - pos:
                 raise ValueError(f"payload truncated: a tensor needs {size} bytes, {n - pos} remain")
-            raw = data[pos:pos + size]
-            if size and (pos + data.storage_offset()) % tdtype.itemsize:
-                raw = raw.clone()
-            tensors.append(raw.view(tdtype).reshape(tshape))
+            tensors.append(view_bytes(data[pos:pos + size], tdtype, tshape))
             pos += size
         if pos != n:
             raise ValueError(f"payload has {n - pos} trailing bytes after its last tensor")
@@ -303,7 +312,7 @@ def _read_tensors(buf: memoryview, pos: int, sized: _Sized, copy: bool) -> List[
             raw = torch.frombuffer(bytearray(buf[pos:pos + size]), dtype=torch.uint8)
         else:  # a view of the caller's buffer, aligned for its dtype
             raw = torch.frombuffer(buf[pos:pos + size], dtype=torch.uint8)
-        tensors.append(raw.view(tdtype).reshape(tshape))
+        tensors.append(view_bytes(raw, tdtype, tshape))
         pos += size
     if pos != len(buf):
         raise ValueError(f"payload has {len(buf) - pos} trailing bytes after its last tensor")

@@ -12,7 +12,7 @@ the collectives per exchange phase of a sized exchange (the sizes: one for allga
 scatter-reduce) and none in a bounded one, besides the step's own (the transaction's); a
 payload that outgrows its capacity keeps what it could not send in the residual (no gradient
 mass lost) and the next sized exchange raises the capacity; threshold without error feedback
-stays sized; a peer that fails locally, refuses its input on the device, announces sizes its
+stays sized; payloads empty on every rank decode to zeros; a peer that fails locally, refuses its input on the device, announces sizes its
 payload cannot have, or whose payload no longer fits the layout, makes every rank raise and
 leaves every rank's error feedback as it was.
 """
@@ -129,6 +129,21 @@ def _rank(rank: int, world: int, algorithm):
         plain_reads.append(sum(n for s, n in syncs.sites.items() if "collectives/_shared.py" in s))
     out["plain"] = [_entry(layouts6).bounded, plain_reads]
 
+    # every payload empty on every rank (nothing reaches tau): the agreed exchanges carry no
+    # payload bytes (rows of a (world, 0) buffer) and decode to zeros, in every dtype; sized
+    # (a set with a plain threshold stays sized) and bounded (under error feedback)
+    out["quiet"] = []
+    for codecs in ([ErrorFeedback(get_compressor("threshold", tau=1e3)) for _ in range(3)],
+                   [ErrorFeedback(get_compressor("threshold", tau=1e3)) for _ in range(2)]
+                   + [get_compressor("threshold", tau=1e3)]):
+        layouts7: dict = {}
+        for step in range(5):
+            quiet = [("a", torch.full((300,), 1e-3 * (rank + 1)), codecs[0]),
+                     ("b", torch.full((7,), -1e-3, dtype=torch.bfloat16), codecs[1]),
+                     ("c", torch.full((5, 3), 1e-2, dtype=torch.float16), codecs[2])]
+            got = allreduce_fused(quiet, algorithm=algorithm, layouts=layouts7)
+            out["quiet"].append([(tuple(g.shape), g.dtype, bool(g.eq(0).all())) for g in got])
+
     # a peer that fails locally: every rank raises, nobody's residuals change
     before = _residuals(agreed)
     if rank == 1:
@@ -219,4 +234,6 @@ def test_agreed_variable_sizes(tmp_path, world, algorithm):
         assert "announced payload sizes" in r["corrupt"] and "rank 0" in r["corrupt"], (rank, r["corrupt"])
         assert "no longer fit the layout" in r["changed"] and "[0]" in r["changed"], (rank, r["changed"])
     assert "this rank's compressor failed" in results[1]["failure"]
+    want = [((300,), torch.float32, True), ((7,), torch.bfloat16, True), ((5, 3), torch.float16, True)]
+    assert all(r["quiet"] == [want] * 10 for r in results), results[0]["quiet"]
     assert "float32 range" in results[1]["refused"], results[1]["refused"]

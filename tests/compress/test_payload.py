@@ -8,6 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from gradcomp.compress import Payload, available_compressors, get_compressor
+from gradcomp.compress.payload import view_bytes
 
 
 def _sample_payloads():
@@ -197,6 +198,22 @@ def test_tensor_views_parse_as_from_bytes(offset):
             assert (got.compressor, got.shape, got.dtype, got.meta) == (want.compressor, want.shape, want.dtype,
                                                                         want.meta)
             assert all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got.tensors, want.tensors))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_empty_tensors_parse_wherever_they_lie(dtype):
+    """A payload with no values (threshold: nothing reached tau) holds tensors of no bytes;
+    they parse at any offset, as empty tensors of their dtype, never as views of a slice of no
+    bytes (which keeps a storage offset that need not be aligned)."""
+    p = get_compressor("threshold", tau=1e3).compress(torch.randn(10).to(dtype), key="k")
+    assert [t.numel() for t in p.tensors] == [0, 0]
+    for offset in (0, 1, 3, 8):
+        got = _views(p.to_bytes(), None, offset)
+        assert [(t.dtype, t.shape) for t in got.tensors] == [(t.dtype, t.shape) for t in p.tensors]
+        assert torch.equal(get_compressor("threshold").decompress(got), torch.zeros(10, dtype=dtype))
+    rows = torch.zeros(4, 0, dtype=torch.uint8)  # what an all-gather of no bytes gives: row r starts at byte r
+    for r in range(4):
+        assert view_bytes(rows[r], dtype, (0, 3)).shape == (0, 3)
 
 
 def test_write_wire_is_to_bytes_and_long_headers_are_read_whole():

@@ -9,6 +9,8 @@ One spawn runs every check; the tests assert on its results:
   first step, with state under parameter names;
 - buckets are sent during backward (before ``step``);
 - checkpoint -> resume (``state_dict`` with error-feedback state) is bit-identical;
+- threshold whose payloads are empty on every rank (nothing reaches tau) decodes to zeros,
+  fp32 and bf16, on the agreed layout;
 - LR schedulers, ``zero_grad``, ``param_groups`` and ``add_param_group`` act as on the inner
   optimizer.
 """
@@ -28,14 +30,16 @@ from gradcomp.compress import available_compressors
 STEPS = 6
 OPTIONS = {"powersgd": {"rank": 1}}
 RESUMED = {"powersgd": {"rank": 2}, "topk": {"ratio": 0.05}, "signum": {}, "qsgd": {}}
+QUIET = (torch.float32, torch.bfloat16)
 
 
 def _opt_run(me, compressor, steps, *, start=0, checkpoint=None, save_at=None, seed=0, accumulate=1,
-             bucket_mb=25.0, **options):
+             bucket_mb=25.0, dtype=torch.float32, **options):
     from gradcomp.training import CompressedOptimizer
 
     x, y = teacher_data(512, 20, 4)
-    model = mlp(20, 64, 4, seed=seed)
+    x = x.to(dtype)
+    model = mlp(20, 64, 4, seed=seed).to(dtype)
     opt = CompressedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), compressor,
                               model=model, min_numel=0, bucket_mb=bucket_mb, **options)
     if checkpoint is not None:
@@ -120,6 +124,10 @@ def _optimizer_rank(rank, world):
         straight, _, _, saved, _ = _opt_run(rank, name, 6, save_at=3, **options)
         resumed, *_ = _opt_run(rank, name, 3, start=3, checkpoint=saved, seed=7, **options)
         out["resume:" + name] = (flat_params(straight), flat_params(resumed))
+    for dtype in QUIET:  # threshold, every |gradient + residual| under tau on every rank: empty payloads everywhere
+        model, opt, *_ = _opt_run(rank, "threshold", STEPS, dtype=dtype, tau=1e3, compress_1d=True)
+        out[f"quiet {dtype}"] = (flat_params(model), flat_params(mlp(20, 64, 4).to(dtype)),
+                                 opt.state_dict()["gradcomp"]["iteration"])
     out["api"] = _api(rank)
     return out
 
@@ -149,6 +157,15 @@ def test_wrapper_resume_is_bit_identical(results, name):
     for r in results:
         straight, resumed = r["resume:" + name]
         assert torch.equal(straight, resumed)
+
+
+@pytest.mark.parametrize("dtype", QUIET)
+def test_threshold_with_every_payload_empty(results, dtype):
+    # checked at the first step, then on the agreed layout (sized, bounded) with no value
+    # reaching tau on any rank: the means are zeros, nothing moves
+    for r in results:
+        params, initial, iteration = r[f"quiet {dtype}"]
+        assert iteration == STEPS and torch.equal(params, initial)
 
 
 def test_optimizer_api(results):

@@ -11,6 +11,8 @@ results:
 - the error-feedback invariant holds over the whole run, across DDP's bucket rebuild after
   the first iteration: sum of applied gradients + mean residual == sum of mean raw gradients;
 - checkpoint -> resume continues bit-identically (hook, model and optimizer state);
+- threshold whose payloads are empty on every rank (nothing reaches tau) decodes to zeros,
+  fp32 and bf16, on the bucket's agreed layout;
 - the fp16 cast wrapper composes with a gradcomp hook, a bf16 model trains, and residuals
   stay fp32 in both.
 """
@@ -30,6 +32,7 @@ from gradcomp.compress import ErrorFeedback, available_compressors
 STEPS = 6
 OPTIONS = {"powersgd": {"rank": 1}}  # rank 1, so that the 4x64 output layer shrinks too
 EF_CHECKED = ("topk", "powersgd", "efsignsgd", "onebit")
+QUIET = (torch.float32, torch.bfloat16)
 RESUMED = {  # compressor -> hook options; each keeps a different kind of state
     "powersgd": {"rank": 2},  # warm-start Q and residuals
     "powersgd unnamed": {"rank": 2, "named": False},  # names param{i} in the order first seen
@@ -152,6 +155,10 @@ def _hooks_rank(rank, world):
         resumed, *_ = _ddp_run(rank, name, 3, start=3, checkpoint=saved, seed=7, **options)
         out["resume:" + label] = (flat_params(straight), flat_params(resumed))
 
+    for dtype in QUIET:  # threshold, every |gradient + residual| under tau on every rank: empty payloads everywhere
+        model, state, _, _ = _ddp_run(rank, "threshold", STEPS, dtype=dtype, tau=1e3, compress_1d=True)
+        out[f"quiet {dtype}"] = (flat_params(model), flat_params(mlp(20, 64, 4).to(dtype)), state.iteration)
+
     for label, dtype, wrap in (("cast wrapper", torch.float32, cast_wrapper), ("bf16 model", torch.bfloat16, None)):
         model, state, losses, _ = _ddp_run(rank, "topk", STEPS, wrap=wrap, dtype=dtype, ratio=0.05)
         codec = state.policy.codecs()["*"]
@@ -208,6 +215,15 @@ def test_resume_is_bit_identical(results, name):
     for r in results:
         straight, resumed = r["resume:" + name]
         assert torch.equal(straight, resumed)
+
+
+@pytest.mark.parametrize("dtype", QUIET)
+def test_threshold_with_every_payload_empty(results, dtype):
+    # DDP's rebuilt bucket: checked at iteration 1, then on its agreed layout (sized, bounded)
+    # with no value reaching tau on any rank: the means are zeros, nothing moves
+    for r in results:
+        params, initial, iteration = r[f"quiet {dtype}"]
+        assert iteration == STEPS and torch.equal(params, initial)
 
 
 @pytest.mark.parametrize("case", ["cast wrapper", "bf16 model"])
