@@ -37,10 +37,13 @@ excepted, as everywhere in gradcomp); a biased candidate without it is refused. 
 changes method carries each parameter's owed residual over — the error-feedback residual and,
 on more than two ranks, scatter-reduce's server residual of its chunk — into the new method's
 residual, or into the next gradient when the new method keeps none: no gradient mass is lost.
+Adding it to the gradient is part of the iteration's transaction: a skipped iteration (not
+finite: the step a loss scaler skips) gives it back, and it goes with the next gradient.
 
-While every bucket is dense (trials, or dense decisions), the exchange skips the finiteness
-witnesses of gradcomp's step transaction (a pass over the gradients): there is no codec state
-a skipped step would have to undo, so an all-dense ``"auto"`` costs what DDP's allreduce does.
+While every bucket is dense (trials, or dense decisions) and no residual waits for the
+gradients, the exchange skips the finiteness witnesses of gradcomp's step transaction (a pass
+over the gradients): there is no state a skipped step would have to undo, so an all-dense
+``"auto"`` costs what DDP's allreduce does.
 
 **Host syncs.** None per tensor on the hot path (a decided bucket's step is a dict lookup and,
 for CPU tensors, a clock read around the exchange). Counted in :attr:`AutoRuntime.syncs`:
@@ -67,7 +70,7 @@ import torch.distributed as dist
 
 from gradcomp.collectives import (agree, choose_algorithm, exchange_bucket, rank_of, server_feedback, server_key,
                                   worker)
-from gradcomp.compress import ErrorFeedback, compressor_class
+from gradcomp.compress import ErrorFeedback, compressor_class, transaction
 
 from .engine import Runtime
 from .policy import DENSE, Policy
@@ -285,7 +288,9 @@ class AutoRuntime(Runtime):
         first = self._txn is None  # the iteration's first bucket: decide here, no exchange in flight
         if first:
             self._begin(grads)
-            self._all_dense = all(b.choice in (None, DENSE) for b in self._buckets.values())
+            # an owed residual added to this iteration's gradients must come back when the
+            # iteration is skipped: then its finiteness is observed, as with any codec state
+            self._all_dense = not self._carry and all(b.choice in (None, DENSE) for b in self._buckets.values())
         bucket = self._buckets.get(key)
         if bucket is None:
             bucket = self._buckets[key] = _Bucket(key)
@@ -340,9 +345,10 @@ class AutoRuntime(Runtime):
         key = tuple(n for n, _, _ in items)
         mode = self._mode.get(key, "run")
         for name, grad, _ in items:  # owed residual of a method left behind
-            owed = self._carry.pop(name, None)
-            if owed is not None:
-                grad.add_(owed.to(grad.dtype).view(grad.shape))
+            if name in self._carry:
+                # a change of the iteration's transaction: a skipped iteration gives it back
+                transaction.replace(self._carry, name)
+                grad.add_(self._carry.pop(name).to(grad.dtype).view(grad.shape))
         grads = [g for _, g, _ in items]
         device = worker.device_of(grads)
         timed = mode != "run" or device.type != "cuda"
