@@ -14,10 +14,12 @@ DDP rebuild of the buckets is a new bucket):
    iteration's exchanges are done, each candidate's codec is timed on a copy of the bucket's
    real gradients (its compress, decode, rounds and
    error-feedback passes; scratch codecs, so no live state changes), with its payload bytes.
-3. **Decision** (at the start of the next iteration, on every rank alike): the measurements are
-   MAX-reduced over the ranks in ONE allreduce, then every rank runs the same deterministic
-   plan on the same numbers: predicted time = codec time + rounds * alpha + wire bytes / rate;
-   the worker exchanges buckets one after another from the moment each is submitted, so a
+3. **Decision** (at the start of the next iteration, on every rank alike): every measured input
+   of the plan (submission and exchange times, gradient norms, codec times and payload sizes:
+   a variable-size candidate such as ``threshold`` sends what each rank's gradients hold, and
+   the largest rank's payload sets the wire time) is MAX-reduced over the ranks in ONE
+   allreduce, so every rank runs the same deterministic plan on the same numbers: predicted
+   time = codec time + rounds * alpha + wire bytes / rate; the worker exchanges buckets one after another from the moment each is submitted, so a
    bucket's exchange hides behind the rest of backward and the last ones do not: the plan
    minimises the step's exposed time (last finish minus the last submission), takes a
    compressed method for a bucket only when it beats dense by ``margin``, then gives each
@@ -477,11 +479,15 @@ class AutoRuntime(Runtime):
         for k in order:
             b = self._buckets[k]
             # exchanges as the fastest rank saw them (MAX of the negated): the others also waited for
-            # the last rank to arrive; ready times, norms and codec costs as the slowest saw them
+            # the last rank to arrive; ready times, norms, codec costs and payload sizes as the
+            # slowest and largest saw them: every input of the plan is the same on every rank
             row = [b.ready_ms, -min(b.dense_ms) if b.dense_ms else 1.0,
                    -b.measured if b.measured is not None else 1.0,
                    float(b.norm) if b.norm is not None else -1.0]  # a device read folded into this step's sync
-            row += [min(b.codec_ms[c.label]) if b.codec_ms.get(c.label) else -1.0 for c in cands]
+            for c in cands:
+                rounds, gathered = b.sizes.get(c.label, ([], -1.0))
+                row += [min(b.codec_ms[c.label]) if b.codec_ms.get(c.label) else -1.0,
+                        sum(rounds), float(sum(1 for r in rounds if r)), gathered]
             rows.append(row)
         width = len(rows[0])
 
@@ -564,13 +570,12 @@ class AutoRuntime(Runtime):
             if cand.policy is None:
                 out[cand.label] = link.ms(ring * dense_bytes, 1)
                 continue
-            ms, sizes = row[4 + i], b.sizes.get(cand.label)
-            if ms < 0 or sizes is None:  # not timed here (a resumed run): the saved prediction
+            ms, sent, messages, gathered = row[4 + 4 * i:8 + 4 * i]
+            if ms < 0 or gathered < 0:  # not timed (a resumed run): the saved prediction
                 if cand.label in b.predicted:
                     out[cand.label] = b.predicted[cand.label]
                 continue
-            rounds, gathered = sizes
-            t = ms + sum(link.ms(ring * r, 1) for r in rounds if r)
+            t = ms + link.ms(ring * sent, int(messages))
             if gathered:
                 t += link.ms((w - 1) * gathered, 2) if w == 2 else link.ms(ring * gathered, 4)
             out[cand.label] = t

@@ -18,7 +18,9 @@ One 2-rank spawn (each case's test reports its own failure):
   ``CompressedOptimizer`` (training equal to plain DDP), a slow one compresses and still trains;
 - an iteration skipped right after top-k -> dense (NaN on one rank) leaves what is owed exactly
   as it was, and under GradScaler with ``AdamW(foreach=True)`` the run equals the run without
-  that step.
+  that step;
+- ``threshold`` among the candidates with gradients far larger on one rank (so its payload
+  size differs per rank): no false disagreement, the same decisions on every rank.
 
 Argument errors and the plan are checked in-process.
 """
@@ -307,9 +309,24 @@ def _scaled_run(rank, poison: bool):
             "history": [(h["from"], h["to"]) for h in rt.history]}
 
 
+def _variable_size_candidate(rank, world):
+    """threshold among the candidates, gradients 600x larger on rank 1: rank 0 alone would send
+    almost nothing with threshold, rank 1 almost every element (values and indices: more than
+    dense); every rank must make the same decision."""
+    from gradcomp.training.auto import Link
+
+    rt = _runtime(dict(candidates=("dense", "threshold:tau=0.5"), trial_steps=1, recheck_every=None, min_numel=0,
+                       link=Link.of(0.0, 0.001)))
+    step, _, gap = _steps(rt, rank, world, scale=0.01 if rank == 0 else 3.0)
+    for _ in range(3):
+        assert step()
+    return {"decisions": _decisions(rt), "gap": gap()}
+
+
 def _two_cases(rank, world, tmp):
     out = {}
-    for name, fn, args in (("skip", _skip_after_switch, ()), ("train", _two, (tmp,))):
+    for name, fn, args in (("skip", _skip_after_switch, ()), ("variable", _variable_size_candidate, ()),
+                           ("train", _two, (tmp,))):
         try:
             out[name] = fn(rank, world, *args)
         except Exception as exc:  # noqa: BLE001 (each case's test reports its own failure)
@@ -344,6 +361,13 @@ def test_auto_skipped_step_after_a_switch_loses_nothing(two):
         assert bad["skipped"] == 1 and ref["skipped"] == 0 and bad["iteration"] == ref["iteration"]
         assert torch.equal(bad["owed"], ref["owed"]) and torch.equal(bad["params"], ref["params"]), \
             float((bad["params"] - ref["params"]).abs().max())
+
+
+def test_auto_variable_size_candidate_decides_alike(two):
+    res = _case(two, "variable")
+    assert res[0]["decisions"] == res[1]["decisions"]
+    assert all(c is not None for _, c in res[0]["decisions"])
+    assert all(r["gap"] < 1e-4 for r in res)
 
 
 def test_auto_two_ranks_train(two):
