@@ -12,8 +12,13 @@ DDP rebuild of the buckets is a new bucket):
 2. **Trials** (``trial_steps`` exchanges of the bucket, default 3): the bucket is exchanged
    *dense* (an exact average: trials never change what training sees), and, once the
    iteration's exchanges are done, each candidate's codec is timed on a copy of the bucket's
-   real gradients (its compress, decode, rounds and
-   error-feedback passes; scratch codecs, so no live state changes), with its payload bytes.
+   real gradients (its compress, decode, rounds and error-feedback passes; scratch codecs, so
+   no live state changes; the least of ``trial_steps`` runs), with its payload bytes. The
+   copies are held from the bucket's exchange to the iteration's end, so they are bounded:
+   an iteration copies at most ``trial_memory_mb`` (default 25, one default DDP bucket) of
+   gradients, in pieces of whole gradients (a gradient larger than that alone); a bucket
+   whose pieces do not fit in one iteration stays on trial (dense) until every piece was
+   timed, in later iterations. :attr:`AutoRuntime.trial_bytes_peak` is the most held at once.
 3. **Decision** (at the start of the next iteration, on every rank alike): every measured input
    of the plan (submission and exchange times, gradient norms, codec times and payload sizes:
    a variable-size candidate such as ``threshold`` sends what each rank's gradients hold, and
@@ -61,6 +66,7 @@ same device, and a link that changes between checks.
 from __future__ import annotations
 
 import ast
+import itertools
 import logging
 import math
 import time
@@ -70,8 +76,8 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import (agree, choose_algorithm, exchange_bucket, rank_of, server_feedback, server_key,
-                                  worker)
+from gradcomp.collectives import (agree, choose_algorithm, exchange_bucket, plan_buckets, rank_of, server_feedback,
+                                  server_key, worker)
 from gradcomp.compress import ErrorFeedback, compressor_class, transaction
 
 from .engine import Runtime
@@ -134,8 +140,10 @@ class _Bucket:
     trials: int = 0  # trial exchanges submitted
     ready_ms: float = 0.0  # submission time in its iteration, from the iteration's first bucket
     dense_ms: List[float] = field(default_factory=list)  # real dense exchanges (trials)
-    codec_ms: Dict[str, List[float]] = field(default_factory=dict)  # per candidate, local codec time
-    sizes: Dict[str, Tuple[List[float], float]] = field(default_factory=dict)  # (bytes per round, gathered bytes)
+    # its gradients' indices in pieces whose copies fit trial_memory_mb (a larger gradient alone)
+    pieces: List[List[int]] = field(default_factory=list)
+    # per timed piece, per candidate: (codec ms, bytes per round, gathered bytes) on this rank
+    timings: Dict[int, Dict[str, Tuple[float, List[float], float]]] = field(default_factory=dict)
     choice: Optional[str] = None
     predicted: Dict[str, float] = field(default_factory=dict)  # ms per candidate at the last decision
     runs: List[float] = field(default_factory=list)  # the chosen method's last real exchanges, ms
@@ -149,6 +157,21 @@ class _Bucket:
     @property
     def measured(self) -> Optional[float]:
         return min(self.runs) if self.runs else None
+
+    @property
+    def timed(self) -> bool:
+        """Whether every piece's codecs were timed."""
+        return bool(self.pieces) and len(self.timings) == len(self.pieces)
+
+    def codec(self, label: str) -> Optional[Tuple[float, List[float], float]]:
+        """Candidate ``label`` on the whole bucket: codec ms, bytes per round and gathered bytes
+        summed over its pieces (None until every piece is timed)."""
+        parts = [t.get(label) for t in self.timings.values()] if self.timed else [None]
+        if any(p is None for p in parts):
+            return None
+        done = [p for p in parts if p is not None]
+        rounds = [sum(r) for r in itertools.zip_longest(*(p[1] for p in done), fillvalue=0.0)]
+        return sum(p[0] for p in done), rounds, sum(p[2] for p in done)
 
 
 def parse_candidate(spec: Any) -> Tuple[str, str, Dict[str, Any]]:
@@ -181,8 +204,8 @@ class AutoPolicy(Policy):
         unknown = sorted(set(settings) - set(_POLICY_KEYS))
         if unknown:
             raise ValueError(f"compressor='auto': unknown keyword(s) {', '.join(unknown)}; auto takes candidates=, "
-                             f"trial_steps=, margin=, tolerance=, recheck_every=, accordion=, "
-                             f"accordion_threshold=, link= and the policy keywords {', '.join(_POLICY_KEYS)} "
+                             f"trial_steps=, trial_memory_mb=, verify_steps=, margin=, tolerance=, "
+                             f"recheck_every=, accordion=, accordion_threshold=, link= and the policy keywords {', '.join(_POLICY_KEYS)} "
                              f"(layers= and error_feedback= need a fixed compressor)")
         super().__init__("none", **settings)
         if isinstance(candidates, (str, tuple)) and not (isinstance(candidates, tuple) and all(
@@ -230,14 +253,16 @@ class AutoRuntime(Runtime):
     """The training runtime of ``compressor="auto"`` (see the module docstring)."""
 
     def __init__(self, group=None, local_size: Optional[int] = None, *, candidates: Sequence[Any] = CANDIDATES,
-                 trial_steps: int = 3, verify_steps: int = 2, margin: float = 0.1, tolerance: float = 0.02,
-                 recheck_every: Optional[int] = 200, accordion: bool = False, accordion_threshold: float = 0.5,
-                 link: Optional[Link] = None, **settings: Any) -> None:
+                 trial_steps: int = 3, trial_memory_mb: float = 25.0, verify_steps: int = 2, margin: float = 0.1,
+                 tolerance: float = 0.02, recheck_every: Optional[int] = 200, accordion: bool = False,
+                 accordion_threshold: float = 0.5, link: Optional[Link] = None, **settings: Any) -> None:
         if local_size is not None:
             raise ValueError("compressor='auto' does not support local_size (hierarchical exchange) yet; pass a "
                              "fixed compressor with local_size, or drop local_size")
         for key, value, ok, rule in (
                 ("trial_steps", trial_steps, isinstance(trial_steps, int) and trial_steps >= 1, "an int >= 1"),
+                ("trial_memory_mb", trial_memory_mb, isinstance(trial_memory_mb, (int, float)) and math.isfinite(
+                    trial_memory_mb) and trial_memory_mb > 0, "a finite number > 0 (megabytes)"),
                 ("verify_steps", verify_steps, isinstance(verify_steps, int) and verify_steps >= 0, "an int >= 0"),
                 ("margin", margin, isinstance(margin, (int, float)) and 0 <= margin < 1, "a number in [0, 1)"),
                 ("tolerance", tolerance, isinstance(tolerance, (int, float)) and 0 <= tolerance < 1,
@@ -250,12 +275,14 @@ class AutoRuntime(Runtime):
                 ("link", link, link is None or isinstance(link, Link), "None or a gradcomp.training.auto.Link")):
             if isinstance(value, bool) and key != "accordion" or not ok:
                 raise ValueError(f"compressor='auto': {key}={value!r} is not allowed; {key} must be {rule}")
-        self._settings_text = (f" trial_steps={trial_steps} verify_steps={verify_steps} margin={margin} tolerance={tolerance} "
-                               f"recheck_every={recheck_every} accordion={accordion}:{accordion_threshold}")
+        self._settings_text = (f" trial_steps={trial_steps} trial_memory_mb={trial_memory_mb} verify_steps={verify_steps} "
+                               f"margin={margin} tolerance={tolerance} recheck_every={recheck_every} "
+                               f"accordion={accordion}:{accordion_threshold}")
         super().__init__(AutoPolicy(candidates, **settings), group, None)
         self.policy: AutoPolicy
         self.label = "auto"
         self.trial_steps, self.margin, self.tolerance = trial_steps, float(margin), float(tolerance)
+        self.trial_memory_mb = float(trial_memory_mb)
         self.verify_steps = verify_steps
         self.recheck_every, self.accordion, self.accordion_threshold = recheck_every, accordion, accordion_threshold
         self.link: Optional[Link] = link
@@ -270,7 +297,12 @@ class AutoRuntime(Runtime):
         self._scratch: Dict[str, Any] = {}  # codecs that time candidates without touching live state
         self._last_check = 0
         self._all_dense = True  # no decided bucket uses a codec (set at each iteration's start)
-        self._untimed: List[Tuple[_Bucket, List[torch.Tensor], torch.device]] = []  # trial copies to time
+        # trial copies to time when the iteration ends: (bucket, piece, gradients, device)
+        self._untimed: List[Tuple[_Bucket, int, List[torch.Tensor], torch.device]] = []
+        self._copy: Dict[Tuple[str, ...], List[int]] = {}  # pieces to copy, per trial bucket of the iteration
+        self._planned = 0  # bytes of the copies planned in this iteration
+        self.trial_bytes = 0  # bytes of gradient copies held now for timing candidates
+        self.trial_bytes_peak = 0  # the most held at once so far (bounded by trial_memory_mb)
 
     # ---- configuration ------------------------------------------------------------------
     def _config(self, params=None) -> Dict[str, str]:
@@ -302,7 +334,7 @@ class AutoRuntime(Runtime):
         self._order.append(key)
         now = time.perf_counter()
         if first:
-            self._t0 = now
+            self._t0, self._planned, self._copy = now, 0, {}
         bucket.ready_ms = 1e3 * (now - self._t0)
         cand = self.policy.by_label[bucket.choice] if bucket.choice is not None else None
         if self.world == 1:
@@ -310,12 +342,29 @@ class AutoRuntime(Runtime):
         elif cand is None:
             mode = "trial" if self.iteration >= self.policy.default.start_iter else "run"
             bucket.trials += mode == "trial"
+            if mode == "trial" and not bucket.timed:
+                self._copy[key] = self._pieces_to_copy(bucket)
         else:
             mode = "check" if bucket.verify_at is not None or self._checking() else "run"
         self._mode[key] = mode
         if cand is None or cand.policy is None:
             return [(n, g, None) for n, g in zip(names, grads)]
         return [(n, g, cand.policy.route(n, g, self.iteration)) for n, g in zip(names, grads)]
+
+    def _pieces_to_copy(self, bucket: _Bucket) -> List[int]:
+        """The pieces of ``bucket`` whose gradients this iteration copies to time the candidates
+        on: those not timed yet, in order, while the copies held until the iteration ends stay
+        within ``trial_memory_mb`` (a piece larger than that, one gradient, only when nothing else
+        is held). Decided on the submitting thread, from shapes alone: every rank alike."""
+        if not bucket.pieces:
+            bucket.pieces = plan_buckets(list(zip(bucket.names, bucket.meta)), self.trial_memory_mb)
+        budget, take = self.trial_memory_mb * 2 ** 20, []
+        for i, piece in enumerate(bucket.pieces):
+            nbytes = sum(bucket.meta[j].numel() * bucket.meta[j].element_size() for j in piece)
+            if i not in bucket.timings and (not self._planned or self._planned + nbytes <= budget):
+                take.append(i)
+                self._planned += nbytes
+        return take
 
     def _checking(self) -> bool:
         return self.recheck_every is not None and self.iteration > 0 and self.iteration % self.recheck_every == 0
@@ -329,7 +378,7 @@ class AutoRuntime(Runtime):
         if self.link is None:
             self._probe(worker.device_of(grads))
         due = [k for k in dict.fromkeys(previous) if self._buckets[k].choice is None
-               and self._buckets[k].trials >= self.trial_steps and self._buckets[k].dense_ms]
+               and self._buckets[k].trials >= self.trial_steps and self._buckets[k].dense_ms and self._buckets[k].timed]
         recheck = self._checking_due()
         verify = [k for k in dict.fromkeys(previous) if self.iteration >= (self._buckets[k].verify_at or math.inf)]
         if (due or recheck or verify) and previous:  # nothing seen yet (a resumed run's first bucket): nothing to do
@@ -354,7 +403,13 @@ class AutoRuntime(Runtime):
         grads = [g for _, g, _ in items]
         device = worker.device_of(grads)
         timed = mode != "run" or device.type != "cuda"
-        copies = [g.detach().clone() for g in grads] if mode == "trial" else None
+        bucket = self._buckets[key]
+        for piece in self._copy.pop(key, []) if mode == "trial" else []:
+            # held until the iteration ends (end_iteration), so timing them delays no exchange
+            copies = [grads[j].detach().clone() for j in bucket.pieces[piece]]
+            self._untimed.append((bucket, piece, copies, device))
+            self.trial_bytes += sum(c.numel() * c.element_size() for c in copies)
+            self.trial_bytes_peak = max(self.trial_bytes_peak, self.trial_bytes)
         if mode != "run" and self.accordion:
             self._buckets[key].norm = torch.linalg.vector_norm(torch.stack(
                 [torch.linalg.vector_norm(g.detach().float()) for g in grads]))
@@ -367,10 +422,8 @@ class AutoRuntime(Runtime):
             out = super().exchange(items, group, world, buffer, label)
         if timed:
             ms = 1e3 * (self._clock(device) - start)
-            bucket = self._buckets[key]
             if mode == "trial":  # the codecs are timed when the iteration ends (end_iteration)
-                bucket.dense_ms.append(ms)
-                self._untimed.append((bucket, copies or grads, device))
+                bucket.dense_ms = (bucket.dense_ms + [ms])[-self.trial_steps:]
             else:
                 bucket.runs = (bucket.runs + [ms])[-5:]
         return out
@@ -381,8 +434,12 @@ class AutoRuntime(Runtime):
         exchange (nor the other ranks waiting in it) nor the submissions whose times the plan uses."""
         kept = super().end_iteration(keep)
         untimed, self._untimed = self._untimed, []
-        for bucket, grads, device in untimed:
-            self._time_codecs(bucket, grads, device)
+        while untimed:
+            bucket, piece, grads, device = untimed.pop(0)
+            names = [bucket.names[j] for j in bucket.pieces[piece]]
+            bucket.timings[piece] = self._time_codecs(names, grads, device)
+            self.trial_bytes -= sum(g.numel() * g.element_size() for g in grads)
+            del grads  # the copy is freed here, before the next piece is timed
         return kept
 
     def _clock(self, device: torch.device) -> float:
@@ -391,9 +448,11 @@ class AutoRuntime(Runtime):
             self.syncs += 1
         return time.perf_counter()
 
-    def _time_codecs(self, bucket: _Bucket, grads: List[torch.Tensor], device: torch.device) -> None:
-        """Every compressed candidate's codec time on the bucket's gradients (scratch codecs)."""
-        w = self.world
+    def _time_codecs(self, names: List[str], grads: List[torch.Tensor],
+                     device: torch.device) -> Dict[str, Tuple[float, List[float], float]]:
+        """Every compressed candidate on gradients ``grads`` (of parameters ``names``; scratch
+        codecs): the least codec time of ``trial_steps`` runs, bytes per round and gathered."""
+        w, out = self.world, {}
         for cand in self.policy.candidates:
             if cand.policy is None:
                 continue
@@ -402,44 +461,56 @@ class AutoRuntime(Runtime):
                 base = self._scratch[cand.label] = compressor_class(cand.name)(**cand.codec.base.config.as_dict())
             feedback = cand.codec is not cand.codec.base
             gather = choose_algorithm(cand.codec, w)
-            rounds: List[float] = [0.0]
-            gathered = 0.0
             # the residuals live across steps: their memory is not part of a step's cost
             residuals = [torch.empty(g.shape, dtype=torch.float32, device=g.device) if feedback else None
                          for g in grads]
-            start = self._clock(device)
-            for name, g, res in zip(bucket.names, grads, residuals):
-                if cand.policy.route(name, g, self.iteration) is None:
-                    rounds[0] += g.numel() * g.element_size()
-                    continue
-                if res is not None:  # error feedback: add the residual; update it unless kept in place
-                    torch.add(g, g, out=res)
-                    if not cand.codec.keeps_residual_in_place(g):
-                        res.sub_(g)
-                if base.multi_round:
-                    gen = base.rounds(g, name)
-                    sent, r = next(gen), 0
-                    try:
-                        while True:
-                            while len(rounds) <= r:
-                                rounds.append(0.0)
-                            rounds[r] += sent.numel() * sent.element_size()
-                            sent, r = gen.send(sent), r + 1
-                    except StopIteration:
-                        pass
-                elif base.native:
-                    payload = base.compress(g, name)
+            times = []
+            for _ in range(self.trial_steps):  # the least: the first run also warms up
+                rounds: List[float] = [0.0]
+                start = self._clock(device)
+                gathered = self._run_codec(cand, base, gather, names, grads, residuals, rounds)
+                times.append(1e3 * (self._clock(device) - start))
+            out[cand.label] = (min(times), rounds, gathered)
+        return out
+
+    def _run_codec(self, cand: Candidate, base: Any, gather: str, names: List[str], grads: List[torch.Tensor],
+                   residuals: List[Optional[torch.Tensor]], rounds: List[float]) -> float:
+        """One run of candidate ``cand``'s codec (compressor ``base``) on ``grads``: what a
+        bucket's exchange computes on this rank. Adds each round's bytes to ``rounds``; returns
+        the bytes gathered (allgather and scatter-reduce payloads)."""
+        w, gathered, policy = self.world, 0.0, cand.policy
+        assert policy is not None  # a compressed candidate
+        for name, g, res in zip(names, grads, residuals):
+            if policy.route(name, g, self.iteration) is None:
+                rounds[0] += g.numel() * g.element_size()
+                continue
+            if res is not None:  # error feedback: add the residual; update it unless kept in place
+                torch.add(g, g, out=res)
+                if not cand.codec.keeps_residual_in_place(g):
+                    res.sub_(g)
+            if base.multi_round:
+                gen = base.rounds(g, name)
+                sent, r = next(gen), 0
+                try:
+                    while True:
+                        while len(rounds) <= r:
+                            rounds.append(0.0)
+                        rounds[r] += sent.numel() * sent.element_size()
+                        sent, r = gen.send(sent), r + 1
+                except StopIteration:
+                    pass
+            elif base.native:
+                payload = base.compress(g, name)
+                base.decompress(payload)
+                rounds[0] += payload.tensors[0].numel() * payload.tensors[0].element_size()
+            else:
+                payload = base.compress(g, name)
+                for _ in range(w if gather == "allgather" else 2):  # every rank's payload (or both phases') decoded
                     base.decompress(payload)
-                    rounds[0] += payload.tensors[0].numel() * payload.tensors[0].element_size()
-                else:
-                    payload = base.compress(g, name)
-                    for _ in range(w if gather == "allgather" else 2):  # every rank's payload (or both phases') decoded
-                        base.decompress(payload)
-                    if gather == "scatter-reduce":  # the server compresses the average again
-                        base.compress(g, name)
-                    gathered += payload.nbytes
-            bucket.codec_ms.setdefault(cand.label, []).append(1e3 * (self._clock(device) - start))
-            bucket.sizes[cand.label] = (rounds, gathered)
+                if gather == "scatter-reduce":  # the server compresses the average again
+                    base.compress(g, name)
+                gathered += payload.nbytes
+        return gathered
 
     # ---- measuring the link ---------------------------------------------------------------
     def _probe(self, device: torch.device) -> None:
@@ -484,10 +555,9 @@ class AutoRuntime(Runtime):
             row = [b.ready_ms, -min(b.dense_ms) if b.dense_ms else 1.0,
                    -b.measured if b.measured is not None else 1.0,
                    float(b.norm) if b.norm is not None else -1.0]  # a device read folded into this step's sync
-            for c in cands:
-                rounds, gathered = b.sizes.get(c.label, ([], -1.0))
-                row += [min(b.codec_ms[c.label]) if b.codec_ms.get(c.label) else -1.0,
-                        sum(rounds), float(sum(1 for r in rounds if r)), gathered]
+            for c in cands:  # candidate: codec ms, bytes over its rounds, messages, gathered bytes
+                ms, rounds, gathered = b.codec(c.label) or (-1.0, [], -1.0)
+                row += [ms, sum(rounds), float(sum(1 for r in rounds if r)), gathered]
             rows.append(row)
         width = len(rows[0])
 
@@ -527,7 +597,7 @@ class AutoRuntime(Runtime):
                 b.failed = True
                 open_.add(k)
         if recheck:  # buckets that were never timed (a resumed run) keep their choice
-            open_ = {k for k in open_ if k in due or self._buckets[k].codec_ms}
+            open_ = {k for k in open_ if k in due or self._buckets[k].timed}
         plan = self._plan(order, costs, open_, {k: table[k][0] for k in order})
         changed = {k: c for k, c in plan.items() if c != before[k]}
         if changed:

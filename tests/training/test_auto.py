@@ -20,7 +20,9 @@ One 2-rank spawn (each case's test reports its own failure):
   as it was, and under GradScaler with ``AdamW(foreach=True)`` the run equals the run without
   that step;
 - ``threshold`` among the candidates with gradients far larger on one rank (so its payload
-  size differs per rank): no false disagreement, the same decisions on every rank.
+  size differs per rank): no false disagreement, the same decisions on every rank;
+- the gradient copies the trials time candidates on stay within ``trial_memory_mb`` (bf16
+  model, ``AdamW(fused=True)``), and the trials still end in decisions.
 
 Argument errors and the plan are checked in-process.
 """
@@ -323,9 +325,53 @@ def _variable_size_candidate(rank, world):
     return {"decisions": _decisions(rt), "gap": gap()}
 
 
+def _held(rt) -> int:
+    """Bytes of the gradient copies auto holds now for timing its candidates."""
+    return sum(t.numel() * t.element_size() for item in rt._untimed for part in item if isinstance(part, list)
+               for t in part)
+
+
+def _trial_copies_bounded(rank, world):
+    """A bf16 MLP under CompressedOptimizer(AdamW(fused=True)), trial_memory_mb below the model's
+    gradient bytes: the copies held at once (measured when the iteration ends, where they are
+    most) stay within it, the trials still end in a decision, the same on every rank."""
+    from _training_helpers import batch, flat_params, mlp, teacher_data
+    from gradcomp.training import CompressedOptimizer
+    from gradcomp.training.auto import Link
+
+    x, y = teacher_data(256, 32, 8)
+    model = mlp(32, 64, 64, 64, 8, seed=0).to(torch.bfloat16)
+    budget = 0.01  # MB: 10.5 kB of the model's 21.9 kB of gradients; its largest gradient is 8 kB
+    opt = CompressedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), "auto", model=model,
+                              bucket_mb=0.015, candidates=("dense", "int8", "topk"), trial_steps=2, min_numel=0,
+                              recheck_every=None, link=Link.of(0.0, 0.001), trial_memory_mb=budget)
+    rt = opt.compression
+    peak, end = [0], rt.end_iteration
+
+    def measured_end(keep=True):
+        peak[0] = max(peak[0], _held(rt))
+        return end(keep)
+
+    rt.end_iteration = measured_end
+    decided_at = None
+    for step in range(10):
+        xb, yb = batch(x, y, 32, rank, step)
+        torch.nn.functional.cross_entropy(model(xb.bfloat16()), yb).backward()
+        opt.step()
+        opt.zero_grad()
+        if decided_at is None and all(c is not None for c in rt.decisions().values()):
+            decided_at = step
+    grads = sum(p.numel() * p.element_size() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    return {"peak": peak[0], "accounted": getattr(rt, "trial_bytes_peak", None), "held_now": getattr(rt, "trial_bytes", None), "bound": budget * 2 ** 20,
+            "largest": largest, "grads": grads, "decided_at": decided_at, "decisions": _decisions(rt),
+            "params": flat_params(model)}
+
+
 def _two_cases(rank, world, tmp):
     out = {}
     for name, fn, args in (("skip", _skip_after_switch, ()), ("variable", _variable_size_candidate, ()),
+                           ("bound", _trial_copies_bounded, ()),
                            ("train", _two, (tmp,))):
         try:
             out[name] = fn(rank, world, *args)
@@ -370,6 +416,16 @@ def test_auto_variable_size_candidate_decides_alike(two):
     assert all(r["gap"] < 1e-4 for r in res)
 
 
+def test_auto_trial_copies_are_bounded(two):
+    res = _case(two, "bound")
+    for r in res:
+        assert r["largest"] < r["bound"] < r["grads"]  # the set-up: a bound that binds
+        assert 0 < r["peak"] <= r["bound"], f"held {r['peak']} B of gradient copies at once; the bound is {r['bound']:.0f} B"
+        assert r["accounted"] == r["peak"] and r["held_now"] == 0
+        assert r["decided_at"] is not None and all(c is not None for _, c in r["decisions"])
+    assert res[0]["decisions"] == res[1]["decisions"] and torch.equal(res[0]["params"], res[1]["params"])
+
+
 def test_auto_two_ranks_train(two):
     res = _case(two, "train")
     for kind in ("conv_bn", "transformer"):
@@ -398,6 +454,8 @@ def test_auto_arguments():
         make_runtime("auto", {"candidates": ("topk",)})
     with pytest.raises(ValueError, match="trial_steps=0"):
         make_runtime("auto", {"trial_steps": 0})
+    with pytest.raises(ValueError, match="trial_memory_mb=0 .* must be a finite number > 0"):
+        make_runtime("auto", {"trial_memory_mb": 0})
     with pytest.raises(ValueError, match="layers= and error_feedback= need a fixed compressor"):
         make_runtime("auto", {"layers": {"*": "dense"}})
     with pytest.raises(ValueError, match="local_size"):
