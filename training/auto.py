@@ -7,7 +7,9 @@ DDP rebuild of the buckets is a new bucket):
 1. **Link.** At the first bucket, a probe of two sizes (one element, ``PROBE_NUMEL``) of dense
    allreduce on the real group gives the per-message latency ``alpha`` and the rate; the
    slowest rank's figures (one MAX allreduce). Every real dense exchange during the trials is
-   timed too and the rate is refit from them (``link=`` injects a fixed :class:`Link`
+   timed too and the rate is refit from the bandwidth-bound ones (``FIT_MIN_BYTES`` or more,
+   and ``FIT_LATENCIES`` latencies or more at the current rate: a small bucket's time is
+   latency and overheads, no measure of the rate; ``link=`` injects a fixed :class:`Link`
    instead, and then nothing is refit: decisions depend on codec costs only).
 2. **Trials** (``trial_steps`` exchanges of the bucket, default 3): the bucket is exchanged
    *dense* (an exact average: trials never change what training sees), and, once the
@@ -88,6 +90,10 @@ log = logging.getLogger("gradcomp.auto")
 #: the default candidates, most faithful first (the order breaks ties and guides the accuracy pass)
 CANDIDATES = ("dense", "fp16", "bf16", "int8", "powersgd:rank=8", "powersgd:rank=4", "topk", "onebit")
 PROBE_NUMEL = 1 << 18  # 1 MiB of fp32: long enough on a fast link, ~0.1 s at 100 Mbit/s
+#: a real dense exchange refits the rate only when it sends this many bytes or more...
+FIT_MIN_BYTES = 1 << 18
+#: ... and would take this many latencies at the current rate (bytes, not latency, set its time)
+FIT_LATENCIES = 4
 _STATE_VERSION = 1
 _POLICY_KEYS = ("start_iter", "min_compression_rate", "min_numel", "compress_1d")
 
@@ -615,15 +621,21 @@ class AutoRuntime(Runtime):
                 b.runs = []
 
     def _refit(self, table: Mapping[Tuple[str, ...], List[float]]) -> None:
-        """The rate from the real dense exchanges (every rank the same: MAX-reduced times)."""
+        """The rate from the real dense exchanges that are bandwidth-bound (every rank the same:
+        MAX-reduced times): at least ``FIT_MIN_BYTES`` sent, and a wire time at the current rate
+        of at least ``FIT_LATENCIES`` latencies. A small bucket's time is latency and the
+        machine's overheads: a rate fit from it is nonsense (a fast link would look like a
+        modem's), so without a large bucket the probe's rate stays."""
         assert self.link is not None
-        w, sent, spent = self.world, 0.0, 0.0
+        w, link, sent, spent = self.world, self.link, 0.0, 0.0
+        floor = max(FIT_MIN_BYTES, FIT_LATENCIES * link.alpha_ms * link.rate)
         for k, row in table.items():
-            if row[1] > 2 * self.link.alpha_ms:  # exchanges that latency does not swamp
-                sent += 2 * (w - 1) / w * self._buckets[k].nbytes
-                spent += max(row[1] - self.link.alpha_ms, 1e-3)
+            nbytes = 2 * (w - 1) / w * self._buckets[k].nbytes
+            if row[1] > 0 and nbytes >= floor:
+                sent += nbytes
+                spent += max(row[1] - link.alpha_ms, 1e-3)
         if sent and spent:
-            self.link = Link(self.link.alpha_ms, sent / spent)
+            self.link = Link(link.alpha_ms, sent / spent)
 
     def _costs(self, key: Tuple[str, ...], row: List[float]) -> Dict[str, float]:
         """Predicted ms of each candidate for bucket ``key`` (the dense one measured, when the link

@@ -491,3 +491,23 @@ def test_auto_plan_overlap_and_accordion():
     # Accordion: a critical bucket takes only light methods (8 bits or more per element)
     rt._buckets[keys[1]].critical = True
     assert rt._plan(keys, costs, set(keys), {k: 0.0 for k in keys}) == {keys[0]: "topk", keys[1]: "int8"}
+
+
+def test_auto_refits_the_rate_from_bandwidth_bound_exchanges_only():
+    """The rate is refit from real dense exchanges only where bytes, not latency, set their
+    time: a tiny model's small buckets (latency plus the machine's noise) would otherwise
+    make a 10 Gbit/s link look like a few Mbit/s."""
+    from gradcomp.training.auto import Link, _Bucket, make_runtime
+
+    rt = make_runtime("auto", {"candidates": ("dense", "topk")})
+    rt._world = 2
+    probe = Link(0.05, 1.25e6)  # 50 us per message, 10 Gbit/s
+    rt.link = probe
+    small, big = ("small",), ("big",)
+    rt._buckets[small] = _Bucket(small, nbytes=4e3)  # 1k fp32 gradients
+    rt._buckets[big] = _Bucket(big, nbytes=8 * 2 ** 20)
+    rt._refit({small: [0.0, 0.5, -1.0, -1.0]})  # 0.5 ms: ten latencies, on a busy machine
+    assert rt.link == probe, f"refit {rt.link.rate * 8e3 / 1e9:.3g} Gbit/s from a latency-bound 4 kB exchange"
+    slow = 2.5e5  # bytes per ms: 2 Gbit/s, what an 8 MiB exchange really took
+    rt._refit({small: [0.0, 0.5, -1.0, -1.0], big: [0.0, probe.alpha_ms + 8 * 2 ** 20 / slow, -1.0, -1.0]})
+    assert rt.link.alpha_ms == probe.alpha_ms and rt.link.rate == pytest.approx(slow)
