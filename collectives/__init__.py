@@ -15,17 +15,17 @@ exchanges the training runtime (DDP hook, ``CompressedOptimizer``) is built on
 from .worker import shutdown, wait_all
 from ._comm import CommunicationError, backend_for, check_device_set, group_timeout, on_device, rank_of, world_of
 from .allreduce import ALGORITHMS, allreduce, choose_algorithm
-from .bucket import allreduce_buckets, exchange_bucket, plan_buckets, prepare_bucket
+from .bucket import allreduce_buckets, exchange_bucket, plan_buckets, prepare_bucket, sum_counts
 from .fused import allreduce_fused
 from .hierarchical import Hierarchy, NodeGroups, exchange_bucket_by_owners, make_node_groups
 from .identity import Identity, agree, describe_params, fingerprint, names_of, refuse_on_every_rank
 from .p2p import recv, send
-from .scatter_reduce import server_feedback, server_key
+from .scatter_reduce import key_of, server_feedback, server_key
 from ._telemetry import reset_telemetry, set_measure_error, telemetry
 
 __all__ = [
     "allreduce", "choose_algorithm", "ALGORITHMS", "allreduce_buckets", "plan_buckets",
-    "allreduce_fused", "exchange_bucket", "prepare_bucket", "exchange_bucket_by_owners", "Hierarchy",
+    "allreduce_fused", "exchange_bucket", "prepare_bucket", "sum_counts", "key_of", "exchange_bucket_by_owners", "Hierarchy",
     "make_node_groups", "NodeGroups", "world_of", "rank_of", "send", "recv", "server_feedback", "server_key",
     "telemetry", "reset_telemetry", "set_measure_error", "CommunicationError", "group_timeout", "shutdown",
     "wait_all", "backend_for", "check_device_set", "on_device",

@@ -422,6 +422,18 @@ def _advance(i: int, gen: Rounds, value: Optional[torch.Tensor], pending: Dict[i
         rec.compress_s += time.perf_counter() - start
 
 
+def sum_counts(counts: torch.Tensor, group, world: int, label: str = "?") -> torch.Tensor:
+    """The element-wise sum over ``group`` of ``counts`` (a small int tensor on the group's
+    device, e.g. 1 where this rank has a parameter's gradient), in place; nothing is read. The
+    training runtime sends it after an iteration's last bucket (``Runtime.submit``'s ``tally``)."""
+    if world > 1:
+        rec = Record("allreduce", "bucket", label, "tally", world, dense_bytes=_nbytes(counts))
+        rec.payload_bytes = _nbytes(counts)
+        Comm(group, rec, "training exchange", counts.device).all_reduce_(counts)
+        commit(rec)
+    return counts
+
+
 def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
     """Average ``flat`` over the group in place by the collectives' one rule (``Comm.mean_``),
     so the ``none`` and 16-bit cast hooks give the bits of DDP and of PyTorch's hooks."""

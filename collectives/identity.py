@@ -39,15 +39,18 @@ def names_of(params: Sequence[torch.Tensor], model: Optional[torch.nn.Module]) -
     return [by_id[id(p)] for p in params]
 
 
-def agree(config: Mapping[str, str], group, when: str, *, device: Optional[torch.device] = None) -> None:
+def agree(config: Mapping[str, str], group, when: str, *, device: Optional[torch.device] = None,
+          problem: Optional[str] = None) -> None:
     """Raise the same ``ValueError`` on every rank of ``group`` unless every rank passed the
     same ``config`` (field -> printable value), naming the first field that differs and each
-    rank's value. Runs under ``device`` (default: the device this thread's object collectives
-    use on ``group``)."""
+    rank's value. ``problem``: why this rank has no configuration to compare (what it was given
+    is invalid there, e.g. an option computed from its process rank): when any rank passes one,
+    every rank raises the first such rank's, naming it. Runs under ``device`` (default: the
+    device this thread's object collectives use on ``group``)."""
     check_device_set(group, device, f"gradcomp: agreeing {when}")  # NCCL's object collectives need set_device
     if device is None:
         device = _object_device(group)
-    worker.submit(lambda twin: _agree(config, twin(group), when), (group,), False, device=device)
+    worker.submit(lambda twin: _agree(config, twin(group), when, problem), (group,), False, device=device)
 
 
 def refuse_on_every_rank(problem: Optional[str], group, what: str, *, device: Optional[torch.device] = None) -> None:
@@ -86,10 +89,15 @@ def _object_device(group) -> torch.device:
     return torch.device("cpu")
 
 
-def _agree(config: Mapping[str, str], group, when: str) -> None:
+def _agree(config: Mapping[str, str], group, when: str, problem: Optional[str] = None) -> None:
     digest = {k: fingerprint(v) for k, v in config.items()}
     gathered: List[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, (digest, dict(config)), group=group)
+    dist.all_gather_object(gathered, (digest, dict(config), problem or None), group=group)
+    failed = [(r, g[2]) for r, g in enumerate(gathered) if g[2]]
+    if failed:
+        r, said = failed[0]
+        others = f" (and on rank(s) {[f for f, _ in failed[1:]]})" if len(failed) > 1 else ""
+        raise ValueError(f"{said} (on rank {r}{others}; raised on every rank {when})")
     for field in config:
         values = [g[0].get(field) for g in gathered]
         if len(set(values)) > 1:

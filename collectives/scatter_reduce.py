@@ -45,6 +45,16 @@ def server_key(key: str, j: int) -> str:
     return chunk_key(key, j) + "/server"
 
 
+def key_of(state_key: str) -> str:
+    """The exchange key (``allreduce``'s ``key``, a training parameter's name) whose state a
+    compressor or error feedback keeps under ``state_key``: a chunk's (``{key}/chunk{j}``) and
+    a chunk's server-side residual (:func:`server_key`) are the key's own; any other is itself."""
+    head, sep, tail = state_key.rpartition("/chunk")
+    if sep and (tail.isdigit() or (tail.endswith("/server") and tail[:-len("/server")].isdigit())):
+        return head
+    return state_key
+
+
 def server_feedback(compressor: Any) -> ErrorFeedback:
     """The server-side error feedback that scatter-reduce keeps for ``compressor`` (the object
     passed to ``allreduce``, an error-feedback wrapper): residuals per :func:`server_key`.

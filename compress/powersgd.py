@@ -48,7 +48,7 @@ from gradcomp.kernels.linalg import METHODS, orthonormalize
 from gradcomp.kernels.quant import may_hold, mul_pow2_on_device_, pow2
 
 from .base import (FLOAT_DTYPES, Capabilities, Compressor, CompressorConfig, Encoded, Rounds, expect, numel_of,
-                   option, positive_int, seed_option, work_dtype)
+                   option, seed_option, work_dtype)
 from .registry import register
 from .transaction import replace
 
@@ -59,7 +59,10 @@ class PowerSGD(Compressor):
 
     @dataclass(frozen=True)
     class Config(CompressorConfig):
-        rank: int = positive_int("rank of the approximation; lower => fewer bytes, larger error", 4)
+        rank: int = option(4, "rank r of the approximation P Q^T (the matrix rank, not the process rank: the same on "
+                           "every process); lower => fewer bytes, larger error", lambda v: v >= 1,
+                           "an int >= 1: the matrix rank r of the approximation P Q^T, not a process rank (pass "
+                           "the same value on every process, never dist.get_rank())")
         min_compression_rate: float = option(
             2.0, "send a tensor dense unless n*m / ((n+m)*rank) reaches this; higher => more tensors "
             "sent exactly, more bytes", lambda v: 1.0 <= v < math.inf, "a finite float >= 1")

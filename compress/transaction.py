@@ -16,7 +16,10 @@ rank. So the collectives run each step inside a :class:`Transaction`:
 - whether the step counts is decided on the device: :meth:`Transaction.observe` keeps each
   result's extremes there and :meth:`Transaction.flag` the validity checks of received
   payloads, and :attr:`Transaction.finite` / :attr:`Transaction.problems` read all of them at
-  once, when the owner ends the transaction (one host sync per step, not one per bucket).
+  once, when the owner ends the transaction (one host sync per step, not one per bucket);
+  what else the owner must learn from the device that step rides along
+  (:meth:`Transaction.read_with`), and may undo the changes of some keys then
+  (:meth:`Transaction.rollback_keys`).
 
 Without an open transaction (a compressor or ``ErrorFeedback`` used on its own) changes apply
 at once, as they always did. A transaction is open in the current context
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, MutableMapping, Optional, Sequence, Tuple
 
 import torch
 
@@ -53,6 +56,8 @@ class Transaction:
         # the tensor (held, so its memory is not reused while this lives), its version then, the
         # witness
         self._vouched: Vouched = {}
+        # device tensors of ints read with the step's read and handed to their receivers (read_with)
+        self._riders: List[Tuple[torch.Tensor, Callable[[List[int]], None]]] = []
         self._verdict: Optional[Tuple[bool, List[str]]] = None
         self.failed = False  # an exchange of this step raised
 
@@ -84,6 +89,26 @@ class Transaction:
         self._flags.append((bad.reshape(-1), problem))
         self._verdict = None
 
+    def read_with(self, values: torch.Tensor, receive: Callable[[List[int]], None]) -> None:
+        """Read ``values`` (a device tensor of ints) with the step's one host read (the
+        finiteness witnesses and the flags) and hand them to ``receive`` as a list. It runs at
+        that read, before the transaction is committed or rolled back, and may undo part of it
+        (:meth:`rollback_keys`); the values decide nothing about the step. Nothing is read now."""
+        self._riders.append((values.reshape(-1), receive))
+        self._verdict = None
+
+    def rollback_keys(self, owned: Callable[[Any], bool]) -> None:
+        """Undo now every change of an entry whose key ``owned`` accepts, as :meth:`rollback`
+        would; the others stay, to be committed or rolled back with the transaction."""
+        kept = []
+        for entry in reversed(self._undo):
+            if owned(entry[1]):
+                self._restore(*entry)
+                self._seen.pop((id(entry[0]), entry[1]), None)
+            else:
+                kept.append(entry)
+        self._undo = kept[::-1]
+
     def flagged(self) -> Optional[torch.Tensor]:
         """A 0-d bool device tensor, true when any flag noted so far is set (nothing read), or
         None when there are none: for an owner that reduces it over ranks with its own flags."""
@@ -112,7 +137,11 @@ class Transaction:
 
     def _settle(self) -> Tuple[bool, List[str]]:
         if self._verdict is None:
-            self._verdict = _read(self._witnesses, self._flags)
+            riders, self._riders = self._riders, []
+            finite, problems, values = _read(self._witnesses, self._flags, [r for r, _ in riders])
+            self._verdict = (finite, problems)
+            for (_, receive), got in zip(riders, values):
+                receive(got)
         return self._verdict
 
     def commit(self) -> None:
@@ -122,20 +151,24 @@ class Transaction:
         self._clear()
 
     def rollback(self) -> None:
-        for mapping, key, old, spares in reversed(self._undo):
-            new = mapping.get(key, _MISSING)
-            if spares is not None and isinstance(new, torch.Tensor) and new is not old:
-                spares[key] = new
-            if old is _MISSING:
-                mapping.pop(key, None)
-            else:
-                mapping[key] = old
+        for entry in reversed(self._undo):
+            self._restore(*entry)
         self._clear()
+
+    @staticmethod
+    def _restore(mapping: MutableMapping, key: Any, old: Any, spares: Optional[Dict]) -> None:
+        new = mapping.get(key, _MISSING)
+        if spares is not None and isinstance(new, torch.Tensor) and new is not old:
+            spares[key] = new
+        if old is _MISSING:
+            mapping.pop(key, None)
+        else:
+            mapping[key] = old
 
     def _clear(self) -> None:
         self._undo.clear()
         self._seen.clear()
-        self._witnesses, self._flags, self._verdict, self._vouched = [], [], None, {}
+        self._witnesses, self._flags, self._verdict, self._vouched, self._riders = [], [], None, {}, []
         self.failed = False
 
     @contextlib.contextmanager
@@ -360,18 +393,22 @@ def _any_nonfinite(ws: List[torch.Tensor], device: Optional[torch.device]) -> to
     return (~torch.isfinite(torch.cat([w if w.device == here else w.to(here) for w in ws])).all()).double()
 
 
-def _read(witnesses: List[torch.Tensor], flags: List[Tuple[torch.Tensor, Callable[[List[int]], str]]]
-          ) -> Tuple[bool, List[str]]:
-    """Finiteness of every witness and the values of every flag, in one host read per device."""
+def _read(witnesses: List[torch.Tensor], flags: List[Tuple[torch.Tensor, Callable[[List[int]], str]]],
+          riders: Sequence[torch.Tensor] = ()) -> Tuple[bool, List[str], List[List[int]]]:
+    """Finiteness of every witness, the values of every flag and those of every rider (see
+    :meth:`Transaction.read_with`), in one host read per device."""
     finite, problems = True, []
     by_device: Dict[torch.device, List[torch.Tensor]] = {}
     for w in witnesses:
         by_device.setdefault(w.device, []).append(w)
-    for f, _ in flags:
-        by_device.setdefault(f.device, [])
+    for t in [*(f for f, _ in flags), *riders]:
+        by_device.setdefault(t.device, [])
+    got: Dict[int, List[int]] = {}
     for device, ws in by_device.items():
         fl = [f for f, _ in flags if f.device == device]
-        parts = ([torch.isfinite(torch.cat(ws)).all().reshape(1).long()] if ws else []) + [f.long() for f in fl]
+        mine_riders = [i for i, r in enumerate(riders) if r.device == device]
+        parts = ([torch.isfinite(torch.cat(ws)).all().reshape(1).long()] if ws else []) + [f.long() for f in fl] \
+            + [riders[i].long() for i in mine_riders]
         values = torch.cat(parts).tolist()  # the step's one host read on this device
         if ws:
             finite = finite and bool(values[0])
@@ -380,7 +417,9 @@ def _read(witnesses: List[torch.Tensor], flags: List[Tuple[torch.Tensor, Callabl
             mine, values = values[:f.numel()], values[f.numel():]
             if any(mine):
                 problems.append(problem(mine))
-    return finite, problems
+        for i in mine_riders:
+            got[i], values = values[:riders[i].numel()], values[riders[i].numel():]
+    return finite, problems, [got[i] for i in range(len(riders))]
 
 
 def all_finite(results: Any) -> bool:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import fnmatch
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
+import torch.distributed as dist
 
 from gradcomp.collectives import (Hierarchy, Identity, agree, choose_algorithm, describe_params, exchange_bucket,
-                                  exchange_bucket_by_owners, fingerprint, make_node_groups, prepare_bucket, rank_of,
-                                  refuse_on_every_rank, server_feedback, world_of, worker)
+                                  exchange_bucket_by_owners, fingerprint, key_of, make_node_groups, prepare_bucket,
+                                  rank_of, refuse_on_every_rank, server_feedback, sum_counts, world_of, worker)
 from gradcomp.compress.transaction import Transaction
 from .policy import Policy
 
@@ -24,6 +25,31 @@ _VERSION = 2  # 2: the identity is an Identity's dict, the parameter names besid
 OWNER = "gradcomp.training"
 #: who refuses a checkpoint in the error message
 WHAT = "load_state_dict of the compression state"
+
+
+def build_on_every_rank(make: Callable[[], "Runtime"], group, params: Optional[Sequence[torch.Tensor]]) -> "Runtime":
+    """``make()``, the runtime of the DDP hook or ``CompressedOptimizer``. A ``ValueError`` it
+    raises on some ranks only (an option computed from the process rank, such as PowerSGD's
+    ``rank=dist.get_rank()``) is raised on every rank alike: the failing rank joins the
+    registration's agreement (:meth:`Runtime.start`, which the others run next) with its error,
+    and every rank raises it there. Without a started process group it raises at once.
+    ``params``: the parameters the others agree on (their device is the agreement's)."""
+    try:
+        return make()
+    except ValueError as exc:
+        if dist.is_available() and dist.is_initialized() and world_of(group) > 1:
+            agree({}, group, "at registration", device=worker.device_of(list(params)) if params else None,
+                  problem=str(exc))
+        raise
+
+
+def refuse_frozen(params: Sequence[Any], what: str) -> None:
+    """``ValueError`` when no parameter requires a gradient (a frozen model: nothing to average);
+    called after the registration's agreement, so that every rank raises it alike."""
+    if not params:
+        raise ValueError(f"{what}: no parameter requires a gradient (the model is frozen), so there is nothing to "
+                         f"average; make the parameters to train require gradients before building it (torch's "
+                         f"DistributedDataParallel refuses such a model too)")
 
 
 class Runtime:
@@ -160,12 +186,15 @@ class Runtime:
 
     def submit(self, names: Sequence[str], grads: Sequence[torch.Tensor], *,
                buffer: Optional[torch.Tensor] = None, then: Optional[Callable] = None,
-               advance: bool = False, inline: bool = False) -> torch.futures.Future:
+               advance: bool = False, inline: bool = False, tally: Optional[torch.Tensor] = None
+               ) -> torch.futures.Future:
         """A future of the mean of every gradient (a list in order; chained with ``.then(then)``),
         sent as the policy says at the current iteration. ``advance``: this is the iteration's
         last bucket; once it is done the iteration ends (:meth:`end_iteration`).
         ``buffer``: see :func:`gradcomp.collectives.bucket.exchange_bucket`; ``inline``: see
-        :meth:`gradcomp.collectives.worker.Worker.submit`."""
+        :meth:`gradcomp.collectives.worker.Worker.submit`. ``tally``: a small int tensor summed
+        over the ranks after the bucket (``sum_counts``), in its job; the list then ends with
+        the sum."""
         items = self.route(names, grads)
         world, label = self.world, self.label
         if world > 1:
@@ -194,6 +223,8 @@ class Runtime:
                                               prepared=ahead[0])
                     else:
                         out = self.exchange(items, group, world, buffer, label)
+                    if tally is not None:
+                        out = [*out, sum_counts(tally, group, world, label)]
                     # both exchanges tell txn whether every mean is finite (its cheapest witnesses)
                 except BaseException:
                     txn.failed = True
@@ -225,6 +256,7 @@ class Runtime:
         if world == 1:
             return worker.completed(job, then, twin=lambda g: None, device=device)
         inputs = [buffer, *grads] if buffer is not None else list(grads)  # made on the caller's stream
+        inputs += [tally] if tally is not None else []
         return self._worker.submit(job, device=device, then=then, inline=inline, inputs=inputs)
 
     def _ahead_ok(self, items: Sequence[Any]) -> bool:
@@ -311,6 +343,29 @@ class Runtime:
         if problems:  # a received payload was invalid (checked on the device, read here)
             raise ValueError(f"{self.label}: the iteration was undone: " + "; ".join(problems))
         return False
+
+    def unused_everywhere(self, counts: torch.Tensor, absent: Mapping[int, str]) -> Set[int]:
+        """Of ``absent`` (position in ``counts`` -> name of a parameter this rank sent as zeros
+        this iteration, having no gradient for it), those that no rank had a gradient for
+        (``counts``: per position, the number of ranks that had one, from a ``tally`` sent with
+        the iteration's last bucket). Decided at the iteration's one host read
+        (:meth:`end_iteration`, which fills the returned set then) and, for those, every state
+        change of the iteration kept under their names (residuals, warm starts, step counters,
+        scatter-reduce's chunks) is undone: what they owed stays owed, as if they had not been
+        sent. Call it between the last bucket's completion and :meth:`end_iteration`."""
+        found: Set[int] = set()
+        txn = self._txn
+        if txn is None or not absent:
+            return found
+
+        def receive(values: List[int]) -> None:
+            found.update(i for i in absent if values[i] == 0)
+            names = {absent[i] for i in found}
+            if names:
+                txn.rollback_keys(lambda key: isinstance(key, str) and key_of(key) in names)
+
+        txn.read_with(counts, receive)
+        return found
 
     def _own(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> List[int]:
         """The owner (local rank) of each gradient, fixed the first time its name is seen: the

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from .auto import make_runtime
-from .engine import Runtime
+from .engine import Runtime, build_on_every_rank, refuse_frozen
 from .policy import Policy
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
@@ -110,21 +110,27 @@ def ddp_comm_hook(compressor: Any = "none", *, model: Optional[torch.nn.Module] 
     ``process_group`` as given to DDP. ``local_size``: ranks per node (consecutive global
     ranks); then each bucket is averaged densely inside the node and compressed only across
     nodes, each gradient sent by one rank per node. Call it on every rank at the same point:
-    it creates the worker's twin of the default group (and the node groups).
+    it creates the worker's twin of the default group (and the node groups). An invalid option,
+    or a ``model`` with no parameter that requires a gradient, raises ``ValueError`` on every
+    rank alike, also when only some ranks were given it.
     """
-    compression = make_runtime(compressor, options, process_group, local_size)
-    state = HookState(compression, model)
+    params = None
     if model is not None:
         module = model.module if isinstance(model, DistributedDataParallel) else model
-        named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-        compression.names = [n for n, _ in named]
-    params = named if model is not None else None
+        params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    # an invalid option on some ranks only raises on every rank, at the registration's agreement
+    compression = build_on_every_rank(lambda: make_runtime(compressor, options, process_group, local_size),
+                                      process_group, None if params is None else [p for _, p in params])
+    state = HookState(compression, model)
     if params is not None:
+        compression.names = [n for n, _ in params]
         compression.warn_unmatched([n for n, _ in params])  # now, where the user's code is
     if not _before_init():
         compression.start(params)
     else:  # a framework (PyTorch Lightning) creates the hook before it starts the process group:
         compression.deferred = params  # registration runs at the first bucket, on every rank alike
+    if params is not None:
+        refuse_frozen(params, "ddp_comm_hook")  # after the agreement: on every rank alike
     return state, compressed_hook
 
 

@@ -8,9 +8,15 @@ ordered worker, so communication overlaps the rest of backward. ``step()`` waits
 bucket, writes the averaged gradients into ``.grad`` and calls the inner ``step()``: every
 replica applies the same bits.
 
-Buckets are launched strictly in order, and any not complete by ``step()`` (a parameter
-without a gradient: averaged as zeros) are launched there, so the collectives run in the
-same order on every rank whatever the timing. For gradient accumulation run the extra
+Buckets are launched strictly in order, and any not complete by ``step()`` are launched
+there, so the collectives run in the same order on every rank whatever the timing. A
+parameter without a gradient on this rank is sent as zeros; which ranks had each gradient
+travels with the last bucket (a few bytes, no extra host read: it is read with the step's
+finiteness), and a parameter that no rank had a gradient for keeps ``.grad = None``, so the
+inner optimizer leaves it exactly as it would without gradcomp (no weight decay, no momentum
+step), and its error feedback keeps what it owed. One that some ranks have is averaged with
+the others' zeros, as DDP does with ``find_unused_parameters``. A ``step()`` without a
+backward pass moves nothing. A model with no parameter that requires a gradient is refused. For gradient accumulation run the extra
 backward passes under ``with opt.no_sync():``. With a loss scaler, call ``opt.synchronize()``
 before ``scaler.step(opt)`` so that the overflow check sees the averaged gradients.
 """
@@ -23,9 +29,12 @@ import torch
 from gradcomp.collectives import plan_buckets
 from gradcomp.collectives.identity import names_of
 
+from gradcomp.kernels.memory import copy_from_host
+
 from .wrapper import Wrapper, broadcast_params
 from .buckets import BucketLauncher
 from .auto import make_runtime
+from .engine import build_on_every_rank, refuse_frozen
 
 
 class CompressedOptimizer(Wrapper):
@@ -52,7 +61,9 @@ class CompressedOptimizer(Wrapper):
             raise ValueError(f"bucket_mb={bucket_mb!r} is not allowed; it must be a number > 0")
         self.optimizer = optimizer
         super().__init__()
-        self.compression = make_runtime(compressor, options, process_group, local_size)
+        trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+        self.compression = build_on_every_rank(lambda: make_runtime(compressor, options, process_group, local_size),
+                                               process_group, trained)
         self.bucket_mb = float(bucket_mb)
         self._model = model
         self._params: List[torch.Tensor] = []
@@ -60,7 +71,9 @@ class CompressedOptimizer(Wrapper):
         self._index: Dict[int, int] = {}
         self._launcher = BucketLauncher()
         self._synced = False
+        self._absent: Dict[int, str] = {}  # this iteration's parameters sent as zeros (no gradient here)
         self._register([p for g in optimizer.param_groups for p in g["params"]], broadcast)
+        refuse_frozen(self._params, "CompressedOptimizer")  # after the agreement: on every rank alike
 
     # ---- the wrapped optimizer ------------------------------------------------------------
     def __repr__(self) -> str:
@@ -103,18 +116,25 @@ class CompressedOptimizer(Wrapper):
         self._launcher.launch_rest(self._launch)  # buckets whose gradients are not all there
         results, error = self._launcher.wait()
         self._launcher.reset()
+        absent, self._absent = self._absent, {}
         if error is not None:  # nothing of this iteration is kept: a retry starts from the same state
             self.compression.end_iteration(keep=False)
             raise error
-        for bucket, values in zip(self._launcher.buckets, results):
+        *results, last = results
+        *last, counts = last  # the last bucket's means, then how many ranks had each gradient
+        # parameters no rank had a gradient for: decided at the iteration's one host read, below
+        unused = self.compression.unused_everywhere(counts, absent)
+        # a non-finite mean (the step a loss scaler skips) undoes the iteration's state changes
+        self.compression.end_iteration()
+        for bucket, values in zip(self._launcher.buckets, [*results, last]):
             for i, avg in zip(bucket, values):
+                if i in unused:  # its gradient stays None: the inner optimizer leaves it as it would
+                    continue
                 p = self._params[i]
                 if p.grad is None:
                     p.grad = avg.clone() if avg._base is not None else avg
                 elif avg.data_ptr() != p.grad.data_ptr():
                     p.grad.copy_(avg)
-        # a non-finite mean (the step a loss scaler skips) undoes the iteration's state changes
-        self.compression.end_iteration()
         self._synced = True
 
     @torch.no_grad()
@@ -162,13 +182,25 @@ class CompressedOptimizer(Wrapper):
     def _launch(self, b: int) -> Any:
         buckets = self._launcher.buckets
         members = buckets[b]
-        grads = [self._params[i].grad if self._params[i].grad is not None else torch.zeros_like(self._params[i])
-                 for i in members]
+        grads = []
+        for i in members:
+            grad = self._params[i].grad
+            if grad is None:  # sent as zeros; left None when no rank has it (synchronize)
+                self._absent[i] = self._names[i]
+                grad = torch.zeros_like(self._params[i])
+            grads.append(grad)
+        tally = None
+        if b == len(buckets) - 1:  # every bucket is launched: which gradients this rank has travels with the last
+            tally = copy_from_host(torch.empty(len(self._params), dtype=torch.int32, device=grads[-1].device),
+                                   torch.tensor([i not in self._absent for i in range(len(self._params))],
+                                                dtype=torch.int32))
         # the last bucket has nothing left to overlap with: it runs on this thread
-        return self.compression.submit([self._names[i] for i in members], grads, inline=b == len(buckets) - 1)
+        return self.compression.submit([self._names[i] for i in members], grads, inline=tally is not None,
+                                       tally=tally)
 
     def _drain(self) -> None:
         """Wait for exchanges in flight; their results are dropped, so their state changes are
         undone (the gradients they averaged never reach the parameters)."""
+        self._absent = {}
         if self._launcher.drain():
             self.compression.end_iteration(keep=False)

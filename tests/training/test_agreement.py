@@ -6,6 +6,9 @@ Invariants protected (2 real gloo ranks, one spawn for every case):
   policy (``min_numel``, ``start_iter``) or the model raises ``ValueError`` naming the
   difference on every rank, at registration of the hook or ``CompressedOptimizer`` — never a
   silent divergence, never a gloo abort — and both ranks can go on afterwards;
+- an option valid on some ranks only (PowerSGD's ``rank=dist.get_rank()``: the matrix rank, not
+  the process rank) and a model with no parameter that requires a gradient raise the same
+  ``ValueError`` on every rank;
 - a rank resumed from a checkpoint of another step is caught at its first bucket;
 - ``load_state_dict`` refuses rank 0's file on rank 1 (on both ranks), a file saved without
   ``model=`` loaded with it (and the reverse), another model and another world size, before
@@ -28,6 +31,14 @@ DISAGREE = {  # case -> (compressor, options per rank)
     "min_numel": ("topk", lambda r: {"min_numel": 100 * r}),
     "start_iter": ("topk", lambda r: {"start_iter": r}),
 }
+
+INVALID = {  # case -> (compressor, options per rank, model per rank): refused on some ranks only
+    "powersgd rank=dist.get_rank()": ("powersgd", lambda r: {"rank": r}, lambda r: mlp(20, 64, 4, seed=0)),
+    "frozen model": ("topk", lambda r: {}, lambda r: mlp(20, 64, 4, seed=0).requires_grad_(False)),
+}
+INVALID_SAID = {"powersgd rank=dist.get_rank()": ["powersgd: option rank=0 is not allowed", "matrix rank",
+                                                  "not a process rank", "on rank 0"],
+                "frozen model": ["no parameter requires a gradient"]}
 
 
 def _error(fn):
@@ -66,6 +77,11 @@ def _cases(rank, world, single_rank_state):
     out = {}
     for case, (name, options) in DISAGREE.items():
         model = mlp(20, 64, 4, seed=0)
+        out[("hook", case)] = _error(lambda: ddp_comm_hook(name, model=model, **options(rank)))
+        out[("optimizer", case)] = _error(lambda: CompressedOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.1), name, model=model, **options(rank)))
+    for case, (name, options, make) in INVALID.items():
+        model = make(rank)
         out[("hook", case)] = _error(lambda: ddp_comm_hook(name, model=model, **options(rank)))
         out[("optimizer", case)] = _error(lambda: CompressedOptimizer(
             torch.optim.SGD(model.parameters(), lr=0.1), name, model=model, **options(rank)))
@@ -140,6 +156,17 @@ def test_disagreement_raises_on_every_rank(results, mode, case):
         msg = out[(mode, case)]
         assert msg is not None, f"rank {rank}: {mode} with a different {case} was accepted"
         assert f"ranks disagree on the {field}" in msg and "rank 0:" in msg and "rank 1:" in msg, msg
+    assert all(out["trained"] for out in results)
+
+
+@pytest.mark.parametrize("mode", ["hook", "optimizer"])
+@pytest.mark.parametrize("case", list(INVALID))
+def test_invalid_configuration_raises_the_same_error_on_every_rank(results, mode, case):
+    # PowerSGD's rank=dist.get_rank() is invalid on rank 0 only: every rank says so, alike, and
+    # that it is the matrix rank; a frozen model has nothing to average (torch's DDP refuses it)
+    said = [out[(mode, case)] for out in results]
+    assert said[0] is not None and said[0] == said[1], said
+    assert all(words in said[0] for words in INVALID_SAID[case]), said[0]
     assert all(out["trained"] for out in results)
 
 

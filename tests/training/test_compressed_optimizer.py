@@ -11,6 +11,11 @@ One spawn runs every check; the tests assert on its results:
 - checkpoint -> resume (``state_dict`` with error-feedback state) is bit-identical;
 - threshold whose payloads are empty on every rank (nothing reaches tau) decodes to zeros,
   fp32 and bf16, on the agreed layout;
+- a parameter whose gradient is None on every rank is left as the inner optimizer leaves it
+  (AdamW foreach and fused, SGD with momentum; weight decay included; its gradient stays None
+  and what its error feedback owes stays), one that is None on some ranks only is averaged
+  with zeros there (the bits of DDP's ``find_unused_parameters``), and ``step()`` without a
+  backward pass moves nothing;
 - LR schedulers, ``zero_grad``, ``param_groups`` and ``add_param_group`` act as on the inner
   optimizer.
 """
@@ -111,6 +116,68 @@ def _api(me):
     return out
 
 
+class _Branches(torch.nn.Module):
+    """A trunk and a head that every rank uses, a branch used at the first step only, one that
+    rank 0 alone uses and one that nothing uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.head = torch.nn.Linear(20, 16), torch.nn.Linear(16, 4)
+        self.first, self.rank0, self.never = torch.nn.Linear(16, 4), torch.nn.Linear(16, 4), torch.nn.Linear(16, 4)
+
+    def forward(self, x, rank, step):
+        h = torch.relu(self.trunk(x))
+        out = self.head(h)
+        if step == 0:
+            out = out + self.first(h)
+        if rank == 0:
+            out = out + self.rank0(h)
+        return out
+
+
+INNER = {  # the optimizer paths users take on GPUs, and plain SGD with momentum; weight decay in each
+    "adamw foreach": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, foreach=True),
+    "adamw fused": lambda ps: torch.optim.AdamW(ps, lr=0.01, weight_decay=0.1, fused=True),
+    "sgd momentum": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, weight_decay=0.1),
+}
+BRANCHES = ("none", "topk")  # None: plain DDP (find_unused_parameters) and the inner optimizer
+
+
+def _branches_run(me, inner, compressor, steps=4):
+    """Train :class:`_Branches` (plain DDP when ``compressor`` is None): what moved at a step()
+    without backward, each parameter after the first step and at the end, which gradients are
+    None at the end, and the first-step branch's residual after the first step and at the end."""
+    from gradcomp.training import CompressedOptimizer
+
+    x, y = teacher_data(512, 20, 4)
+    model = _Branches()
+    if compressor is None:
+        ddp = DDP(model, find_unused_parameters=True)
+        opt = INNER[inner](model.parameters())
+    else:
+        ddp = model
+        opt = CompressedOptimizer(INNER[inner](model.parameters()), compressor, model=model, min_numel=0,
+                                  compress_1d=True, **({"ratio": 0.1} if compressor == "topk" else {}))
+    params = lambda: {n: p.detach().clone() for n, p in model.named_parameters()}  # noqa: E731
+    initial = params()
+    opt.step()  # no backward at all: nothing moves, weight decay included
+    out = {"idle moved": sorted(n for n, p in params().items() if not torch.equal(p, initial[n])),
+           "initial": initial, "residual": []}
+    for step in range(steps):
+        opt.zero_grad()
+        xb, yb = batch(x, y, 16, me, step)
+        torch.nn.functional.cross_entropy(ddp(xb, me, step), yb).backward()
+        opt.step()
+        if step == 0:
+            out["after first"] = params()
+        if compressor == "topk" and step in (0, steps - 1):
+            out["residual"].append(opt.compression.policy.codecs()["*"].residual("first.weight").clone())
+    out.update(final=params(), none=sorted(n for n, p in model.named_parameters() if p.grad is None),
+               states=sorted(n for n, p in model.named_parameters() if opt.state.get(p)))
+    return out
+
+
 def _optimizer_rank(rank, world):
     out = {"plain": _plain_ddp(rank, STEPS), "plain_acc": _plain_ddp(rank, 3, accumulate=2)}
     out["none wrapper"] = flat_params(_opt_run(rank, "none", STEPS)[0])
@@ -128,6 +195,10 @@ def _optimizer_rank(rank, world):
         model, opt, *_ = _opt_run(rank, "threshold", STEPS, dtype=dtype, tau=1e3, compress_1d=True)
         out[f"quiet {dtype}"] = (flat_params(model), flat_params(mlp(20, 64, 4).to(dtype)),
                                  opt.state_dict()["gradcomp"]["iteration"])
+    for inner in INNER:
+        out["branches plain " + inner] = _branches_run(rank, inner, None)
+        for name in BRANCHES:
+            out[f"branches {name} {inner}"] = _branches_run(rank, inner, name)
     out["api"] = _api(rank)
     return out
 
@@ -166,6 +237,28 @@ def test_threshold_with_every_payload_empty(results, dtype):
     for r in results:
         params, initial, iteration = r[f"quiet {dtype}"]
         assert iteration == STEPS and torch.equal(params, initial)
+
+
+@pytest.mark.parametrize("inner", sorted(INNER))
+@pytest.mark.parametrize("name", BRANCHES)
+def test_parameters_without_a_gradient_are_left_as_the_inner_optimizer_leaves_them(results, name, inner):
+    unused = ["first.bias", "first.weight", "never.bias", "never.weight"]  # at the last step
+    for rank, r in enumerate(results):
+        plain, ours = r["branches plain " + inner], r[f"branches {name} {inner}"]
+        assert plain["idle moved"] == [] and ours["idle moved"] == [], "step() without backward moved parameters"
+        assert plain["none"] == unused and ours["none"] == unused, (rank, ours["none"])
+        assert ours["states"] == plain["states"], "optimizer state for parameters that never had a gradient"
+        for n in ("never.weight", "never.bias"):  # no rank ever had a gradient for it: not moved
+            assert torch.equal(ours["final"][n], ours["initial"][n]), (rank, n)
+        for n in ("first.weight", "first.bias"):  # a gradient at the first step only: not moved afterwards
+            assert torch.equal(ours["final"][n], ours["after first"][n]), (rank, n)
+        if name == "none":  # the bits of plain DDP: rank0's branch sent as zeros by rank 1, averaged
+            assert all(torch.equal(ours["final"][n], plain["final"][n]) for n in plain["final"]), rank
+        else:  # what the first-step branch still owes is kept while no rank has its gradient
+            first, last = ours["residual"]
+            assert first.abs().sum() > 0 and torch.equal(first, last)
+    assert all(torch.equal(results[0][k]["final"][n], results[1][k]["final"][n])
+               for k in results[0] if k.startswith("branches ") for n in results[0][k]["final"])
 
 
 def test_optimizer_api(results):
