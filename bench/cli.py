@@ -12,7 +12,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from gradcomp import collectives as _collectives
 
-from . import collective, launch, netem, projection, shapes
+from . import collective, launch, netem, projection, shapes, spread
 from . import env as envmod
 
 DEFAULT_NUMEL = 1 << 22  # 16 MB of fp32: the default run stays well under 3 minutes on 2 cores
@@ -217,10 +217,8 @@ def run_collective(argv: Sequence[str]) -> int:
     ]), flush=True)
     links = None if (args.links or "").lower() == "none" else projection.parse_links(args.links or projection.DEFAULT_LINKS)
     records = run_and_report("collective", cfg, args, link, env, collective_table)
-    for r in records:  # compressor="auto": what it chose, per bucket
-        if r.get("auto_choices"):
-            print(f"{r['compressor']} chose per bucket: {r['auto_choices']} (after {r['compressor']}'s trial calls, "
-                  f"untimed like torch-powersgd's start)")
+    for text in auto_lines(records):  # compressor="auto": what it chose, per bucket
+        print(text)
     ok = [r for r in records if not r.get("error") and r.get("collective_ms")]
     proj = None
     if links and ok and args.world_size > 1 and args.local_size == 1:
@@ -270,21 +268,24 @@ def run_and_report(kind: str, cfg: Dict[str, Any], args: argparse.Namespace, lin
 
 
 def collective_table(records: List[Dict[str, Any]]) -> str:
-    """The records as a fixed-width table, one line per method."""
-    head = ("method", "ratio", "rel.err", "compress", "decomp.", "comm", "collective", "dense", "speed-up",
-            "bytes/rank")
-    units = ("", "", "", "ms", "ms", "ms", "ms", "ms", "", "")
+    """The records as a fixed-width table, one line per method, then what the spread columns mean."""
+    head = ("method", "ratio", "rel.err", "compress", "decomp.", "comm", "collective", "middle half", "dense",
+            "speed-up", "vs dense", "bytes/rank")
+    units = ("", "", "", "ms", "ms", "ms", "ms", "ms", "ms", "", "", "")
     rows = []
     for r in records:
         if r.get("error"):
             rows.append((r["compressor"], "skipped: " + r["error"]))
             continue
+        span = r.get("collective_ms_span")
+        vs = r.get("vs_dense") if r.get("speedup") is not None else None
         rows.append((r["compressor"], fmt(r["ratio"], ".1f") + "x", fmt(r["rel_error"], ".3g"),
                      fmt(r["compress_ms"], ".1f"), fmt(r["decompress_ms"], ".1f"), fmt(r.get("comm_ms"), ".1f"),
-                     fmt(r["collective_ms"], ".1f"),
-                     fmt(r["dense_ms"], ".1f"), fmt(r["speedup"], ".2f") + "x", fmt_bytes(r["bytes_per_rank"])))
+                     fmt(r["collective_ms"], ".1f"), spread.fmt_span(span), fmt(r.get("dense_ms"), ".1f"),
+                     fmt(r["speedup"], ".2f") + "x", {"baseline": "-"}.get(vs or "", vs or "-"),
+                     fmt_bytes(r["bytes_per_rank"])))
     w0 = max([len(head[0])] + [len(row[0]) for row in rows])
-    widths = [w0, 7, 8, 9, 8, 7, 11, 8, 9, 11]
+    widths = [w0, 7, 8, 9, 8, 7, 11, max([11] + [len(row[7]) for row in rows if len(row) == len(head)]), 6, 9, 8, 11]
 
     def line(cells) -> str:
         return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
@@ -292,7 +293,35 @@ def collective_table(records: List[Dict[str, Any]]) -> str:
     out = [line(head), line(units)]
     for row in rows:
         out.append(line(row) if len(row) == len(head) else f"{row[0].ljust(w0)}  {row[1]}")
+    if any(r.get("collective_ms_span") for r in records):
+        out += ["", *textwrap.wrap(
+            "collective: the median over the timed calls of the slowest rank's time; middle half: the first to "
+            "third quartile of those calls; dense: the median of the dense all_reduce calls made alternately with "
+            "this method's, on the same inputs (the dense row: its own calls); speed-up: dense / collective; "
+            "vs dense: faster or slower when the method's middle half and those dense calls' do not overlap, tie "
+            "when they do (within this run's noise).", 100)]
     return "\n".join(out)
+
+
+def auto_lines(records: List[Dict[str, Any]]) -> List[str]:
+    """What ``compressor="auto"`` chose, after how many untimed calls, and whether its row
+    measures those choices alone."""
+    out = []
+    for r in records:
+        if r.get("method") != collective.AUTO or r.get("error"):
+            continue
+        name, calls = r["compressor"], r.get("auto_setup_calls")
+        text = (f"{name} chose per bucket: {r.get('auto_choices')} (after {calls} untimed calls: its trials and the "
+                f"checks of its choices, until its decisions settled, like torch-powersgd's untimed start; its "
+                f"bytes, times and rel.err are those of these choices).")
+        if not r.get("auto_settled", True):
+            text = (f"{name}'s decisions had not settled after {calls} untimed calls: its row mixes methods "
+                    f"(last: {r.get('auto_choices')}).")
+        elif r.get("auto_changed_while_timed"):
+            text = (f"{name} changed {r['auto_changed_while_timed']} decision(s) during the timed calls (its "
+                    f"recheck_every): its row mixes methods (last: {r.get('auto_choices')}).")
+        out.append(textwrap.fill(text, 100))
+    return out
 
 
 # ---- entry point -----------------------------------------------------------------------------

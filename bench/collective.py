@@ -14,12 +14,26 @@ it over the ranks:
 - ``torch-fp16`` / ``torch-powersgd``: PyTorch's own ``fp16_compress_hook`` and
   ``powerSGD_hook``, called on stand-in buckets as DDP calls them.
 
+- ``auto``: gradcomp's ``compressor="auto"`` through the DDP hook, on one tensor or model
+  shapes alike. Its trial calls (dense exchanges while it times its candidates) and the calls
+  that check a new choice are set-up, untimed like PyTorch PowerSGD's first steps: the
+  benchmark calls it, untimed, until its decisions have settled (every bucket decided and the
+  last decision older than its ``verify_steps``, so the check of a new choice has run and the
+  residual a bucket owed the method it left has gone into an untimed call). Its row then
+  measures the methods it chose, and ``auto_choices`` names them. A decision that changes
+  during the timed calls (a short ``recheck_every``) is reported with the row.
+
 Every call starts after a barrier; a call's time is the slowest rank's; figures are medians
-over the timed calls, after warm-up. Bytes (sent per rank; a ring allreduce of ``n`` bytes
-counts ``2 (w-1)/w * n``) and compress / communicate / decompress times come from gradcomp's
-telemetry, measured during the call; for PyTorch's hooks and the dense baseline the bytes
-handed to ``all_reduce`` are counted the same way. The relative error is the first call's
-(no residual, no warm start yet) against the exact average.
+over the timed calls, after warm-up, and each timed figure also keeps its calls' middle half
+(``bench/spread.py``: methods whose middle halves overlap are a tie). Bytes (sent per rank; a
+ring allreduce of ``n`` bytes counts ``2 (w-1)/w * n``) and compress / communicate / decompress
+times come from gradcomp's telemetry, measured during the call; for PyTorch's hooks and the
+dense baseline the bytes handed to ``all_reduce`` are counted the same way. The relative error
+is the first call's against the exact average of what the call was to average: for a fixed
+method that is the first call ever (no residual, no warm start yet); for ``auto`` the first
+call after its decisions settled, against the average of the gradient plus what each rank
+still owed it (``AutoRuntime.owed``: the residual its trial and check calls left), so the
+error is the chosen method's own, not a residual of a method it left.
 """
 from __future__ import annotations
 
@@ -32,7 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from . import hooks, shapes
+from . import hooks, shapes, spread
 
 # Benchmark settings that differ from a compressor's own defaults: PowerSGD at rank 4 (the rank
 # users compare), and a threshold that keeps ~1% of the benchmark's N(0, 1) gradient (|x| >=
@@ -200,10 +214,41 @@ def _method(spec: Dict[str, Any], world: int, layout, algorithm: Optional[str], 
                  "decompress_ms": 1e3 * total["decompress_s"], "comm_ms": 1e3 * total["comm_s"]}
         if auto is not None:
             stats["auto"], stats["auto_describe"] = auto.summary(), auto.describe()
+            stats["auto_history"] = len(auto.history)  # decisions so far: a change during the timed calls shows
         return outs, stats
-    if auto is not None:  # its trials (dense exchanges, codecs timed) are setup, as PyTorch PowerSGD's start
+    if auto is not None:  # its trials and checks are set-up, as PyTorch PowerSGD's start
+        from gradcomp.training.auto import AutoRuntime
+
+        runtime = auto
+        assert isinstance(runtime, AutoRuntime)
+        flat_shapes = [shape for bucket in layout for _, shape in bucket]
+
+        def owed() -> torch.Tensor:
+            """What this rank owes every gradient element (float64, the buckets' order)."""
+            names = [n for key in runtime.decisions() for n in key]
+            return torch.cat([runtime.owed(n, s).reshape(-1) for n, s in zip(names, flat_shapes)])
+
         ours.setup_calls = auto.trial_steps + auto.verify_steps  # type: ignore[attr-defined]
+        ours.settled = lambda: auto_settled(runtime)  # type: ignore[attr-defined]
+        ours.settle_limit = 4 * (auto.trial_steps + auto.verify_steps + 1)  # type: ignore[attr-defined]
+        ours.owed = owed  # type: ignore[attr-defined]
+        ours.auto = runtime  # type: ignore[attr-defined]
     return ours
+
+
+def auto_settled(auto: Any) -> bool:
+    """Whether ``compressor="auto"``'s decisions are final for the calls to time (the same on
+    every rank: its decisions and history are agreed): every bucket decided, and the last
+    decision at least ``verify_steps`` iterations old, so the check of a new choice (which may
+    send the bucket back to dense) has run, in the iteration that also flushed the residual
+    owed to the method the bucket left."""
+    if auto.world == 1:  # nothing to decide: one rank sends nothing
+        return True
+    decided = auto.decisions()
+    if not decided or any(c is None for c in decided.values()):
+        return False
+    last = max((h["iteration"] for h in auto.history), default=-1)
+    return auto.iteration > last + auto.verify_steps
 
 
 def _step_input(flat: torch.Tensor, call: int) -> torch.Tensor:
@@ -213,26 +258,60 @@ def _step_input(flat: torch.Tensor, call: int) -> torch.Tensor:
     return torch.roll(flat, 104_729 * call % max(flat.numel(), 1)) if call else flat.clone()
 
 
+def _timed(run: Callable, bufs: List[torch.Tensor]) -> Tuple[Any, Dict[str, Any], float]:
+    """One call of ``run`` after a barrier: its outputs, stats and milliseconds."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    outs, st = run(bufs)
+    return outs, st, (time.perf_counter() - t0) * 1e3
+
+
 def _time_calls(run: Callable, flat: torch.Tensor, views: Callable, exact: torch.Tensor, warmup: int, repeats: int,
-                tick: Callable[[], None]) -> Dict[str, Any]:
-    """Warm-up then timed calls of ``run``; this rank's raw times and stats, and the first call's error."""
-    for _ in range(getattr(run, "setup_calls", 0)):
+                tick: Callable[[], None], reference: Optional[Callable] = None) -> Dict[str, Any]:
+    """Set-up, warm-up then timed calls of ``run``; this rank's raw times and stats, and the first
+    call's error.
+
+    Set-up: ``run.setup_calls`` untimed calls, then (``run.settled``, ``compressor="auto"``) more
+    until its decisions have settled, at most ``run.settle_limit`` in all (the same count on
+    every rank: the predicate reads agreed state). The first call's error is against the exact
+    average of the gradient plus what the ranks owed (``run.owed``) before it. With
+    ``reference`` (dense allreduce), each timed call is paired with one of it on the same input,
+    the two alternating which goes first: the method's speed-up compares calls made under the
+    same load, not a dense run made earlier."""
+    setup, settled = getattr(run, "setup_calls", 0), getattr(run, "settled", None)
+    limit, calls = getattr(run, "settle_limit", setup), 0
+    while calls < setup or (settled is not None and calls < limit and not settled()):
         run(views(flat.clone()))
-    times, stats, rel_error = [], [], None
+        calls += 1
+    times: List[float] = []
+    ref_times: List[float] = []
+    stats: List[Dict[str, Any]] = []
+    rel_error, warm = None, {}
     for i in range(warmup + repeats):
         bufs = views(_step_input(flat, i))  # untimed; a fresh tensor also serves the in-place hooks
-        dist.barrier()
-        t0 = time.perf_counter()
-        outs, st = run(bufs)
-        elapsed = time.perf_counter() - t0
+        target = exact
+        if i == 0 and hasattr(run, "owed"):  # untimed: what the call is to average includes what is owed
+            owed = run.owed()
+            dist.all_reduce(owed)
+            target = exact.double() + owed / dist.get_world_size()
+        first = reference if reference is not None and i >= warmup and i % 2 else None
+        second = reference if reference is not None and i >= warmup and not i % 2 else None
+        if first is not None:
+            ref_times.append(_timed(first, views(_step_input(flat, i)))[2])
+        outs, st, ms = _timed(run, bufs)
+        if second is not None:
+            ref_times.append(_timed(second, views(_step_input(flat, i)))[2])
         if i == 0:
             out = torch.cat([o.reshape(-1) for o in outs])
-            rel_error = float((out.double() - exact.double()).norm() / exact.double().norm().clamp_min(1e-30))
+            rel_error = float((out.double() - target.double()).norm() / target.double().norm().clamp_min(1e-30))
         if i >= warmup:
-            times.append(elapsed * 1e3)
+            times.append(ms)
             stats.append(st)
+        else:
+            warm = st  # the state the timed calls start from
         tick()
-    return {"times_ms": times, "stats": stats, "rel_error": rel_error}
+    return {"times_ms": times, "dense_times_ms": ref_times, "stats": stats, "warm_stats": warm,
+            "rel_error": rel_error, "setup_calls": calls, "settled": settled() if settled is not None else True}
 
 
 def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[..., None]) -> Any:
@@ -260,10 +339,13 @@ def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[...,
         return f
 
     raw: List[Dict[str, Any]] = []
-    for spec in methods:
+    dense = _method(methods[0], world, layout, None, False)  # every method's timed calls alternate with it
+    for m, spec in enumerate(methods):
         try:
-            run = _method(spec, world, layout, cfg.get("algorithm"), bool(cfg.get("model")), int(cfg.get("local_size", 1)))
-            res = _time_calls(run, flat, views, exact, warmup, repeats, tick(spec["label"]))
+            run = dense if m == 0 else _method(spec, world, layout, cfg.get("algorithm"), bool(cfg.get("model")),
+                                                int(cfg.get("local_size", 1)))
+            res = _time_calls(run, flat, views, exact, warmup, repeats, tick(spec["label"]),
+                              reference=None if m == 0 else dense)
         except ValueError as exc:  # e.g. an algorithm this compressor cannot use: same on every rank
             res = {"error": str(exc)}
             done[0] += warmup + repeats
@@ -275,14 +357,22 @@ def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[...,
     return _records(methods, everyone, cfg, world, numel)
 
 
+def _per_call_max(per_rank: List[List[float]]) -> List[float]:
+    """Per timed call the slowest rank's value (it decides when the step can go on)."""
+    return [max(vals) for vals in zip(*per_rank)]
+
+
 def _median_of_max(per_rank: List[List[float]]) -> float:
-    """Per repeat the slowest rank (it decides when the step can go on), then the median."""
-    return statistics.median(max(vals) for vals in zip(*per_rank))
+    """Per repeat the slowest rank, then the median."""
+    return statistics.median(_per_call_max(per_rank))
 
 
 def _records(methods, everyone, cfg, world, numel) -> List[Dict[str, Any]]:
+    """Rank 0's records from every rank's raw results. A method's ``dense_ms`` is the median of
+    the dense calls paired with its own, so its speed-up compares calls made under the same
+    load. The dense row's figures are of every dense call of the run (its own and all the
+    paired ones), spread over the whole run: the projection's reference."""
     dense = everyone[0][0]
-    dense_ms = _median_of_max([r[0]["times_ms"] for r in everyone])
     dense_bytes = statistics.median(st["bytes"] for st in dense["stats"])
     records = []
     for m, spec in enumerate(methods):
@@ -291,13 +381,21 @@ def _records(methods, everyone, cfg, world, numel) -> List[Dict[str, Any]]:
                                "options": spec.get("options", {}), "world_size": world, "numel": numel,
                                "model": cfg.get("model"), "algorithm": cfg.get("algorithm") or "auto",
                                "local_size": int(cfg.get("local_size", 1)), "hierarchical": bool(spec.get("hierarchical")),
-                               "repeats": cfg["repeats"], "warmup": cfg["warmup"],
-                               "dense_bytes_per_rank": dense_bytes, "dense_ms": dense_ms}
+                               "repeats": cfg["repeats"], "warmup": cfg["warmup"], "dense_bytes_per_rank": dense_bytes}
         if "error" in results[0]:
             rec.update({f: None for f in FIELDS if f not in rec}, error=results[0]["error"])
             records.append(rec)
             continue
-        coll = _median_of_max([r["times_ms"] for r in results])
+        calls_ms = _per_call_max([r["times_ms"] for r in results])
+        if m == 0:  # dense: its own calls and every one paired with another method, spread over the run
+            calls_ms += [v for i in range(1, len(methods)) if "error" not in everyone[0][i]
+                         for v in _per_call_max([r[i]["dense_times_ms"] for r in everyone])]
+            dense_calls = calls_ms
+        else:
+            dense_calls = _per_call_max([r["dense_times_ms"] for r in results])
+        dense_ms, dense_span = statistics.median(dense_calls), spread.middle_half(dense_calls)
+        rec.update({"dense_ms": dense_ms, "dense_ms_span": list(dense_span), "dense_ms_repeats": dense_calls})
+        coll, span = statistics.median(calls_ms), spread.middle_half(calls_ms)
         calls = range(len(results[0]["stats"]))
         nbytes = statistics.median(max(r["stats"][i]["bytes"] for r in results) for i in calls)
 
@@ -311,10 +409,18 @@ def _records(methods, everyone, cfg, world, numel) -> List[Dict[str, Any]]:
                     "rel_error": max(r["rel_error"] for r in results),
                     "compress_ms": timing("compress_ms"), "decompress_ms": timing("decompress_ms"),
                     "collective_ms": coll, "speedup": dense_ms / coll if coll else None,
-                    "collective_ms_repeats": [max(v) for v in zip(*[r["times_ms"] for r in results])]})
+                    "collective_ms_repeats": calls_ms, "collective_ms_span": list(span),
+                    "collective_ms_range": [min(calls_ms), max(calls_ms)],
+                    "speedup_span": list(spread.ratio_span(dense_span, span)),
+                    "vs_dense": "baseline" if m == 0 else spread.versus(span, dense_span)})
         if spec["kind"] == AUTO:  # what it chose per bucket (the same on every rank)
-            rec["auto_choices"] = results[0]["stats"][-1].get("auto")
-            rec["auto_describe"] = results[0]["stats"][-1].get("auto_describe")
+            first, last = results[0].get("warm_stats") or {}, results[0]["stats"][-1]
+            rec["auto_choices"] = last.get("auto")
+            rec["auto_describe"] = last.get("auto_describe")
+            rec["auto_setup_calls"] = results[0].get("setup_calls")
+            rec["auto_settled"] = bool(results[0].get("settled", True))
+            # decisions made during the timed calls: the row then mixes methods, and says so
+            rec["auto_changed_while_timed"] = last.get("auto_history", 0) - first.get("auto_history", 0)
         records.append(rec)
     return records
 

@@ -18,9 +18,11 @@ Per method: peak saved-activation bytes (``MemoryMeter``; on CUDA also
 ``torch.cuda.max_memory_allocated``), the step time, and whether the gradients equal the plain
 model's. After one warm-up step of each, the methods are timed in ``--repeats`` rounds of one
 step each (the order rotating), so a change of the machine's load reaches them alike; a
-method's time ratio is the median over rounds of its step time over no saving's in the same
-round. The results so far are written after every round. The planner measures the chain once
-per variant and solves that measurement at every budget. ``--accuracy`` also trains a
+method's ``x no saving`` is its median step over no saving's median step (the two figures the
+table prints), and ``same round`` the median over rounds of its step over no saving's step in
+the same round, with the middle half of those ratios. The results so far are written after
+every round. The planner measures the chain once per variant and solves that measurement at
+every budget. ``--accuracy`` also trains a
 16-stage residual MLP on the training benchmark's data (scikit-learn's digits) with each
 codec and a lossy plan, and reports test accuracy against the plain model's. The planner's solve time for a
 100-stage chain is measured too. ``--plot`` draws the memory-time frontier.
@@ -34,6 +36,7 @@ import math
 import os
 import statistics
 import sys
+import textwrap
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -46,6 +49,7 @@ from gradcomp.memory import schedule as sch
 from gradcomp.memory.planner import Plan, profile
 
 from . import env as envmod
+from . import spread
 
 MODELS = ("mlp", "resnet-like", "transformer-like")
 
@@ -192,30 +196,51 @@ def rounds(model: nn.Module, state: Dict[str, torch.Tensor], methods: Sequence[M
         after_round(i)
 
 
-def record(m: Method, model_name: str) -> Dict[str, Any]:
-    """The JSON record of a method with the rounds measured so far."""
+def record(m: Method, model_name: str, base: Optional[Method] = None) -> Dict[str, Any]:
+    """The JSON record of a method with the rounds measured so far. ``time_ratio`` is its median
+    step over ``base``'s (no saving's) median step: the ratio of the two figures the table
+    prints, which a reader can check; ``round_ratio`` is the median of the ratios of steps
+    timed in the same round (a load change between rounds cancels in it), with the middle half
+    of those ratios in ``round_ratio_span``."""
+    base = m if base is None else base
+    step_s = statistics.median(m.times) if m.times else None
+    base_s = statistics.median(base.times) if base.times else None
     r: Dict[str, Any] = {"method": m.label, "kind": m.kind, "model": model_name, "peak_bytes": m.peak,
-                         "cuda_peak_bytes": m.cuda_peak, "step_s": statistics.median(m.times) if m.times else None,
+                         "cuda_peak_bytes": m.cuda_peak, "step_s": step_s,
                          "step_s_repeats": list(m.times), "rounds": len(m.times),
-                         "time_ratio": statistics.median(m.ratios) if m.ratios else None,
+                         "time_ratio": step_s / base_s if step_s is not None and base_s else None,
+                         "round_ratio": statistics.median(m.ratios) if m.ratios else None,
+                         "round_ratio_span": list(spread.middle_half(m.ratios)) if m.ratios else None,
                          "bit_identical": m.bit_identical, "grad_rel_error": m.grad_rel_error}
     r.update(m.extra)
     return r
 
 
 def table(records: Sequence[Dict[str, Any]]) -> str:
-    """The records as an aligned table (column widths from the longest label)."""
-    head = ("method", "peak saved", "step", "x no saving", "gradients")
+    """The records as an aligned table (column widths from the longest label), then what the
+    two ratio columns mean."""
+    head = ("method", "peak saved", "step", "x no saving", "same round", "gradients")
+
+    def same_round(r: Dict[str, Any]) -> str:
+        if r.get("round_ratio") is None:
+            return "-"
+        span = r.get("round_ratio_span")
+        return f"{r['round_ratio']:.2f}x" + (f" ({spread.fmt_span(span, '.2f')})" if span else "")
+
     rows = [(r["method"], f"{r['peak_bytes'] / 2**20:.2f} MiB",
              "-" if r["step_s"] is None else f"{r['step_s'] * 1e3:.1f} ms",
-             "-" if r["time_ratio"] is None else f"{r['time_ratio']:.2f}x",
+             "-" if r["time_ratio"] is None else f"{r['time_ratio']:.2f}x", same_round(r),
              "bit-identical" if r["bit_identical"] else f"grad err {r['grad_rel_error']:.1e}") for r in records]
     widths = [max(len(row[i]) for row in [head, *rows]) for i in range(len(head))]
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i in (0, 4) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+        return "  ".join(c.ljust(w) if i in (0, 5) else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
 
-    return "\n".join(["  " + line(head)] + ["  " + line(row) for row in rows])
+    legend = textwrap.wrap(
+        "step: the median over the rounds; x no saving: that median over no saving's (step / no saving's step); "
+        "same round: the median of each round's step over no saving's step in the same round (a load change "
+        "between rounds cancels in it), in brackets the middle half of those ratios.", 98)
+    return "\n".join(["  " + line(head)] + ["  " + line(row) for row in rows] + [""] + ["  " + t for t in legend])
 
 
 def _checkpointed(model: nn.Sequential, segments: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -268,7 +293,7 @@ def run_model(name: str, args, device: torch.device,
     result = {"model": name, "description": desc, "stages": n, "records": [], "complete": False}
 
     def publish() -> None:
-        result["records"] = [record(m, name) for m in methods]
+        result["records"] = [record(m, name, base) for m in methods]
         write(result)
 
     # the planner: each variant measured once (at a budget every schedule meets), then solved

@@ -64,40 +64,78 @@ def collective_plot(records: List[Dict[str, Any]], path: str, title: str = "",
     ax1.barh(y, comp, color=_COMPRESS, label="compress")
     ax1.barh(y, comm, left=comp, color=_COMM, label="communicate + rest")
     ax1.barh(y, decomp, left=[c + m for c, m in zip(comp, comm)], color=_DECOMP, label="decompress")
+    spans = [r.get("collective_ms_span") for r in rows]
+    if any(spans):  # each call's middle half, around the median's total
+        ax1.errorbar([r["collective_ms"] for r in rows], y, xerr=_whiskers([r["collective_ms"] for r in rows], spans),
+                     fmt="none", ecolor="k", elinewidth=1, capsize=3, label="middle half of the calls")
     if rows:
         ax1.axvline(rows[0]["dense_ms"], color="k", ls="--", lw=1, label="dense all_reduce")
     ax1.set_yticks(y, names)
     ax1.invert_yaxis()
     ax1.set_xlabel("ms per call (median, slowest rank)")
-    longest = max([c + m + d for c, m, d in zip(comp, comm, decomp)] + [rows[0]["dense_ms"] if rows else 0.0])
+    longest = max([c + m + d for c, m, d in zip(comp, comm, decomp)] + [rows[0]["dense_ms"] if rows else 0.0]
+                  + [s[1] for s in spans if s])
     ax1.set_xlim(0, longest * 1.08 if longest > 0 else 1.0)  # the longest bar stops short of the frame
     # legends just above each panel: no gap to size, and the bottom bars stay uncovered
-    ax1.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=4, fontsize=8, frameon=False,
+    ax1.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=3, fontsize=8, frameon=False,
                borderaxespad=0.2, handlelength=1.4, columnspacing=1.0)
-    speed = [r["speedup"] or 0.0 for r in rows]
-    ax2.barh(y, speed, color=[_BASE if r["compressor"] == "dense" else _FASTER if s >= 1 else _SLOWER
-                              for r, s in zip(rows, speed)])
-    ax2.axvline(1.0, color="k", lw=1)
-    ax2.legend(handles=[Patch(color=_FASTER, label="faster than dense"), Patch(color=_SLOWER, label="slower than dense")],
-               loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize=8, frameon=False, borderaxespad=0.2,
-               handlelength=1.4)
-    ax2.tick_params(axis="y", labelleft=False)
-    for yi, r in zip(y, rows):
-        ax2.text(r["speedup"] or 1.0, yi, " " + _speed_label(r), va="center", fontsize=7)
-    if any(s > 0 for s in speed):
-        lo, hi = min(s for s in speed if s > 0), max(max(speed), 1.0)
-        ax2.set_xscale("log")
-        ax2.set_xlim(min(lo, 1.0) / 1.3, hi * 4)  # room for the labels inside the frame
-        log_ticks(ax2, min(lo, 1.0) / 1.3, hi * 4)
-        ax2.set_xlabel("measured speed-up over dense all_reduce (log)")
-    else:  # one rank: nothing crosses a wire, so there is no speed-up to draw
-        ax2.set_xlabel("speed-up over dense all_reduce (none: nothing is sent with one rank)")
+    _speed_panel(ax2, rows, y)
     if with_proj and proj is not None:
         _projection_panel(fig.add_subplot(grid[1, :]), rows, proj)
     fig.suptitle(title, fontsize=9)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return fig
+
+
+def _whiskers(centres: List[float], spans: List[Any]) -> List[List[float]]:
+    """``errorbar``'s ``xerr`` (below, above) from each centre to its span's ends (none: 0)."""
+    below = [c - s[0] if s else 0.0 for c, s in zip(centres, spans)]
+    above = [s[1] - c if s else 0.0 for c, s in zip(centres, spans)]
+    return [[max(v, 0.0) for v in below], [max(v, 0.0) for v in above]]
+
+
+_TIE = "#c7c7c7"  # within the run's noise of dense
+
+
+def _speed_panel(ax: Any, rows: List[Dict[str, Any]], y: List[int]) -> None:
+    """Measured speed-up over dense: a bar from 1x to each method's speed-up on a log axis (its
+    length is the factor, the same for 2x faster as for 2x slower), the middle half of the calls
+    as whiskers, coloured faster / slower / tie (``bench/spread.py``)."""
+    from matplotlib.patches import Patch
+
+    speed = [r.get("speedup") or 0.0 for r in rows]
+    if not any(s > 0 for s in speed):  # one rank: nothing crosses a wire, so there is no speed-up to draw
+        ax.set_xlabel("speed-up over dense all_reduce (none: nothing is sent with one rank)")
+        ax.tick_params(axis="y", labelleft=False)
+        return
+    colour = {"faster": _FASTER, "slower": _SLOWER, "tie": _TIE, "baseline": _BASE}
+    ok = [(yi, r, s) for yi, r, s in zip(y, rows, speed) if s > 0]
+    ax.barh([yi for yi, _, _ in ok], [s - 1.0 for _, _, s in ok], left=1.0,
+            color=[colour.get(r.get("vs_dense", ""), _TIE if r["compressor"] != "dense" else _BASE) for _, r, _ in ok])
+    spans = [r.get("speedup_span") for _, r, _ in ok]
+    if any(spans):
+        ax.errorbar([s for _, _, s in ok], [yi for yi, _, _ in ok], xerr=_whiskers([s for _, _, s in ok], spans),
+                    fmt="none", ecolor="k", elinewidth=1, capsize=3)
+    ax.axvline(1.0, color="k", lw=1.2)
+    from matplotlib.lines import Line2D
+
+    ax.legend(handles=[Patch(color=_FASTER, label="faster than dense"), Patch(color=_SLOWER, label="slower than dense"),
+                       Patch(color=_TIE, label="a tie: middle halves overlap"),
+                       Line2D([], [], color="k", marker="|", lw=1, label="middle half of the calls")],
+              loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize=8, frameon=False, borderaxespad=0.2,
+              handlelength=1.4)
+    ax.tick_params(axis="y", labelleft=False)
+    ends = [v for s in spans if s for v in s if 0 < v < math.inf] + [s for _, _, s in ok]
+    lo, hi = min(ends + [1.0]), max(ends + [1.0])
+    reach = max(hi, 1.0 / lo, 1.25)  # the same room either side of 1x: a bar's length is its factor
+    ax.set_xscale("log")
+    ax.set_xlim(1.0 / (reach * 1.15), reach * 4)  # room for the labels on the right
+    log_ticks(ax, 1.0 / (reach * 1.15), reach * 4)
+    for yi, r, s in ok:  # right of the bar, its whisker and the 1x line
+        end = max(1.0, s, (r.get("speedup_span") or (s, s))[1])
+        ax.text(end * 1.03, yi, " " + _speed_label(r), va="center", fontsize=7)
+    ax.set_xlabel("measured speed-up over dense all_reduce (log, bars from 1x)")
 
 
 def _projection_panel(ax: Any, rows: List[Dict[str, Any]], proj: Dict[str, Any]) -> None:
@@ -150,9 +188,14 @@ def _projection_panel(ax: Any, rows: List[Dict[str, Any]], proj: Dict[str, Any])
     ax.plot([], [], color="#bbbbbb", lw=0.9, label="not recommended for training\n(e.g. randomk, biased without EF)")
     if measured_at:
         ax.plot([], [], marker="o", color="w", mec="k", ls="none", label="measured in this run")
-        ax.axvline(measured_at, color="k", ls=":", lw=0.8)
-        ax.text(measured_at, 0.02, f" this run (as a {projection.rate_label(int(float(f'{measured_at:.2g}')))} link)",
-                transform=ax.get_xaxis_transform(), fontsize=7, rotation=90, va="bottom")
+        for r in rows:  # auto: measured only, its choices hold for this link alone (bench/projection.py)
+            if not projection.projected(r) and r.get("speedup"):
+                ys_all.append(r["speedup"])
+                ax.plot([measured_at], [r["speedup"]], marker="*", ms=11, color="#ffd92f", mec="k", mew=0.6,
+                        ls="none", zorder=5, label=f"{r['compressor']}: measured only (it re-decides on other links)")
+        ax.axvline(measured_at, color="k", ls=":", lw=0.8, label=projection.measured_label(proj))
+        ax.text(measured_at, 0.02, " this run", transform=ax.get_xaxis_transform(), fontsize=7, rotation=90,
+                va="bottom")
     for R in rates:
         ax.axvline(R, color="#dddddd", lw=0.8, zorder=1)
     ax.set_xscale("log")
@@ -226,10 +269,13 @@ def sharded_plot(records: List[Dict[str, Any]], path: str, title: str = "") -> N
 
 
 def _speed_label(r: dict) -> str:
-    """``1.85x  (2.0x less data)``; what is missing (one rank sends nothing) said in words."""
+    """``1.85x  (2.0x less data)``, ``1.02x tie  (1.0x less data)``; what is missing (one rank
+    sends nothing) said in words."""
     if r.get("compressor") == "dense":
-        return "the baseline"
+        return "the baseline (whiskers: its calls' spread)"
     speed = f"{r['speedup']:.2f}x" if r.get("speedup") is not None else "no speed-up"
+    if r.get("vs_dense") == "tie":
+        speed += " tie"
     ratio = f"{r['ratio']:.1f}x less data" if r.get("ratio") is not None else "nothing sent"
     return f"{speed}  ({ratio})"
 
