@@ -67,7 +67,7 @@ def collective_plot(records: List[Dict[str, Any]], path: str, title: str = "",
     spans = [r.get("collective_ms_span") for r in rows]
     if any(spans):  # each call's middle half, around the median's total
         ax1.errorbar([r["collective_ms"] for r in rows], y, xerr=_whiskers([r["collective_ms"] for r in rows], spans),
-                     fmt="none", ecolor="k", elinewidth=1, capsize=3, label="middle half of the calls")
+                     fmt="none", ecolor="k", elinewidth=1, capsize=3, label="calls' middle half")
     if rows:
         ax1.axvline(rows[0]["dense_ms"], color="k", ls="--", lw=1, label="dense all_reduce")
     ax1.set_yticks(y, names)
@@ -77,7 +77,7 @@ def collective_plot(records: List[Dict[str, Any]], path: str, title: str = "",
                   + [s[1] for s in spans if s])
     ax1.set_xlim(0, longest * 1.08 if longest > 0 else 1.0)  # the longest bar stops short of the frame
     # legends just above each panel: no gap to size, and the bottom bars stay uncovered
-    ax1.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=3, fontsize=8, frameon=False,
+    ax1.legend(loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize=8, frameon=False,
                borderaxespad=0.2, handlelength=1.4, columnspacing=1.0)
     _speed_panel(ax2, rows, y)
     if with_proj and proj is not None:
@@ -122,7 +122,7 @@ def _speed_panel(ax: Any, rows: List[Dict[str, Any]], y: List[int]) -> None:
 
     ax.legend(handles=[Patch(color=_FASTER, label="faster than dense"), Patch(color=_SLOWER, label="slower than dense"),
                        Patch(color=_TIE, label="a tie: middle halves overlap"),
-                       Line2D([], [], color="k", marker="|", lw=1, label="middle half of the calls")],
+                       Line2D([], [], color="k", marker="|", lw=1, label="calls' middle half")],
               loc="lower left", bbox_to_anchor=(0, 1.0), ncol=2, fontsize=8, frameon=False, borderaxespad=0.2,
               handlelength=1.4)
     ax.tick_params(axis="y", labelleft=False)
