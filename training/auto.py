@@ -297,6 +297,7 @@ class AutoRuntime(Runtime):
         self.history: List[Dict[str, Any]] = []  # every decision and re-decision
         self._buckets: Dict[Tuple[str, ...], _Bucket] = {}
         self._order: List[Tuple[str, ...]] = []  # the buckets of the current (or last) iteration, in order
+        self._layout: List[Tuple[str, ...]] = []  # the buckets of the last complete iteration, in order
         self._t0 = 0.0
         self._mode: Dict[Tuple[str, ...], str] = {}  # "trial" / "check" / "run", set at submission
         self._carry: Dict[str, torch.Tensor] = {}  # owed residual to add to the next gradient (dense/cast)
@@ -378,6 +379,7 @@ class AutoRuntime(Runtime):
     def _begin(self, grads: Sequence[torch.Tensor]) -> None:
         """At an iteration's first bucket: probe the link once, decide what is ready to."""
         previous, self._order = self._order, []
+        self._layout = list(dict.fromkeys(previous))
         if self.world == 1:
             return
         self.start()  # the worker and the agreement first (a framework may start the group late)
@@ -792,26 +794,36 @@ class AutoRuntime(Runtime):
                  + ("not measured yet" if self.link is None else
                     f"{self.link.alpha_ms:.3f} ms/message, {self.link.rate * 8e3 / 1e9:.3g} Gbit/s")
                  + f"; {len(self.history)} decisions; {self.syncs} host syncs"]
-        for k in dict.fromkeys(self._order or list(self._buckets)):
+        for k in self._current():
             b = self._buckets[k]
             pred = ", ".join(f"{c} {v:.2f}" for c, v in sorted(b.predicted.items(), key=lambda kv: kv[1])[:3])
             lines.append(f"  {k[0]}..{k[-1]} ({len(k)} params): "
                          + (f"{b.choice} (predicted ms: {pred}" + (f"; measured {b.measured:.2f} ms" if
                                                                  b.measured is not None else "") + ")"
-                            if b.choice else f"trial {b.trials}/{self.trial_steps}"))
+                            if b.choice else f"trial {b.trials}/{self.trial_steps}" + (
+                                f", candidates timed on {len(b.timings)}/{len(b.pieces)} pieces"
+                                if len(b.pieces) > 1 else "")))
         return "\n".join(lines)
 
     def summary(self) -> str:
         """The choices counted over the current buckets, e.g. ``"dense x2, topk x1"``."""
         counts: Dict[str, int] = {}
-        for k in dict.fromkeys(self._order or list(self._buckets)):
+        for k in self._current():
             c = self._buckets[k].choice or "trial"
             counts[c] = counts.get(c, 0) + 1
         return ", ".join(f"{c} x{n}" for c, n in counts.items())
 
     def decisions(self) -> Dict[Tuple[str, ...], Optional[str]]:
-        """The method chosen per bucket (its parameter names), None while on trial."""
-        return {k: b.choice for k, b in self._buckets.items()}
+        """The method chosen per bucket (its parameter names), None while on trial: the buckets
+        of the last complete iteration, in its order (a layout replaced by another, such as
+        DDP's first one, which it rebuilds after the first iteration, is no longer listed)."""
+        return {k: self._buckets[k].choice for k in self._current()}
+
+    def _current(self) -> List[Tuple[str, ...]]:
+        """The buckets of the last complete iteration (all known ones before any, e.g. after a
+        resume), in order."""
+        order = self._order if self._txn is None else self._layout  # an iteration in flight: the last
+        return list(dict.fromkeys(order or self._layout)) or list(self._buckets)
 
     def _log(self, text: str) -> None:
         if rank_of(self.group) == 0:
@@ -853,4 +865,4 @@ class AutoRuntime(Runtime):
         self.link = None if auto["link"] is None else Link(*auto["link"]) if not self._fixed_link else self.link
         self._carry = {n: t.clone() for n, t in auto["carry"].items()}
         self.history = [dict(h) for h in auto["history"]]
-        self._order = []
+        self._order, self._layout = [], []

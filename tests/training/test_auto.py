@@ -22,9 +22,11 @@ One 2-rank spawn (each case's test reports its own failure):
 - ``threshold`` among the candidates with gradients far larger on one rank (so its payload
   size differs per rank): no false disagreement, the same decisions on every rank;
 - the gradient copies the trials time candidates on stay within ``trial_memory_mb`` (bf16
-  model, ``AdamW(fused=True)``), and the trials still end in decisions.
+  model, ``AdamW(fused=True)``), and the trials still end in decisions;
+- after DDP rebuilds its buckets, ``decisions()`` lists the new ones only (none "on trial"
+  forever), and a tiny model's latency-bound buckets leave the probed rate as it was.
 
-Argument errors and the plan are checked in-process.
+The plan and the link refit are checked in-process; so are argument errors.
 """
 from __future__ import annotations
 
@@ -368,10 +370,36 @@ def _trial_copies_bounded(rank, world):
             "params": flat_params(model)}
 
 
+def _ddp_rebuild(rank, world):
+    """DDP's first iteration buckets the gradients in parameter order, then rebuilds its buckets
+    in the order backward produced them: the first layout is never seen again. Measured link,
+    a tiny model (every bucket latency-bound)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from gradcomp.training import ddp_comm_hook
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.ReLU(), torch.nn.Linear(64, 64), torch.nn.ReLU(),
+                              torch.nn.Linear(64, 4))
+    ddp = DDP(net, bucket_cap_mb=0.01)
+    state, hook = ddp_comm_hook("auto", model=net, trial_steps=2, candidates=("dense", "bf16"))
+    ddp.register_comm_hook(state, hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    rt, probed, seen = state.compression, None, set()
+    for step in range(5):
+        opt.zero_grad()
+        ddp(torch.randn(8, 32)).sum().backward()
+        opt.step()
+        probed = probed or rt.link
+        seen.update(rt._buckets)
+    return {"decisions": _decisions(rt), "layouts": len(seen), "summary": rt.summary(), "probed": probed,
+            "link": rt.link, "names": sorted(n for n, _ in net.named_parameters())}
+
+
 def _two_cases(rank, world, tmp):
     out = {}
     for name, fn, args in (("skip", _skip_after_switch, ()), ("variable", _variable_size_candidate, ()),
-                           ("bound", _trial_copies_bounded, ()),
+                           ("bound", _trial_copies_bounded, ()), ("rebuild", _ddp_rebuild, ()),
                            ("train", _two, (tmp,))):
         try:
             out[name] = fn(rank, world, *args)
@@ -424,6 +452,18 @@ def test_auto_trial_copies_are_bounded(two):
         assert r["accounted"] == r["peak"] and r["held_now"] == 0
         assert r["decided_at"] is not None and all(c is not None for _, c in r["decisions"])
     assert res[0]["decisions"] == res[1]["decisions"] and torch.equal(res[0]["params"], res[1]["params"])
+
+
+def test_auto_decisions_are_the_current_buckets(two):
+    res = _case(two, "rebuild")
+    for r in res:
+        assert all(c is not None for _, c in r["decisions"]), f"decisions() reads as still on trial: {r['decisions']}"
+        assert r["layouts"] > len(r["decisions"])  # the set-up: DDP rebuilt its buckets
+        assert sorted(n for k, _ in r["decisions"] for n in k) == r["names"]  # each parameter once
+        assert "trial" not in r["summary"]
+        # latency-bound buckets only: the rate stays the probe's
+        assert r["link"] == r["probed"], (r["link"], r["probed"])
+    assert res[0]["decisions"] == res[1]["decisions"]
 
 
 def test_auto_two_ranks_train(two):
