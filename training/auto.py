@@ -26,8 +26,9 @@ DDP rebuild of the buckets is a new bucket):
    a variable-size candidate such as ``threshold`` sends what each rank's gradients hold, and
    the largest rank's payload sets the wire time) is MAX-reduced over the ranks in ONE
    allreduce, so every rank runs the same deterministic plan on the same numbers: predicted
-   time = codec time + rounds * alpha + wire bytes / rate; the worker exchanges buckets one after another from the moment each is submitted, so a
-   bucket's exchange hides behind the rest of backward and the last ones do not: the plan
+   time = codec time + rounds * alpha + wire bytes / rate; the worker exchanges buckets one
+   after another from the moment each is submitted, so a bucket's exchange hides behind the
+   rest of backward and the last ones do not: the plan
    minimises the step's exposed time (last finish minus the last submission), takes a
    compressed method for a bucket only when it beats dense by ``margin``, then gives each
    bucket, earliest first, the most faithful candidate (the candidates' order) that keeps the
@@ -211,8 +212,8 @@ class AutoPolicy(Policy):
         if unknown:
             raise ValueError(f"compressor='auto': unknown keyword(s) {', '.join(unknown)}; auto takes candidates=, "
                              f"trial_steps=, trial_memory_mb=, verify_steps=, margin=, tolerance=, "
-                             f"recheck_every=, accordion=, accordion_threshold=, link= and the policy keywords {', '.join(_POLICY_KEYS)} "
-                             f"(layers= and error_feedback= need a fixed compressor)")
+                             f"recheck_every=, accordion=, accordion_threshold=, link= and the policy keywords "
+                             f"{', '.join(_POLICY_KEYS)} (layers= and error_feedback= need a fixed compressor)")
         super().__init__("none", **settings)
         if isinstance(candidates, (str, tuple)) and not (isinstance(candidates, tuple) and all(
                 isinstance(c, (str, tuple)) for c in candidates)):
@@ -281,9 +282,9 @@ class AutoRuntime(Runtime):
                 ("link", link, link is None or isinstance(link, Link), "None or a gradcomp.training.auto.Link")):
             if isinstance(value, bool) and key != "accordion" or not ok:
                 raise ValueError(f"compressor='auto': {key}={value!r} is not allowed; {key} must be {rule}")
-        self._settings_text = (f" trial_steps={trial_steps} trial_memory_mb={trial_memory_mb} verify_steps={verify_steps} "
-                               f"margin={margin} tolerance={tolerance} recheck_every={recheck_every} "
-                               f"accordion={accordion}:{accordion_threshold}")
+        self._settings_text = (f" trial_steps={trial_steps} trial_memory_mb={trial_memory_mb} "
+                               f"verify_steps={verify_steps} margin={margin} tolerance={tolerance} "
+                               f"recheck_every={recheck_every} accordion={accordion}:{accordion_threshold}")
         super().__init__(AutoPolicy(candidates, **settings), group, None)
         self.policy: AutoPolicy
         self.label = "auto"
@@ -385,8 +386,8 @@ class AutoRuntime(Runtime):
         self.start()  # the worker and the agreement first (a framework may start the group late)
         if self.link is None:
             self._probe(worker.device_of(grads))
-        due = [k for k in dict.fromkeys(previous) if self._buckets[k].choice is None
-               and self._buckets[k].trials >= self.trial_steps and self._buckets[k].dense_ms and self._buckets[k].timed]
+        due = [k for k, b in ((k, self._buckets[k]) for k in dict.fromkeys(previous))
+               if b.choice is None and b.trials >= self.trial_steps and b.dense_ms and b.timed]
         recheck = self._checking_due()
         verify = [k for k in dict.fromkeys(previous) if self.iteration >= (self._buckets[k].verify_at or math.inf)]
         if (due or recheck or verify) and previous:  # nothing seen yet (a resumed run's first bucket): nothing to do

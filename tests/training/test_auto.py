@@ -365,9 +365,9 @@ def _trial_copies_bounded(rank, world):
             decided_at = step
     grads = sum(p.numel() * p.element_size() for p in model.parameters())
     largest = max(p.numel() * p.element_size() for p in model.parameters())
-    return {"peak": peak[0], "accounted": getattr(rt, "trial_bytes_peak", None), "held_now": getattr(rt, "trial_bytes", None), "bound": budget * 2 ** 20,
-            "largest": largest, "grads": grads, "decided_at": decided_at, "decisions": _decisions(rt),
-            "params": flat_params(model)}
+    return {"peak": peak[0], "accounted": getattr(rt, "trial_bytes_peak", None),
+            "held_now": getattr(rt, "trial_bytes", None), "bound": budget * 2 ** 20, "largest": largest,
+            "grads": grads, "decided_at": decided_at, "decisions": _decisions(rt), "params": flat_params(model)}
 
 
 def _ddp_rebuild(rank, world):
@@ -448,7 +448,8 @@ def test_auto_trial_copies_are_bounded(two):
     res = _case(two, "bound")
     for r in res:
         assert r["largest"] < r["bound"] < r["grads"]  # the set-up: a bound that binds
-        assert 0 < r["peak"] <= r["bound"], f"held {r['peak']} B of gradient copies at once; the bound is {r['bound']:.0f} B"
+        assert 0 < r["peak"] <= r["bound"], \
+            f"held {r['peak']} B of gradient copies at once; the bound is {r['bound']:.0f} B"
         assert r["accounted"] == r["peak"] and r["held_now"] == 0
         assert r["decided_at"] is not None and all(c is not None for _, c in r["decisions"])
     assert res[0]["decisions"] == res[1]["decisions"] and torch.equal(res[0]["params"], res[1]["params"])
