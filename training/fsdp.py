@@ -15,23 +15,34 @@
   any compressor): each rank sends ``Q(shard + e)`` and keeps ``e`` (error feedback on the
   weights, per module FQN) and every rank, the owner too, unshards to the decoded bits, so the
   replicas are identical; FSDP's sharded parameters (the optimizer's master copy) are never
-  touched. The payload is made once per weight version (the parameters' version counters):
-  the re-gather of backward (``reshard_after_forward=True``) resends the same payload, so
-  forward and backward use the same weights and the residual moves once per step.
+  touched. Every forward's gather makes a payload from the weights as they are then; a
+  re-gather in backward (``reshard_after_forward=True``, activation recomputation) resends the
+  forward's, so backward uses the weights forward used. Nothing else resends a payload: what
+  moved the weights since (an optimizer step, foreach or fused, a write through ``.data``, a
+  load) need not show in a version counter, so it is never trusted to.
 
 **The step decision** (where a non-finite step is caught): call ``fsdp.step(optimizer)`` (or
 ``fsdp.step(optimizer, scaler=scaler)`` with a ``torch.amp.GradScaler``) instead of
 ``optimizer.step()``. The gradient exchanges since the last decision run inside one
-:class:`~gradcomp.compress.transaction.Transaction`; ``step`` reads one device flag (every
-rank's reduced shards finite), all-reduced: the iteration's one host sync. Finite everywhere:
+:class:`~gradcomp.compress.transaction.Transaction`; ``step`` reads its device flags (every
+rank's reduced shards finite, every received payload valid), all-reduced together: the
+iteration's one host sync. Finite everywhere:
 the residuals are committed and the optimizer steps (through the scaler, if given). Otherwise
-every rank rolls the residuals back, skips the step (``skipped`` counts it) and, with a
-scaler, backs its scale off; the weights are unchanged, so the weight residuals are too.
+every rank rolls the gradient residuals back, skips the step (``skipped`` counts it) and, with
+a scaler, backs its scale off. (The weight residuals move with each forward's gather and owe no
+gradient: they are not part of the decision.) An exchange that starts while the previous
+backward's decision is still open (``optimizer.step()`` or ``GradScaler.step`` called without
+``fsdp.step``, or a second synced backward before the step) reads it then, on every rank: a new
+iteration's makes the decision there (kept, or undone when not finite) and warns once with the
+fix; the next micro-batch of the same step keeps it open for ``step``, undoing a non-finite one
+at once. No residual keeps a non-finite value.
 
 State is keyed by module FQN (``"(root)"`` for the root): ``state_dict()`` /
 ``load_state_dict()`` hold this rank's residuals (save one file per rank beside the model's
 distributed checkpoint); a checkpoint of another world size, rank or configuration is refused
-on every rank. Supported: ``MixedPrecisionPolicy`` (param and reduce dtypes),
+on every rank. No payload outlives its step decision, so between steps nothing the next step
+uses lives outside it and the model's and optimizer's checkpoints: a resume continues bit for
+bit, frozen parameters included. Supported: ``MixedPrecisionPolicy`` (param and reduce dtypes),
 ``set_gradient_divide_factor``, ``set_requires_gradient_sync(False)`` accumulation,
 ``reshard_after_forward`` True/False, ``unshard()``. Refused: HSDP (a 2-D mesh), torch < 2.9,
 multi-round compressors (PowerSGD), a compressed all-gather of mixed-dtype modules. See
@@ -39,10 +50,13 @@ docs/fsdp.md.
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+import warnings
+import weakref
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Set, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from gradcomp.collectives.identity import Identity, agree, describe_params, fingerprint, refuse_on_every_rank
 from gradcomp.collectives.shards import all_gather, reduce_scatter
@@ -115,8 +129,8 @@ class _AllGather(_AllGatherBase):
 
 class _SentOnce:
     """The weight codec as ``all_gather`` sees it for one call: the codec's payload (error
-    feedback applied) on the first ``compress``, and the payload of an earlier call replayed
-    when the weights have not changed since (nothing moves in the residual)."""
+    feedback applied) on the first ``compress``, or the payload of the forward's gather replayed
+    by a re-gather in backward (nothing moves in the residual)."""
 
     def __init__(self, codec: Any, payload: Any = None) -> None:
         self.codec, self.payload = codec, payload
@@ -129,6 +143,26 @@ class _SentOnce:
         if self.payload is None:
             self.payload = self.codec.compress(tensor, key)
         return self.payload
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (FSDP's own test): a gather
+    then re-gathers the weights the forward used (``reshard_after_forward``, recomputation)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+def _versions(params: Sequence[torch.nn.Parameter]) -> Tuple[int, ...]:
+    """The version counters of ``params`` and of their local shards (a write through
+    ``to_local()`` moves only the shard's)."""
+    with torch.no_grad():
+        return tuple(v for p in params
+                     for v in (p._version, p.to_local()._version if hasattr(p, "to_local") else 0))
+
+
+def _remove(handles: List[Any]) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _fsdp_modules(model: torch.nn.Module) -> List[Tuple[str, Any]]:
@@ -213,9 +247,17 @@ class FSDPCompression:
         # and all-gather, its payloads travel on their agreed layouts (no size exchange, no parsing)
         self._layouts: Dict[Any, Any] = {}
         self._bad: Optional[torch.Tensor] = None  # non-finite reduced shards since the last decision
-        self._sent: Dict[str, Tuple[Tuple[int, ...], Any]] = {}  # key -> (weight versions, payload sent)
+        # key -> (weight versions, payload) of the module's last forward gather, for backward's re-gathers
+        self._sent: Dict[str, Tuple[Tuple[int, ...], Any]] = {}
+        self._modules = {key: module for key, (_, module, _) in zip(self.keys, modules)}
+        self._ids: Optional[Set[int]] = None  # the managed parameters' ids (refreshed after a load)
+        # the open decision: modules reduce-scattered since the last one; an optimizer holding these
+        # parameters stepped outside step(); it already found a non-finite micro-batch (see _reopen)
+        self._reduced: Set[str] = set()
+        self._outside = self._stepping = self._doomed = self._warned = False
         self.reduce_scatters: Dict[str, _ReduceScatter] = {}
         self.all_gathers: Dict[str, _AllGather] = {}
+        self._hooks(modules)
         for key, (_, module, _) in zip(self.keys, modules):
             if hasattr(module, "set_reduce_scatter_unused_params"):
                 # an unused parameter then sends zeros instead of leaving the flat layout, so a
@@ -226,6 +268,41 @@ class FSDPCompression:
             if self.weight_codec is not None:
                 self.all_gathers[key] = _AllGather(self, key)
                 module.set_custom_all_gather(self.all_gathers[key])
+
+    def _hooks(self, modules: List[Tuple[str, Any, List[torch.nn.Parameter]]]) -> None:
+        """Learn of an optimizer step of these parameters outside step() (torch's global pre-hook,
+        which every optimizer's step passes, foreach and fused included): a new iteration for
+        _reopen; and of a ``load_state_dict`` of any FSDP module, which may replace the
+        parameters (``assign=True``). The hooks hold this object weakly and go with it."""
+        ref = weakref.ref(self)
+
+        def stepping(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            owner = ref()
+            if owner is not None:
+                owner._optimizer_steps(optimizer)
+
+        def loaded(module: torch.nn.Module, incompatible: Any) -> None:
+            owner = ref()
+            if owner is not None:
+                owner._weights_loaded()
+
+        handles = [register_optimizer_step_pre_hook(stepping)]
+        handles += [module.register_load_state_dict_post_hook(loaded) for _, module, _ in modules]
+        weakref.finalize(self, _remove, handles)
+
+    def _optimizer_steps(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._stepping:
+            return
+        if self._ids is None:
+            self._ids = {id(p) for ps in self._params.values() for p in ps}
+        ids = self._ids
+        if any(id(p) in ids for group in optimizer.param_groups for p in group["params"]):
+            self._outside = True
+
+    def _weights_loaded(self) -> None:
+        self._params = {key: _managed(module) for key, module in self._modules.items()}
+        self._ids = None
+        self._sent.clear()
 
     @staticmethod
     def _codec(spec: Any, options: Optional[Mapping[str, Any]], what: str) -> Any:
@@ -244,6 +321,8 @@ class FSDPCompression:
         if flat.numel() != output.numel() * world:
             raise ValueError(f"compress_fsdp: module {key!r}: FSDP passed {flat.numel()} elements for {world} pieces "
                              f"of {output.numel()}")
+        if key in self._reduced:  # a second backward since the last decision
+            self._reopen(flat.device)
         with self._txn.active():
             out = reduce_scatter(flat, [output.numel()] * world, compressor=self.grad_codec, key=key, group=group,
                                  layouts=self._layouts)
@@ -252,14 +331,21 @@ class FSDPCompression:
         output.copy_(out)
         bad = torch.isfinite(output).logical_not().any()
         self._bad = bad if self._bad is None else self._bad.logical_or(bad)
+        self._reduced.add(key)
 
     def _all_gather(self, key: str, output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
         if not shard.is_floating_point():
             raise ValueError(f"compress_fsdp: module {key!r} is all-gathered as {shard.dtype} (mixed dtypes or a "
                              f"tensor subclass's own all-gather); use all_gather=None for this model")
-        versions = tuple(p._version for p in self._params[key])
+        backward = _in_backward()
+        if self._reduced and not backward:  # a forward after a backward's exchanges, with no decision between
+            self._reopen(shard.device)
+        # Only a re-gather in backward resends the forward's payload, so backward uses the weights
+        # forward used: whatever moved the weights since the forward (an optimizer step of any
+        # kind, writes through .data, loads) cannot be seen from here, so a forward always encodes.
+        versions = _versions(self._params[key])
         kept = self._sent.get(key)
-        codec = _SentOnce(self.weight_codec, kept[1] if kept is not None and kept[0] == versions else None)
+        codec = _SentOnce(self.weight_codec, kept[1] if backward and kept is not None and kept[0] == versions else None)
         world = dist.get_world_size(group)
         full = all_gather(shard, [shard.numel()] * world, compressor=codec, key=key, group=group,
                           layouts=self._layouts)
@@ -271,29 +357,102 @@ class FSDPCompression:
         """Step ``optimizer`` (through ``scaler.step``/``update`` when given) if every rank's
         reduced gradients since the last call are finite; otherwise undo the compression state
         of those exchanges, skip the step on every rank (backing the scaler off) and return
-        False. One small all-reduce and one host read."""
-        flag = self._bad
-        if flag is None:
-            device = next(iter(self._params.values()))[0].device
-            flag = torch.zeros((), dtype=torch.float32, device=device)
-        flag = flag.to(torch.float32).reshape(1)
-        dist.all_reduce(flag, group=self.group)
-        bad = bool(flag.item() > 0)  # the iteration's one host sync
-        self._bad = None
-        txn, self._txn = self._txn, Transaction()
-        if bad:
-            txn.rollback()
-            self.skipped += 1
+        False (and raise the same ``ValueError`` on every rank when a received payload was
+        invalid). One small all-reduce and one host read."""
+        nonfinite, invalid, _ = self._agree(self._device(), False)
+        if not self._decide(nonfinite or self._doomed, invalid):
             if scaler is not None:  # what GradScaler.update does after an overflow: back off, no step
                 scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
             return False
-        txn.commit()
-        if scaler is not None:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        self._stepping = True  # not a step outside this decision (_optimizer_steps)
+        try:
+            if scaler is not None:
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                optimizer.step()
+        finally:
+            self._stepping = False
         return True
+
+    def _device(self) -> torch.device:
+        return self._bad.device if self._bad is not None else next(iter(self._params.values()))[0].device
+
+    def _agree(self, device: torch.device, new: bool) -> Tuple[bool, bool, bool]:
+        """Over every rank: (a reduced shard since the last decision was not finite, a received
+        payload was invalid, ``new`` on some rank). One small all-reduce and one host read."""
+        flags = torch.zeros(3, dtype=torch.float32, device=device)
+        if new:
+            flags[2] = 1.0
+        for i, flag in enumerate((self._bad, self._txn.flagged())):
+            if flag is not None:  # device flags of the group's device, copied there without a read
+                flags[i].copy_(flag.reshape(()))
+        dist.all_reduce(flags, group=self.group)
+        nonfinite, invalid, anywhere = (v > 0 for v in flags.tolist())  # the one host read
+        return nonfinite, invalid, anywhere
+
+    def _decide(self, bad: bool, invalid: bool) -> bool:
+        """End the open decision (the same arguments on every rank): keep its compression state,
+        or undo it (not finite; or a received payload failed its check on the device: then the
+        same ``ValueError`` on every rank). True when kept."""
+        txn, self._txn = self._txn, Transaction()
+        problems = txn.problems if invalid else []  # read only when some rank flagged a payload
+        undo = bad or invalid
+        if undo:
+            txn.rollback()
+            if not self._doomed:  # a micro-batch of this step already counted it (_reopen)
+                self.skipped += 1
+        else:
+            txn.commit()
+        self._bad, self._doomed, self._outside = None, False, False
+        self._reduced.clear()
+        self._sent.clear()
+        if invalid:  # the same ValueError on every rank, naming the rank that found it
+            agree({}, self.group, "at compress_fsdp's step decision",
+                  problem=f"compress_fsdp: {'; '.join(problems)}; the iteration was undone" if problems else None)
+        return not undo
+
+    def _grads_cleared(self) -> bool:
+        """Whether some module reduce-scattered since the last decision has had its gradients
+        cleared (``zero_grad``): a new iteration, not the next micro-batch of this one."""
+        for key in self._reduced:
+            trained = [p for p in self._params[key] if p.requires_grad]
+            if trained and all(p.grad is None for p in trained):
+                return True
+        return False
+
+    def _reopen(self, device: torch.device) -> None:
+        """An exchange starts while an earlier backward's exchanges are still undecided (the same
+        call on every rank: FSDP's exchanges are). Read their finiteness over every rank now.
+
+        - A new iteration (some rank stepped an optimizer of these parameters or cleared their
+          gradients without step()): the previous iteration's decision is made now, as step()
+          would have made it (kept, or undone when not finite anywhere), and a warning says once
+          how to make it exact.
+        - The next micro-batch of the same step (accumulation with a synced backward each): the
+          decision stays open for step(); a non-finite micro-batch is undone now and step() will
+          skip, so no residual ever holds a non-finite value."""
+        nonfinite, invalid, new = self._agree(device, self._outside or self._grads_cleared())
+        if new or invalid:
+            if new and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    "compress_fsdp: an exchange started while the previous iteration's step decision was open: an "
+                    "optimizer stepped these parameters (or their gradients were cleared) without fsdp.step. The "
+                    "decision was made now on every rank (its compression state undone where a reduced gradient "
+                    "was not finite on some rank), but a rank that stepped on its own has stepped. Call "
+                    "fsdp.step(optimizer) in place of optimizer.step() (fsdp.step(optimizer, scaler=scaler) in place "
+                    "of scaler.step and scaler.update) so a non-finite step is skipped on every rank together.",
+                    stacklevel=2)
+            self._decide(nonfinite or self._doomed, invalid)
+            return
+        self._reduced.clear()
+        self._bad = None  # read: finite so far, or undone below
+        if nonfinite:
+            self._txn.rollback()
+            if not self._doomed:
+                self.skipped += 1
+                self._doomed = True
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _identity(self) -> Identity:
@@ -329,6 +488,8 @@ class FSDPCompression:
                 codec.load_state_dict(state[part])
         self.skipped = int(state.get("skipped", 0))
         self._txn, self._bad = Transaction(), None
+        self._reduced.clear()
+        self._outside = self._doomed = False
         self._sent.clear()  # the next gather compresses the loaded weights with the loaded residual
         self._layouts.clear()  # and the next exchanges are checked again
 

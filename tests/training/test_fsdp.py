@@ -13,7 +13,16 @@ Invariants protected:
   weight, and a GradScaler is backed off; resuming from a checkpoint (model, optimizer and
   residuals) continues bit for bit; a checkpoint of another rank is refused on every rank;
 - ranks that disagree on the configuration raise the same error; HSDP and a multi-round
-  compressor are refused.
+  compressor are refused;
+- with a compressed all-gather every forward sees the current weights, whatever moved them:
+  foreach and fused optimizers (which move no DTensor version counter), bf16 parameters, the
+  plain ``optimizer.step()`` loop, writes through ``p.data`` and ``to_local()``,
+  ``load_state_dict`` (``assign=True`` too) and a distributed checkpoint loaded in place; and the
+  loss falls as plain FSDP2's; backward's re-gathers give the forward's bits;
+- resuming is bit-identical with frozen parameters under a compressed all-gather;
+- a loop that leaves a step decision open (no ``fsdp.step``) keeps no non-finite residual after
+  a NaN on one rank and warns once; synced accumulation under ``fsdp.step`` skips a NaN step on
+  every rank; an invalid received payload undoes the step and raises the same error everywhere.
 """
 from __future__ import annotations
 
@@ -38,11 +47,17 @@ def _shard(model, reshard=True, mp=None):
     return model
 
 
-def _build(kind, seed=0, **kw):
+def _build(kind, seed=0, freeze=(), **kw):
+    """``kind`` from tests/models.py under ``fully_shard`` (each child with parameters, then the
+    root); parameters whose names start with one of ``freeze`` are frozen first."""
     from models import model
 
     torch.manual_seed(seed)
-    return _shard(model(kind), **kw)
+    m = model(kind)
+    for name, p in m.named_parameters():
+        if name.startswith(tuple(freeze)):
+            p.requires_grad_(False)
+    return _shard(m, **kw)
 
 
 def _locals(model):
@@ -113,17 +128,17 @@ def _weights_seen(model):
 
 
 def _regathers(handle):
-    """Per all-gather call: whether it gave the bits of the module's previous call when the
-    weights had not changed since (the backward re-gather and the next micro-batch's)."""
+    """Per all-gather call in backward (the re-gather of ``reshard_after_forward=True``): whether
+    it gave the bits of the module's forward gather."""
     last, same = {}, []
     real = handle._all_gather
 
     def spy(key, output, shard, group):
         real(key, output, shard, group)
-        versions = tuple(p._version for p in handle._params[key])
-        if key in last and last[key][0] == versions:
-            same.append(torch.equal(last[key][1], output))
-        last[key] = (versions, output.detach().clone())
+        if torch._C._current_graph_task_id() == -1:  # not in backward
+            last[key] = output.detach().clone()
+        elif key in last:
+            same.append(torch.equal(last[key], output))
 
     handle._all_gather = spy
     return same
@@ -268,16 +283,335 @@ def _refusals(rank):
     return said
 
 
-def _all_checks(rank, world):
+# ---- the weights every forward sees, whatever changed them (optimizer paths, writes, loads) ------------
+
+GAP = {"bf16": 2.0 ** -6, "int8": 2.0 ** -5}  # |forward's weight - weight| / max|weight|: the codec's error
+TRAIN_STEPS = 6
+
+
+def _seen_by_forward(model):
+    """The parameters of every leaf module as its last forward saw them (unsharded), by name."""
+    seen = {}
+    for fqn, m in model.named_modules():
+        if any(True for _ in m.parameters(recurse=False)) and not list(m.children()):
+            def hook(mod, args, fqn=fqn):
+                for n, p in mod.named_parameters(recurse=False):
+                    seen[f"{fqn}.{n}"] = p.detach().float().clone()
+            m.register_forward_pre_hook(hook)
+    return seen
+
+
+def _full(model):
+    """Every parameter's whole tensor (a collective: call on every rank, between iterations)."""
+    return {n: p.full_tensor().detach().float().clone() for n, p in model.named_parameters()}
+
+
+def _gap(seen, full):
+    """The largest gap between what a forward saw and the weights it should have seen, relative to
+    the largest weight of the parameter's module (a quantized gather's error scales with its
+    block's largest value, and a module's parameters share blocks)."""
+    scale = {}
+    for n in seen:
+        leaf = n.rsplit(".", 1)[0]
+        scale[leaf] = max(scale.get(leaf, 1e-12), float(full[n].abs().max()))
+    return max(float((seen[n] - full[n]).abs().max()) / scale[n.rsplit(".", 1)[0]] for n in seen)
+
+
+def _ours(message) -> bool:
+    return "fsdp.step" in str(message.message)
+
+
+def _train(model, opt, h, x, y, rank, steps, plain=False, seen=None):
+    """``steps`` iterations; the forward's weight gap to the sharded weights at each (with
+    ``seen``), then the loss on all of ``x`` after them."""
+    gaps = []
+    for step in range(steps):
+        full = _full(model) if seen is not None else None
+        loss = _loss(model, x[8 * step:8 * step + 8], y[8 * step:8 * step + 8], rank)
+        if seen is not None:
+            gaps.append(_gap(seen, full))
+        loss.backward()
+        if plain or h is None:
+            opt.step()
+        else:
+            h.step(opt)
+        opt.zero_grad()
+    with torch.no_grad():
+        final = float(_loss(model, x, y, rank))
+    return gaps, final
+
+
+def _optimizer_paths(rank, path):
+    """Each optimizer path GPU users take, with a compressed all-gather, against plain FSDP2 with
+    the same optimizer: every forward sees the current weights (to the codec's error) and the
+    loss goes down as FSDP2's does."""
+    import warnings
+
+    from models import data
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from gradcomp.training import compress_fsdp
+
+    x, y = data("transformer", 8 * TRAIN_STEPS, seed=6)
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    def adamw(ps):
+        return torch.optim.AdamW(ps, lr=1e-2, foreach=True)
+
+    cases = {
+        "adamw_foreach": (adamw, None, "bf16", False),
+        "adam_fused": (lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True), None, "bf16", False),
+        "sgd_plain": (lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9, foreach=False), None, "bf16", False),
+        "adamw_foreach_bf16_params": (adamw, bf16, "int8", False),
+        # the plain loop (optimizer.step(), no fsdp.step): trains too, and says once how to make it exact
+        "adamw_foreach_plain_loop": (adamw, None, "bf16", True),
+    }
+    out, plain_fsdp = {}, {}
+    for name, (make, mp, codec, plain) in cases.items():
+        if (make, mp) not in plain_fsdp:  # FSDP2's own run with this optimizer: (first loss, last loss)
+            ref = _build("transformer", mp=mp)
+            with torch.no_grad():
+                first = float(_loss(ref, x, y, rank))
+            plain_fsdp[make, mp] = (first, _train(ref, make(ref.parameters()), None, x, y, rank, TRAIN_STEPS)[1])
+        start, ref_final = plain_fsdp[make, mp]
+        model = _build("transformer", mp=mp)
+        h = compress_fsdp(model, "int8", all_gather=codec)
+        seen = _seen_by_forward(model)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            gaps, final = _train(model, make(model.parameters()), h, x, y, rank, TRAIN_STEPS, plain=plain, seen=seen)
+        out[name] = {"gaps": gaps, "limit": GAP[codec], "start": start, "ref": ref_final, "ours": final,
+                     "warnings": sum(_ours(w) for w in caught)}
+    return out
+
+
+def _weight_writes(rank, path):
+    """Weights changed by something other than an optimizer step (through ``p.data``, through
+    ``to_local()``, ``load_state_dict`` with and without ``assign``, a distributed checkpoint
+    loaded in place): the next forward sees the new weights. ``fsdp.step`` steps an optimizer of
+    another tensor, so nothing else moves the weights."""
+    import torch.distributed.checkpoint as dcp
+    from models import data
+
+    from gradcomp.training import compress_fsdp
+
+    x, y = data("transformer", 16, seed=7)
+    first, second, third = (_build("transformer", seed=s) for s in (9, 11, 13))
+    first_state, second_state = copy.deepcopy(first.state_dict()), copy.deepcopy(second.state_dict())
+    dcp.save(third.state_dict(), checkpoint_id=f"{path}/third")
+    model = _build("transformer")
+    h = compress_fsdp(model, "int8", all_gather="bf16")
+    seen = _seen_by_forward(model)
+    idle = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
+
+    def flip_data():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data.mul_(-1.0)
+
+    def flip_local():
+        with torch.no_grad():
+            for p in model.parameters():
+                p.to_local().mul_(-0.5)
+
+    def dcp_in_place():
+        dcp.load(model.state_dict(), checkpoint_id=f"{path}/third")
+
+    # each write gives weights the model never held before
+    writes = {"p.data": flip_data, "to_local": flip_local,
+              "load_state_dict": lambda: model.load_state_dict(copy.deepcopy(first_state)),
+              "dcp_load": dcp_in_place,
+              "load_state_dict_assign": lambda: model.load_state_dict(copy.deepcopy(second_state), assign=True)}
+    out = {}
+    for name, write in writes.items():
+        _loss(model, x[:8], y[:8], rank).backward()  # an iteration on the current weights
+        h.step(idle)
+        model.zero_grad()
+        write()
+        full = _full(model)
+        _loss(model, x[8:], y[8:], rank).backward()  # the first forward after the write
+        out[name] = _gap(seen, full)
+        h.step(idle)
+        model.zero_grad()
+    return out
+
+
+def _frozen_resume(rank):
+    """Frozen parameters (whole FSDP modules and one tensor of a trained module) with a
+    compressed all-gather: train 3 steps, save; 3 more, versus loading into a fresh model and
+    running the same 3: the same losses and parameters, bit for bit."""
+    from models import data
+
+    from gradcomp.training import compress_fsdp
+
+    x, y = data("transformer", 48, seed=8)
+    frozen = ("embed.", "norm1.", "head.bias")
+
+    def make(seed):
+        model = _build("transformer", seed=seed, freeze=frozen)
+        h = compress_fsdp(model, "int8", all_gather="int8")
+        # foreach=False: the trained weights' version counters move, so only the frozen ones are at stake
+        opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, foreach=False)
+        return model, h, opt
+
+    def run(model, h, opt, steps):
+        losses = []
+        for step in steps:
+            loss = _loss(model, x[8 * step:8 * step + 8], y[8 * step:8 * step + 8], rank)
+            losses.append(loss.detach().clone())
+            loss.backward()
+            h.step(opt)
+            opt.zero_grad()
+        return losses
+
+    model, h, opt = make(0)
+    run(model, h, opt, range(3))
+    snapshot = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), h.state_dict())
+    went_on = run(model, h, opt, range(3, 6))
+    model2, h2, opt2 = make(5)
+    model2.load_state_dict(snapshot[0])
+    opt2.load_state_dict(snapshot[1])
+    h2.load_state_dict(snapshot[2])
+    resumed = run(model2, h2, opt2, range(3, 6))
+    return {"losses": [(float(a), float(b)) for a, b in zip(went_on, resumed)],
+            "same_losses": all(torch.equal(a, b) for a, b in zip(went_on, resumed)),
+            "same_params": all(torch.equal(a, b) for a, b in zip(_locals(model), _locals(model2)))}
+
+
+def _nan_on(module, name="weight"):
+    """A switch: while ``on`` is true, the gradient of ``module.<name>`` gets a NaN in its first
+    row on this rank (the row lies in rank 0's shard: only rank 0's reduced shard is hit)."""
+    state = {"on": False, "hooked": set()}
+
+    def poison(grad):
+        if not state["on"]:
+            return grad
+        grad = grad.clone()
+        grad[0] = float("nan")
+        return grad
+
+    def pre(mod, args):
+        p = getattr(mod, name)  # the unsharded parameter of this forward
+        if id(p) not in state["hooked"]:
+            state["hooked"].add(id(p))
+            p.register_hook(poison)
+
+    module.register_forward_pre_hook(pre)
+    return state
+
+
+def _residuals_finite(h) -> bool:
+    return all(bool(torch.isfinite(t).all()) for t in h.state_dict()["reduce_scatter"]["state"].values())
+
+
+def _open_decisions(rank):
+    """Loops that leave a step decision open: a GradScaler loop without ``fsdp.step`` with a NaN
+    on rank 1 (rank 0 skips the step, rank 1 takes it): no residual stays non-finite and later
+    gradients are finite on every rank, with one warning naming the fix. Accumulation with a
+    synced backward per micro-batch under ``fsdp.step``, a NaN in the first: the step is
+    skipped on both ranks and no compression state changes, without a warning."""
+    import warnings
+
+    from models import data
+
+    from gradcomp.training import compress_fsdp
+
+    out = {}
+    x, y = data("transformer", 48, seed=10)
+    model = _build("transformer")
+    h = compress_fsdp(model, "int8")
+    nan = _nan_on(model.head)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    grads_finite = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(5):
+            nan["on"] = step == 1 and rank == 1
+            scaler.scale(_loss(model, x[8 * step:8 * step + 8], y[8 * step:8 * step + 8], rank)).backward()
+            grads_finite.append(all(bool(torch.isfinite(p.grad.to_local()).all()) for p in model.parameters()))
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+    out["scaler_loop"] = {"grads_finite": grads_finite, "residuals_finite": _residuals_finite(h),
+                          "warnings": sum(_ours(w) for w in caught), "skipped": h.skipped}
+
+    model = _build("cnn1d")
+    h = compress_fsdp(model, "int8")
+    nan = _nan_on(model[7])
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, foreach=True)
+    xc, yc = data("cnn1d", 48, seed=11)
+    stepped, kept = [], []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(3):
+            before = copy.deepcopy(h.state_dict()["reduce_scatter"])
+            for micro in range(2):
+                nan["on"] = step == 1 and micro == 0 and rank == 1
+                start = 16 * step + 8 * micro
+                _loss(model, xc[start:start + 8], yc[start:start + 8], rank).backward()
+            stepped.append(h.step(opt))
+            opt.zero_grad()
+            kept.append(_same(before, h.state_dict()["reduce_scatter"]))
+    out["synced_accumulation"] = {"stepped": stepped, "kept": kept, "skipped": h.skipped,
+                                  "residuals_finite": _residuals_finite(h),
+                                  "warnings": sum(_ours(w) for w in caught)}
+    return out
+
+
+def _invalid_payload(rank):
+    """topk on its agreed layout, and from the second step rank 1 sends an index out of range:
+    rank 0's check on the device flags it, step() undoes the iteration and both ranks raise the
+    same ValueError naming rank 0."""
+    from models import data
+
+    from gradcomp.training import compress_fsdp
+
+    x, y = data("cnn1d", 16, seed=12)
+    model = _build("cnn1d")
+    h = compress_fsdp(model, "topk", compressor_options={"ratio": 0.1})
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    _loss(model, x[:8], y[:8], rank).backward()
+    h.step(opt)
+    opt.zero_grad()
+    if rank == 1:
+        real = h.grad_codec.compress
+
+        def corrupt(tensor, key):
+            payload = real(tensor, key)
+            payload.tensors[1][0] = payload.numel  # one past the end
+            return payload
+
+        h.grad_codec.compress = corrupt
+    before = copy.deepcopy(h.state_dict()["reduce_scatter"])
+    _loss(model, x[8:], y[8:], rank).backward()
+    try:
+        h.step(opt)
+        said = None
+    except ValueError as exc:
+        said = str(exc)
+    return {"said": said, "kept": _same(before, h.state_dict()["reduce_scatter"]), "skipped": h.skipped}
+
+
+def _all_checks(rank, world, path):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     return {"dense_fp32": _dense_identical(rank, "transformer", True, None),
             "dense_bf16": _dense_identical(rank, "cnn1d", False, MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)),
-            "compressed": _compressed_run(rank, world), "scaler": _scaler_run(rank), "refusals": _refusals(rank)}
+            "compressed": _compressed_run(rank, world), "scaler": _scaler_run(rank), "refusals": _refusals(rank),
+            "optimizers": _optimizer_paths(rank, path), "writes": _weight_writes(rank, path),
+            "frozen_resume": _frozen_resume(rank), "open": _open_decisions(rank),
+            "invalid": _invalid_payload(rank)}
 
 
-def test_compress_fsdp_on_two_ranks(tmp_path):
-    r0, r1 = run_ranks(_all_checks, 2, tmp_path, timeout_s=120)
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    """Every rank's results of the one 2-rank spawn (``_all_checks``) the tests below read."""
+    path = tmp_path_factory.mktemp("fsdp")
+    return run_ranks(_all_checks, 2, path, str(path), timeout_s=180)
+
+
+def test_compress_fsdp_on_two_ranks(ranks):
+    r0, r1 = ranks
     for r in (r0, r1):
         assert r["dense_fp32"] == (True, True), "dense custom reduce-scatter differs from FSDP2's (fp32)"
         assert r["dense_bf16"] == (True, True), "dense custom reduce-scatter differs from FSDP2's (bf16 reduce)"
@@ -303,6 +637,65 @@ def test_compress_fsdp_on_two_ranks(tmp_path):
         assert r0["refusals"][case] == r1["refusals"][case] is not None, case
     assert "ranks disagree on the compressor" in r0["refusals"]["disagree"]
     assert "multi-round" in r0["refusals"]["multi_round"]
+
+
+def test_every_optimizer_path_trains(ranks):
+    """foreach and fused optimizers (they move a DTensor's weights without bumping its version
+    counter), a plain SGD, bf16 parameters with an int8 all-gather, and the plain
+    ``optimizer.step()`` loop: every forward sees the current weights to the codec's error, and
+    the loss falls as plain FSDP2's does with the same optimizer."""
+    for rank, r in enumerate(ranks):
+        for name, c in r["optimizers"].items():
+            assert max(c["gaps"]) < c["limit"], f"rank {rank} {name}: a forward saw stale weights, gaps {c['gaps']}"
+            drop, ref_drop = c["start"] - c["ours"], c["start"] - c["ref"]
+            assert ref_drop > 0 and drop > 0.8 * ref_drop, f"rank {rank} {name}: loss {c} (FSDP2's fell {ref_drop})"
+            want = 1 if name.endswith("plain_loop") else 0
+            assert c["warnings"] == want, f"rank {rank} {name}: {c['warnings']} warnings naming fsdp.step"
+
+
+def test_forward_sees_weights_written_outside_an_optimizer(ranks):
+    """Writes through ``p.data`` and ``to_local()``, ``load_state_dict`` (also ``assign=True``,
+    which replaces the parameters) and a distributed checkpoint loaded in place: the next
+    forward sees the new weights."""
+    for rank, r in enumerate(ranks):
+        for name, gap in r["writes"].items():
+            assert gap < GAP["bf16"], f"rank {rank}: after a write through {name} the forward saw other weights ({gap})"
+
+
+def test_resume_is_bit_identical_with_frozen_weights(ranks):
+    """Frozen parameters under a compressed all-gather: resuming from model, optimizer and
+    compress_fsdp checkpoints gives the losses and parameters of the run that went on."""
+    for rank, r in enumerate(ranks):
+        c = r["frozen_resume"]
+        assert c["same_losses"] and c["same_params"], f"rank {rank}: resumed run differs: losses {c['losses']}"
+
+
+def test_open_decision_keeps_no_nonfinite_residual(ranks):
+    """A NaN on rank 1 in a GradScaler loop that never calls fsdp.step: rank 0 (whose shard it
+    hit) skips, rank 1 steps; no residual stays non-finite, every later gradient is finite, one
+    warning names the fix. Accumulating with synced backwards under fsdp.step is not such a
+    loop: a NaN micro-batch skips the step on both ranks, changes nothing, warns nothing."""
+    r0, r1 = ranks
+    assert r0["open"]["scaler_loop"]["grads_finite"][1] is False, "the NaN did not reach rank 0's shard"
+    for rank, r in enumerate(ranks):
+        s = r["open"]["scaler_loop"]
+        assert s["residuals_finite"], f"rank {rank}: a residual stayed non-finite"
+        assert all(s["grads_finite"][2:]), f"rank {rank}: gradients after the NaN step: {s['grads_finite']}"
+        assert s["warnings"] == 1 and s["skipped"] == 1, s
+        a = r["open"]["synced_accumulation"]
+        assert a["stepped"] == [True, False, True] and a["skipped"] == 1, a
+        assert a["kept"][1] and a["residuals_finite"] and a["warnings"] == 0, a
+
+
+def test_invalid_payload_undoes_the_step_on_every_rank(ranks):
+    """A received payload that fails its check on the device: the step is undone (no residual
+    changed) and every rank raises the same error, naming the rank that found it."""
+    r0, r1 = ranks
+    assert r0["invalid"]["said"] is not None and r0["invalid"]["said"] == r1["invalid"]["said"], \
+        (r0["invalid"], r1["invalid"])
+    assert "rank 0" in r0["invalid"]["said"] and "invalid" in r0["invalid"]["said"], r0["invalid"]["said"]
+    for r in ranks:
+        assert r["invalid"]["kept"] and r["invalid"]["skipped"] == 1, r["invalid"]
 
 
 def test_refusals_without_ranks():
