@@ -59,5 +59,8 @@ setup(
         "cuda13": ["cupy-cuda13x"],
         "test": ["pytest", "pytest-xdist", "hypothesis", "pytest-benchmark", "mypy"],
         "bench": ["matplotlib", "scikit-learn", "tqdm"],
+        # what examples/train_lightning.py and examples/train_accelerate.py run on
+        "lightning": ["lightning"],
+        "accelerate": ["accelerate"],
     },
 )

@@ -124,6 +124,20 @@ CHECKS: List[Callable[[torch.device, int], str]] = [check_hook, check_compressed
                                                     check_sharded]
 
 
+def _missing_gpus(device: str, backend: str, local: int) -> Optional[str]:
+    """Why this machine cannot run the checks as asked (None: it can)."""
+    fallback = ("; --backend gloo --device cpu runs the same checks on CPU ranks "
+                "(torchrun --standalone --nproc_per_node=2 -m gradcomp.bench.gpu_check_nccl --backend gloo --device cpu)")
+    if device == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if local >= count:
+            return (f"it needs one CUDA GPU per rank, and this machine has {count} visible to this rank "
+                    f"(LOCAL_RANK {local}); run it under torchrun on a machine with 2 GPUs{fallback}")
+    if backend == "nccl" and not dist.is_nccl_available():
+        return f"this torch build has no NCCL (a CPU build?){fallback}"
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--backend", default="nccl")
@@ -132,6 +146,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--checks", default="", help="comma-separated names of the checks to run (default: all)")
     args = ap.parse_args(argv)
     local = int(os.environ.get("LOCAL_RANK", "0"))
+    problem = _missing_gpus(args.device, args.backend, local)
+    if problem:
+        print(f"gradcomp.bench.gpu_check_nccl: {problem}", file=sys.stderr, flush=True)
+        return 2
     if args.device == "cuda":
         torch.cuda.set_device(local)  # before the group: object collectives and allocations use it
         device = torch.device("cuda", local)

@@ -453,7 +453,7 @@ def frontier_plot(results: List[Dict[str, Any]], path: str, title: str) -> None:
                 ax.scatter([], [], color=color, marker=marker, label={"none": "no saving", "checkpoint":
                            "checkpoint_sequential", "offload": "save_on_cpu", "codec": "compressed_activations"}[kind])
         ax.set_xlabel("peak saved activations (MiB)")
-        ax.set_ylabel("step time / no saving")
+        ax.set_ylabel("median step time / no saving's")
         ax.set_xlim(left=0)
         ax.set_title(res["model"], fontsize=10)
         ax.grid(alpha=0.3)
@@ -557,7 +557,14 @@ def main(argv: Sequence[str]) -> int:
         _pyplot()  # no matplotlib: say so before the run, not after it
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device)
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        raise ValueError(f"--device {args.device!r} is not a device torch knows (cpu, cuda, cuda:1 ...)") from None
+    if device.type == "cuda" and not (torch.cuda.is_available() and (device.index or 0) < torch.cuda.device_count()):
+        raise ValueError(f"--device {args.device}: this machine has no such CUDA device (torch {torch.__version__}, "
+                         f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} GPUs visible); leave "
+                         f"--device out to run on the CPU")
     env = envmod.environment(1, "none (one process)", torch.get_num_threads())
     print(envmod.header(env, [f"device {device}; {args.repeats} timed rounds (one step of every method each, "
                               f"after a warm-up step), median; peak saved activations from MemoryMeter"]), flush=True)

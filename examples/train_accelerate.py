@@ -17,7 +17,10 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 
-from accelerate import Accelerator
+try:
+    from accelerate import Accelerator
+except ModuleNotFoundError as exc:  # say what to install, not a traceback
+    raise SystemExit(f"train_accelerate.py needs Accelerate: pip install 'gradcomp[accelerate]' ({exc})") from None
 
 from gradcomp.collectives import telemetry
 from gradcomp.compress import available_compressors

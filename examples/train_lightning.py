@@ -17,7 +17,10 @@ import argparse
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-import lightning.pytorch as pl
+try:
+    import lightning.pytorch as pl
+except ModuleNotFoundError as exc:  # say what to install, not a traceback
+    raise SystemExit(f"train_lightning.py needs PyTorch Lightning: pip install 'gradcomp[lightning]' ({exc})") from None
 
 from gradcomp.collectives import telemetry
 from gradcomp.compress import available_compressors

@@ -489,9 +489,12 @@ def plan_memory(model: Any, sample_input: torch.Tensor, budget_bytes: Union[int,
     if blocks is None:
         least, least_blocks = sch.min_peak(costs, recompute=recompute)
         if least > budget_bytes:
-            raise BudgetTooSmall(f"plan_memory: no schedule keeps the saved activations within {int(budget_bytes)} "
-                                 f"bytes ({_mib(budget_bytes)}); the smallest budget that fits is {least} bytes "
-                                 f"({_mib(least)}) with allow={tuple(allow)}"
+            # offloading asked for on the CPU: that, not the budget, is what the user must hear first
+            cpu = ("offloading needs a CUDA model (sample_input on the CPU: there is no device memory to free), "
+                   "so it was not considered; " if "offload" in allow and not on_cuda else "")
+            raise BudgetTooSmall(f"plan_memory: {cpu}no schedule keeps the saved activations within "
+                                 f"{int(budget_bytes)} bytes ({_mib(budget_bytes)}); the smallest budget that fits is "
+                                 f"{least} bytes ({_mib(least)}) with allow={tuple(allow)}"
                                  + ("" if recompute else "; allowing 'recompute' lowers it"), least)
         blocks = least_blocks  # fits, but only finer than the resolution shows
     return Plan(costs, blocks, int(budget_bytes), names, _fingerprint(stages),

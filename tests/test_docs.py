@@ -191,3 +191,23 @@ def test_user_pages_speak_to_users():
     for page in PAGES:
         for n, line in enumerate(page.read_text(encoding="utf-8").splitlines(), 1):
             assert not bad.search(line), f"{page.name}:{n}: {line.strip()}"
+
+
+@pytest.mark.parametrize("example, module, extra", [("train_lightning.py", "lightning", "lightning"),
+                                                    ("train_accelerate.py", "accelerate", "accelerate")])
+def test_an_example_without_its_framework_says_what_to_install(example, module, extra):
+    """No traceback ending in a bare ModuleNotFoundError: one line naming the extra, which
+    setup.py defines."""
+    import ast
+    import subprocess
+    import sys
+
+    run = (f"import runpy, sys; sys.modules[{module!r}] = None; "
+           f"runpy.run_path({str(ROOT / 'examples' / example)!r}, run_name='__main__')")
+    proc = subprocess.run([sys.executable, "-c", run, "--help"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"pip install 'gradcomp[{extra}]'" in proc.stderr, proc.stderr
+    setup = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    extras = next(kw.value for node in ast.walk(setup) if isinstance(node, ast.Call)
+                  for kw in node.keywords if kw.arg == "extras_require")
+    assert extra in ast.literal_eval(extras), f"setup.py has no extra [{extra}]"

@@ -111,6 +111,20 @@ def test_bad_arguments_are_one_clear_error(capsys):
     assert "with --model" in capsys.readouterr().err
 
 
+def test_memory_on_a_device_this_machine_lacks_is_one_clear_error(capsys, tmp_path, monkeypatch):
+    """No 'Torch not compiled with CUDA enabled' traceback, and nothing written."""
+    import torch
+
+    monkeypatch.chdir(tmp_path)
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    assert cli.main(["memory", "--device", f"cuda:{gpus}", "--model", "mlp"]) == 2
+    err = capsys.readouterr().err
+    assert "has no such CUDA device" in err and "leave --device out" in err, err
+    assert cli.main(["memory", "--device", "tpu9", "--model", "mlp"]) == 2
+    assert "not a device torch knows" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 def test_nodes_run_each_method_flat_and_hierarchical(tmp_path):
     out = tmp_path / "h.json"
     proc = _bench("--model", "resnet18", "--world-size", "4", "--local-size", "2", "--compressors", "onebit",

@@ -221,3 +221,15 @@ def test_nccl_smoke_checks_run_on_gloo_ranks(tmp_path):
     assert [line.split(":")[0] for line in out0.splitlines()] == \
         ["PASS hook", "PASS compressed_optimizer", "PASS pipeline", "PASS sharded"], out0
     assert out1 == ""  # rank 0 reports for both
+
+
+def test_nccl_smoke_on_a_machine_without_gpus_says_it_needs_them():
+    """No AttributeError from torch.cuda's CPU build: one line, what it needs and the CPU way."""
+    import torch
+
+    if torch.cuda.device_count() >= 1:
+        pytest.skip("checks the message of a machine without a GPU")
+    proc = subprocess.run([sys.executable, "-m", "gradcomp.bench.gpu_check_nccl"], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "needs one CUDA GPU per rank" in proc.stderr and "--backend gloo --device cpu" in proc.stderr

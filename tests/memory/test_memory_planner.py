@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradcomp.memory import MemoryMeter, Plan, plan_memory
+from gradcomp.memory import BudgetTooSmall, MemoryMeter, Plan, plan_memory
 from gradcomp.memory.executor import PlannedSequential
 from gradcomp.memory.planner import profile
 from gradcomp.memory.schedule import (Costs, Plain, Recompute, min_peak, solve, stages_of, time as sched_time,
@@ -287,6 +287,12 @@ def test_offload_is_not_planned_on_the_cpu_and_the_plan_says_so():
     plan = plan_memory(model, x, 10**8, allow=("offload",), repeats=1)
     assert all(r["mode"] == "keep" for r in plan.decisions())
     assert "offload: not considered" in str(plan)
+    # a budget only offloading could meet: the error says offloading needs CUDA, not just "too small"
+    with pytest.raises(BudgetTooSmall, match=r"^plan_memory: offloading needs a CUDA model .* no schedule keeps"):
+        plan_memory(model, x, 1, allow=("offload",), repeats=1)
+    with pytest.raises(BudgetTooSmall) as other:
+        plan_memory(model, x, 1, allow=("compress",), repeats=1)
+    assert "CUDA" not in str(other.value)
 
 
 def test_evaluation_runs_the_plain_chain():
