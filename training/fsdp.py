@@ -145,11 +145,12 @@ class _SentOnce:
         return self.payload
 
 
-def _in_backward() -> bool:
-    """Whether autograd's engine is running a backward on this thread (FSDP's own test): a gather
-    then re-gathers the weights the forward used (``reshard_after_forward``, recomputation)."""
+def _backward() -> int:
+    """The id of the backward autograd's engine is running on this thread, -1 outside one
+    (FSDP's own test): a gather in one re-gathers the weights the forward used
+    (``reshard_after_forward``, recomputation)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
-    return task is not None and task() != -1
+    return -1 if task is None else int(task())
 
 
 def _versions(params: Sequence[torch.nn.Parameter]) -> Tuple[int, ...]:
@@ -253,7 +254,7 @@ class FSDPCompression:
         self._ids: Optional[Set[int]] = None  # the managed parameters' ids (refreshed after a load)
         # the open decision: modules reduce-scattered since the last one; an optimizer holding these
         # parameters stepped outside step(); it already found a non-finite micro-batch (see _reopen)
-        self._reduced: Set[str] = set()
+        self._reduced: Dict[str, int] = {}  # key -> the backward (_backward) that reduce-scattered it last
         self._outside = self._stepping = self._doomed = self._warned = False
         self.reduce_scatters: Dict[str, _ReduceScatter] = {}
         self.all_gathers: Dict[str, _AllGather] = {}
@@ -321,8 +322,9 @@ class FSDPCompression:
         if flat.numel() != output.numel() * world:
             raise ValueError(f"compress_fsdp: module {key!r}: FSDP passed {flat.numel()} elements for {world} pieces "
                              f"of {output.numel()}")
-        if key in self._reduced:  # a second backward since the last decision
-            self._reopen(flat.device)
+        backward = _backward()
+        if key in self._reduced and (backward == -1 or self._reduced[key] != backward):
+            self._reopen(flat.device)  # a second backward since the last decision (one may reduce twice)
         with self._txn.active():
             out = reduce_scatter(flat, [output.numel()] * world, compressor=self.grad_codec, key=key, group=group,
                                  layouts=self._layouts)
@@ -331,13 +333,13 @@ class FSDPCompression:
         output.copy_(out)
         bad = torch.isfinite(output).logical_not().any()
         self._bad = bad if self._bad is None else self._bad.logical_or(bad)
-        self._reduced.add(key)
+        self._reduced[key] = backward
 
     def _all_gather(self, key: str, output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
         if not shard.is_floating_point():
             raise ValueError(f"compress_fsdp: module {key!r} is all-gathered as {shard.dtype} (mixed dtypes or a "
                              f"tensor subclass's own all-gather); use all_gather=None for this model")
-        backward = _in_backward()
+        backward = _backward() != -1
         if self._reduced and not backward:  # a forward after a backward's exchanges, with no decision between
             self._reopen(shard.device)
         # Only a re-gather in backward resends the forward's payload, so backward uses the weights

@@ -503,12 +503,24 @@ def _residuals_finite(h) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in h.state_dict()["reduce_scatter"]["state"].values())
 
 
+class _Shared(torch.nn.Module):
+    """A layer applied twice per forward: FSDP2 reduce-scatters it twice in one backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first, self.twice, self.head = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.twice(torch.relu(self.twice(torch.relu(self.first(x)))))))
+
+
 def _open_decisions(rank):
     """Loops that leave a step decision open: a GradScaler loop without ``fsdp.step`` with a NaN
     on rank 1 (rank 0 skips the step, rank 1 takes it): no residual stays non-finite and later
     gradients are finite on every rank, with one warning naming the fix. Accumulation with a
     synced backward per micro-batch under ``fsdp.step``, a NaN in the first: the step is
-    skipped on both ranks and no compression state changes, without a warning."""
+    skipped on both ranks and no compression state changes, without a warning. A layer used
+    twice per forward (reduce-scattered twice in one backward): still one read per step."""
     import warnings
 
     from models import data
@@ -555,6 +567,21 @@ def _open_decisions(rank):
     out["synced_accumulation"] = {"stepped": stepped, "kept": kept, "skipped": h.skipped,
                                   "residuals_finite": _residuals_finite(h),
                                   "warnings": sum(_ours(w) for w in caught)}
+
+    # a layer used twice is reduce-scattered twice in one backward: that is not a second backward
+    from syncs import HostSyncs
+
+    torch.manual_seed(0)
+    model = _shard(_Shared())
+    h = compress_fsdp(model, "int8", all_gather="bf16")
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    xs, ys = torch.randn(16, 16, generator=torch.Generator().manual_seed(13)), torch.arange(16) % 4
+    for step in range(2):
+        with HostSyncs() as syncs:
+            torch.nn.functional.cross_entropy(model(xs[rank::2]), ys[rank::2]).backward()
+            h.step(opt)
+        opt.zero_grad()
+    out["shared_layer_syncs"] = sum(n for site, n in syncs.sites.items() if "training/fsdp.py" in site)
     return out
 
 
@@ -685,6 +712,7 @@ def test_open_decision_keeps_no_nonfinite_residual(ranks):
         a = r["open"]["synced_accumulation"]
         assert a["stepped"] == [True, False, True] and a["skipped"] == 1, a
         assert a["kept"][1] and a["residuals_finite"] and a["warnings"] == 0, a
+        assert r["open"]["shared_layer_syncs"] == 1, "a layer used twice made compress_fsdp read more than once a step"
 
 
 def test_invalid_payload_undoes_the_step_on_every_rank(ranks):
