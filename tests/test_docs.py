@@ -114,10 +114,21 @@ def _run_blocks(rank: int, world: int, todo: List[List[Block]], ports: List[int]
 
 
 @pytest.fixture(scope="module")
-def block_results(tmp_path_factory):
+def docs_run(tmp_path_factory):
+    """Every rank's results, and what each script left in its working directory."""
     workdir = tmp_path_factory.mktemp("docs")
-    return run_ranks(_run_blocks, 2, workdir, CHAINS, free_ports(len(CHAINS)), str(workdir),
-                     timeout_s=600.0, torchrun_env=True)
+    results = run_ranks(_run_blocks, 2, workdir, CHAINS, free_ports(len(CHAINS)), str(workdir),
+                        timeout_s=600.0, torchrun_env=True)
+    left = {}
+    for chain in CHAINS:
+        here = workdir / chain[0].id.replace(":", "-")
+        left[chain[0].id] = sorted(p.name for p in here.iterdir()) if here.exists() else []
+    return results, left
+
+
+@pytest.fixture(scope="module")
+def block_results(docs_run):
+    return docs_run[0]
 
 
 @pytest.mark.parametrize("block", RUN, ids=lambda b: b.id)
@@ -125,6 +136,14 @@ def test_block_runs_as_it_stands(block, block_results):
     for rank, out in enumerate(block_results):
         status, error = out[block.id]
         assert status == "ok", f"{block.id} on rank {rank}: {error}"
+
+
+@pytest.mark.parametrize("chain", CHAINS, ids=lambda c: c[0].id)
+def test_a_script_leaves_the_working_directory_as_it_found_it(chain, docs_run):
+    """A reader who runs a block in their project folder finds no checkpoint of it there
+    afterwards: a block writes its files into a temporary folder, or removes them."""
+    left = docs_run[1][chain[0].id]
+    assert not left, f"{chain[0].id} (and the blocks continuing it) left {left} in the working directory"
 
 
 def test_every_skipped_block_says_why():
@@ -183,6 +202,9 @@ def test_readme_commands_are_what_ci_runs():
     assert f"python -m pip install -q -e \".[test,bench]\" && python -m pytest -q\n" in ci
     assert "not slow" not in ci  # CI runs the whole suite, as the README's command does
     assert 'pip install -q "torch==2.13.0+cpu"' in ci  # the CPU build, or CI stops (never the CUDA one)
+    # where PyTorch's CPU index is out of reach: PyPI's default build, which also runs on a CPU
+    setup = " ".join(readme[:two].split())
+    assert "`pip install torch` takes PyPI's default build" in setup and "cannot be reached" in setup
 
 
 def test_user_pages_speak_to_users():
