@@ -1,8 +1,9 @@
 """``SignCompressor``: the shared base of the 1-bit sign compressors (``signsgd``,
 ``efsignsgd``, ``signum``, ``onebit``).
 
-Wire: the signs packed 1 bit per element (set where the sent tensor is ``>= 0``: zero counts
-as positive), plus ``n_values`` fp32 decode values. It packs in one pass over the input and
+Wire: the signs packed 1 bit per element (set where the sent tensor is ``>= 0``: one bit has
+no room for a zero, which is sent as positive), plus ``n_values`` fp32 decode values; a
+tensor of zeros decodes to zeros (its decode values are 0: sign(0) = 0). It packs in one pass over the input and
 hands error feedback the decoded tensor without a second decode. A subclass says which sums
 the packing computes and how they become the decode values, and what they are for NaN/Inf.
 """
@@ -164,6 +165,15 @@ def _decode_into(bits: torch.Tensor, numel: int, values: torch.Tensor, out: torc
     if cpu.applies(numel, bits, values, out):
         return cpu.sign_decode(bits, values, out, accumulate)
     return sign_unpack_values(bits, numel, values, out=out, accumulate=accumulate)
+
+
+def zero_or_one(abs_total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The one decode value of ``x``'s signs, given ``abs_total`` (a 0-d float64 tensor) ==
+    ``sum(|x|)`` as ``sign_pack`` sums it (``stats="abs"``): 1, or 0 when every element of
+    ``x`` is 0 (sign(0) = 0: a tensor of zeros decodes to zeros), or NaN when ``x`` holds
+    NaN/Inf; a float64 tensor of one element on ``x``'s device (no host read)."""
+    one = torch.where(abs_total == 0, 0.0, 1.0)
+    return torch.where(finite_flag(abs_total, x), one, math.nan).to(torch.float64).reshape(1)
 
 
 def finite_flag(total: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

@@ -1,8 +1,10 @@
 """``signum``: send the sign of a momentum (Bernstein et al. 2018, Signum).
 
 Per key, ``m = momentum * m + (1 - momentum) * g`` (fp32; fp64 for fp64 input) and the
-wire carries ``sign(m)``: 1 bit per element plus one fp32 word, decoded as +1 / -1 (zero
-counts as positive) like ``signsgd``. The momentum buffers are state: they are kept per key and
+wire carries ``sign(m)``: 1 bit per element plus one fp32 word, decoded as +1 / -1 like
+``signsgd``, and as zeros while the momentum is zero everywhere (sign(0) = 0: a fresh
+momentum fed zero gradients moves nothing; a zero element beside non-zero ones is sent as +1,
+for one bit has no room for a third value). The momentum buffers are state: they are kept per key and
 round-trip through ``state_dict()``. A gradient holding NaN/Inf decodes to NaN and leaves the
 momentum untouched, so a step that AMP's loss scaler skips does not poison the later ones.
 """
@@ -15,13 +17,14 @@ import torch
 
 from .base import CompressorConfig, option, work_dtype
 from .registry import register
-from .sign import SignCompressor, finite_flag, nonfinite_sum
+from .sign import SignCompressor, finite_flag, nonfinite_sum, zero_or_one
 from .transaction import replace, writable
 
 
 @register("signum")
 class Signum(SignCompressor):
-    """Sign of a per-key momentum of the input, decoded as +1 / -1; keeps state per key."""
+    """Sign of a per-key momentum of the input, decoded as +1 / -1 (0 while the momentum is
+    zero); keeps state per key."""
 
     @dataclass(frozen=True)
     class Config(CompressorConfig):
@@ -30,7 +33,9 @@ class Signum(SignCompressor):
                                  lambda v: 0.0 <= v < 1.0, "a float in [0, 1)")
 
     config: Config
-    stats = "none"  # the finiteness check runs on the gradient, before it enters the momentum
+    # sum(|m|): 0 exactly when the momentum is zero everywhere (the gradient's finiteness is
+    # checked before it enters the momentum, which then stays finite)
+    stats = "abs"
 
     def _post_init(self) -> None:
         self._momentum: Dict[str, torch.Tensor] = {}
@@ -64,7 +69,7 @@ class Signum(SignCompressor):
         return buf, nonfinite
 
     def _values(self, x, sums, bits):
-        return torch.ones(1, dtype=torch.float64, device=x.device)
+        return zero_or_one(sums[0], x)
 
     def _buffer(self, key: str, flat: torch.Tensor) -> torch.Tensor:
         wd = work_dtype(flat.dtype)

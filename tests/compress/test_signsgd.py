@@ -89,3 +89,29 @@ def test_cuda_round_trip_matches_cpu(name, dtype):
     p = ef.compress(g, key="w")
     assert torch.allclose(g.to(ef.residual("w").dtype), ef.decompress(p).to(ef.residual("w").dtype) + ef.residual("w"),
                           atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64], ids=str)
+@pytest.mark.parametrize("n", [7, 1 << 15])  # the torch path, and the fused CPU loops from FUSED_MIN on
+def test_an_all_zero_tensor_decodes_to_zeros(dtype, n):
+    """sign(0) = 0: a gradient of zeros (a layer that got none) moves nothing, alone, under
+    error feedback (its one-pass form) and in a collective's combine."""
+    z = torch.zeros(n, dtype=dtype)
+    c = get_compressor("signsgd")
+    p = c.compress(z)
+    assert torch.equal(c.decompress(p), z)
+    ef = ErrorFeedback(get_compressor("signsgd"))
+    acc = ef.accumulate(z, "z")
+    q = ef.compressor.compress_residual(acc, "z")
+    assert torch.equal(c.decompress(q), z) and torch.equal(acc, torch.zeros_like(acc))
+    out = torch.full((n,), 7.0, dtype=dtype)
+    c.decompress_mean_into([p, q], out)
+    assert torch.equal(out, z)
+
+
+def test_zeros_beside_other_values_decode_as_plus_one():
+    # one bit per element has no room for a third value: only a tensor that is zero everywhere
+    # decodes to zeros; a zero among non-zero elements is sent as +1 (as the sign bit x >= 0 says)
+    c = get_compressor("signsgd")
+    out = c.decompress(c.compress(torch.tensor([0.0, -1.0, 0.0, 2.0])))
+    assert out.tolist() == [1.0, -1.0, 1.0, 1.0]

@@ -120,3 +120,18 @@ def test_the_device_form_matches_the_cpu_form(dtype, monkeypatch):
         out_a, out_b = ref.decompress(a), dev.decompress(b)
         assert torch.equal(out_a.isnan(), out_b.isnan()) and torch.equal(out_a.nan_to_num(), out_b.nan_to_num()), i
     assert isinstance(Signum._signal_on_device(dev, steps[0], "w")[1], torch.Tensor)
+
+
+@pytest.mark.parametrize("form", ["cpu", "device"])  # the host-read form, and the one other devices take
+@pytest.mark.parametrize("n", [7, 1 << 15])
+def test_an_all_zero_momentum_decodes_to_zeros(form, n):
+    """sign(0) = 0: a zero gradient into a fresh (zero) momentum moves nothing; once the
+    momentum holds a past gradient, a zero gradient sends the momentum's signs."""
+    c = get_compressor("signum")
+    if form == "device":
+        c._signal = c._signal_on_device
+    z = torch.zeros(n)
+    assert torch.equal(c.decompress(c.compress(z, key="w")), z)
+    g = torch.randn(n)
+    c.compress(g, key="w")
+    assert torch.equal(c.decompress(c.compress(z, key="w")), _sign(g))
