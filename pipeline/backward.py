@@ -30,7 +30,7 @@ class WeightGrad:
     __slots__ = ("_parts", "_full")
 
     def __init__(self, parts: List[Tuple[List[GradientEdge], List[torch.Tensor], List[torch.Tensor]]],
-                 full: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None) -> None:
+                 full: Optional[Tuple[List[torch.Tensor], Optional[List[torch.Tensor]]]] = None) -> None:
         self._parts, self._full = parts, full  # per frontier node: (its edges, their gradients, its weights)
 
     @property
@@ -40,8 +40,9 @@ class WeightGrad:
 
     def run(self) -> None:
         if self._full is not None:  # no input gradient was asked for: the whole backward is the weights'
-            out, grad = self._full
-            torch.autograd.backward(out, grad)
+            outs, grads = self._full
+            if outs:
+                torch.autograd.backward(outs, grads)
         for edges, grads, weights in self._parts:
             # one call per frontier node: with every node's weights as inputs at once, a node's
             # gradient would also flow down the input's path into the deeper nodes, counted twice
@@ -49,31 +50,36 @@ class WeightGrad:
         self._parts, self._full = [], None
 
 
-def input_grad(out: torch.Tensor, grad: Optional[torch.Tensor], x: Any, weights: Sequence[torch.Tensor]
-               ) -> Tuple[Optional[torch.Tensor], WeightGrad]:
-    """``(d out / d x, the W pass)`` for ``out`` backpropagated with ``grad`` (``None`` for a
-    scalar loss). ``x`` not requiring a gradient (the first stage's inputs): no I work, the W
-    pass is the whole backward."""
-    if not isinstance(x, torch.Tensor) or not x.requires_grad or out.grad_fn is None:
-        return None, WeightGrad([], full=(out, grad))
-    target = get_gradient_edge(x).node
+def input_grad(outs: Sequence[torch.Tensor], grads: Optional[Sequence[torch.Tensor]], xs: Sequence[torch.Tensor],
+               weights: Sequence[torch.Tensor]) -> Tuple[List[Optional[torch.Tensor]], WeightGrad]:
+    """``(d outs / d x for each of xs, the W pass)`` for ``outs`` backpropagated with ``grads``
+    (``None`` for a scalar loss); a gradient is None where no output depends on that input.
+    No ``xs`` (the first stage's inputs need no gradient): no I work, the W pass is the whole
+    backward."""
+    outs, grads = list(outs), None if grads is None else list(grads)
+    if not xs or not outs:
+        return [None] * len(xs), WeightGrad([], full=(outs, grads))
+    targets = {get_gradient_edge(x).node for x in xs}
     by_node = {get_gradient_edge(w).node: w for w in weights if w.requires_grad}
-    to_x = _reaching(out.grad_fn, target)
+    to_x = _reaching([o.grad_fn for o in outs if o.grad_fn is not None], targets)
+    if any(o.grad_fn not in to_x for o in outs):  # an output no input reaches has no frontier: B at once
+        return _whole(outs, grads, xs)
     frontier: List[Tuple[Any, List[torch.Tensor]]] = []  # (node, the weights its other edges lead to)
     claimed: Set[Any] = set()
     for n in to_x:
-        if n is target:
+        if n in targets:
             continue
         mine = _weights_below([c for c, _ in n.next_functions if c is not None and c not in to_x], by_node)
         if mine:
             if claimed & set(mine):  # a weight reached from two frontier nodes (shared weights): B at once
-                return _whole(out, grad, x)
+                return _whole(outs, grads, xs)
             claimed.update(mine)
             frontier.append((n, [by_node[k] for k in mine]))
     caught: Dict[Any, Tuple[Optional[torch.Tensor], ...]] = {}
     handles = [n.register_prehook(_catch(caught, n)) for n, _ in frontier]
     try:
-        (dx,) = torch.autograd.grad(out, [x], grad, retain_graph=True)
+        dxs: List[Optional[torch.Tensor]] = list(torch.autograd.grad(outs, list(xs), grads, retain_graph=True,
+                                                                     allow_unused=True))
     finally:
         for h in handles:
             h.remove()
@@ -82,16 +88,20 @@ def input_grad(out: torch.Tensor, grad: Optional[torch.Tensor], x: Any, weights:
         edges = [(GradientEdge(n, i), g) for i, g in enumerate(caught.get(n, ())) if g is not None]
         if edges:
             parts.append(([e for e, _ in edges], [g for _, g in edges], ws))
-    return dx, WeightGrad(parts)
+    return dxs, WeightGrad(parts)
 
 
-def _whole(out: torch.Tensor, grad: Optional[torch.Tensor], x: torch.Tensor
-           ) -> Tuple[Optional[torch.Tensor], WeightGrad]:
-    """The full backward now (the input's gradient and the weights'); nothing left for W."""
-    was, x.grad = x.grad, None
-    torch.autograd.backward(out, grad)
-    dx, x.grad = x.grad, was
-    return dx, WeightGrad([])
+def _whole(outs: List[torch.Tensor], grads: Optional[List[torch.Tensor]], xs: Sequence[torch.Tensor]
+           ) -> Tuple[List[Optional[torch.Tensor]], WeightGrad]:
+    """The full backward now (the inputs' gradients and the weights'); nothing left for W."""
+    was = [x.grad for x in xs]
+    for x in xs:
+        x.grad = None
+    torch.autograd.backward(outs, grads)
+    dxs: List[Optional[torch.Tensor]] = [x.grad for x in xs]
+    for x, g in zip(xs, was):
+        x.grad = g
+    return dxs, WeightGrad([])
 
 
 def _catch(caught: Dict[Any, Tuple[Optional[torch.Tensor], ...]], node: Any) -> Any:
@@ -100,16 +110,16 @@ def _catch(caught: Dict[Any, Tuple[Optional[torch.Tensor], ...]], node: Any) -> 
     return hook
 
 
-def _reaching(root: Any, target: Any) -> Set[Any]:
-    """The nodes of the graph below ``root`` from which ``target`` is reachable (iterative:
-    graphs can be deeper than Python's recursion limit)."""
+def _reaching(roots: List[Any], targets: Set[Any]) -> Set[Any]:
+    """The nodes of the graph below ``roots`` from which one of ``targets`` is reachable
+    (iterative: graphs can be deeper than Python's recursion limit)."""
     found: Set[Any] = set()
     seen: Set[Any] = set()
-    stack: List[Tuple[Any, bool]] = [(root, False)]
+    stack: List[Tuple[Any, bool]] = [(root, False) for root in roots]
     while stack:
         node, expanded = stack.pop()
         if expanded:
-            if node is target or any(c in found for c, _ in node.next_functions if c is not None):
+            if node in targets or any(c in found for c, _ in node.next_functions if c is not None):
                 found.add(node)
             continue
         if node in seen:

@@ -60,19 +60,50 @@ def _measure(model: nn.Sequential, sample: torch.Tensor, compressors: Tuple[Comp
     times: List[List[float]] = [[] for _ in model]
     sizes: List[Tuple[int, int]] = []
     for r in range(repeats + 1):  # the first pass warms up and is discarded
-        x = sample
+        x: Any = sample
         for i, layer in enumerate(model):
-            inp = x.detach().requires_grad_(x.is_floating_point())
+            inp = _leaves(x)
             t = time.perf_counter()
             y = layer(inp)
-            y.backward(torch.ones_like(y))
+            outs = [v for v in _tensors(y) if v.requires_grad]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(v) for v in outs])
             if r:
                 times[i].append(time.perf_counter() - t)
             if r == 1:
-                out = y.detach()
-                sizes.append((act.compress(out).nbytes, grad.compress(out.float()).nbytes))
+                sizes.append(_boundary_bytes(y, act, grad))
             x = y
     return [LayerCost(sorted(ts)[len(ts) // 2], a, g) for ts, (a, g) in zip(times, sizes)]
+
+
+def _tensors(y: Any) -> List[torch.Tensor]:
+    """A layer output's tensors: itself, or those of a tuple or list (as a pipeline carries them)."""
+    values = list(y) if isinstance(y, (tuple, list)) else [y]
+    return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _leaves(x: Any) -> Any:
+    """A layer's input cut from what made it: each floating-point tensor a leaf that requires a gradient."""
+    def leaf(v: Any) -> Any:
+        return v.detach().requires_grad_(v.is_floating_point()) if isinstance(v, torch.Tensor) else v
+    if isinstance(x, (tuple, list)):
+        return type(x)(leaf(v) for v in x)
+    return leaf(x)
+
+
+def _boundary_bytes(y: Any, act: Compressor, grad: Compressor) -> Tuple[int, int]:
+    """What a boundary after this output sends: each floating-point tensor through the activation
+    compressor (and, where it needs one, its gradient through the gradient compressor), any other
+    exact."""
+    sent = back = 0
+    for v in _tensors(y):
+        needs_grad, v = v.requires_grad, v.detach()
+        if v.is_floating_point():
+            sent += act.compress(v).nbytes
+            back += grad.compress(v.float()).nbytes if needs_grad else 0
+        else:
+            sent += v.numel() * v.element_size()
+    return sent, back
 
 
 def partition(costs: Sequence[LayerCost], stages: int, link_bps: Optional[float]) -> Balance:

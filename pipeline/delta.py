@@ -8,7 +8,8 @@ sample's reconstruction does not accumulate over epochs: once training settles, 
 change little between epochs and their deltas compress far better than the activations do.
 
 A sample seen for the first time (or whose activation changed shape, a new sequence length) is
-sent against zeros: its whole activation. The cache costs one activation per sample on each
+sent against zeros: its whole activation. A stage output of several tensors (a message of parts,
+keyed ``key.i``) keeps a row per sample and floating-point value; its other values travel exact. The cache costs one activation per sample on each
 side of each boundary (:attr:`DeltaFeedback.nbytes`, reported by ``Pipeline.delta_cache_bytes``).
 
 It is an error-feedback-like wrapper (the ``Feedback`` protocol of ``gradcomp.collectives``'
@@ -18,7 +19,7 @@ the compressed point-to-point messages carry it unchanged. Every change goes thr
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple, Union
 
 import torch
 
@@ -33,7 +34,8 @@ class DeltaFeedback:
 
     def __init__(self, compressor: Compressor) -> None:
         self.compressor = compressor
-        self._rows: Dict[int, torch.Tensor] = {}  # sample id -> the reconstructed activation row
+        # sample id (or (sample id, value) for a value of a message of parts) -> the reconstructed row
+        self._rows: Dict[Union[int, Tuple[int, int]], torch.Tensor] = {}
         self._ids: Dict[str, List[int]] = {}  # message key -> the sample ids of its rows
 
     def __repr__(self) -> str:
@@ -53,17 +55,24 @@ class DeltaFeedback:
         """Bytes of cached activations on this end."""
         return sum(t.numel() * t.element_size() for t in self._rows.values())
 
-    def _previous(self, key: Optional[str], like: torch.Tensor) -> torch.Tensor:
-        ids = self._ids.get("" if key is None else key)
-        if ids is None or len(ids) != like.shape[0]:
-            raise ValueError(f"delta mode: the message {key!r} has {like.shape[0]} rows but "
+    def _rows_of(self, key: Optional[str], rows: int) -> List[Union[int, Tuple[int, int]]]:
+        """The cache's keys of a message's rows: its sample ids (``key.i``, value ``i`` of a
+        message of parts: each id with ``i``)."""
+        key = "" if key is None else key
+        message, _, value = key.rpartition(".") if "." in key else (key, "", "")
+        ids = self._ids.get(message)
+        if ids is None or len(ids) != rows:
+            raise ValueError(f"delta mode: the message {key!r} has {rows} rows but "
                              f"{'no' if ids is None else len(ids)} sample ids were given for it")
+        return list(ids) if not value else [(i, int(value)) for i in ids]
+
+    def _previous(self, key: Optional[str], like: torch.Tensor) -> torch.Tensor:
         zero = torch.zeros(like.shape[1:], dtype=torch.float32, device=like.device)
-        rows = [self._rows.get(i) for i in ids]
+        rows = [self._rows.get(i) for i in self._rows_of(key, like.shape[0])]
         return torch.stack([r if r is not None and r.shape == zero.shape else zero for r in rows])
 
     def _store(self, key: Optional[str], value: torch.Tensor) -> None:
-        for i, row in zip(self._ids.pop("" if key is None else key), value.unbind(0)):
+        for i, row in zip(self._rows_of(key, value.shape[0]), value.unbind(0)):
             replace(self._rows, i)  # an open transaction may have to undo it
             self._rows[i] = row.clone()
 
@@ -86,7 +95,13 @@ class DeltaFeedback:
         raise NotImplementedError("delta mode keeps no residual in place")
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
-        return {str(i): t.clone() for i, t in self._rows.items()}
+        return {(str(i) if isinstance(i, int) else f"{i[0]}.{i[1]}"): t.clone() for i, t in self._rows.items()}
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        self._rows = {int(i): t.clone() for i, t in state.items()}
+        self._rows = {_row_key(k): t.clone() for k, t in state.items()}
+
+
+def _row_key(text: str) -> Union[int, Tuple[int, int]]:
+    """A cache key from its state_dict text: ``"id"``, or ``"id.i"`` for value ``i`` of a message of parts."""
+    sample, _, value = text.partition(".")
+    return int(sample) if not value else (int(sample), int(value))

@@ -40,7 +40,7 @@ from .grid import Grid
 from .stages import StagesOverBudget, over_budget_message, split
 from .backward import WeightGrad, input_grad
 from .schedule import PASSES, Action, build, check_plan, check_shape, produced, received
-from .transport import Message, Transport, h63, message_order
+from .transport import Message, Parts, Transport, h63, message_order
 
 CHECKPOINTS = (None, "never", "except_last", "always")
 _MISSING, _NOT_A_BATCH, _UNEVEN, _OTHER_SIZE = 1, 2, 3, 4  # what a rank found wrong with its batch
@@ -114,12 +114,16 @@ class Pipeline:
 
     ``stages``: an ``nn.Sequential`` of the whole model cut by ``balance`` (layers per stage,
     or ``"auto"``), or this rank's module (a list, one per virtual stage, for
-    ``schedule="interleaved"``). ``microbatches`` (``chunks`` is the same keyword): micro-batches
-    per step. ``activation_codec`` / ``grad_codec``: the boundary compressors (a name, a
+    ``schedule="interleaved"``). A stage's output reaches the next stage as its one argument, as
+    in an ``nn.Sequential``: a tensor, or a tuple or list of tensors (None allowed; tensors that
+    are not floating point cross exactly), which the stage may change in place.
+    ``microbatches`` (``chunks`` is the same keyword): micro-batches per step.
+    ``activation_codec`` / ``grad_codec``: the boundary compressors (a name, a
     ``Compressor``, ``None``: exact). ``checkpoint`` or ``memory_budget`` (bytes of saved
     activations per micro-batch): recompute inside stages. ``replicas`` with ``dp_compressor``:
     data parallelism over stage replicas. ``device``: only for a stage without parameters or
-    buffers. ``check_messages``: frame and check every boundary message, also where the
+    buffers. ``optimizer``: a function of the stage's parameters (a stage without any gets no
+    optimizer). ``check_messages``: frame and check every boundary message, also where the
     channels' layouts are agreed (a debug mode; by default such steps send tensors raw).
     """
 
@@ -156,14 +160,17 @@ class Pipeline:
         self.stage_ids = [c * p + self.grid.stage for c in range(self.virtual_stages)]  # each one's stage
         self.local = nn.ModuleList(self.modules)
         placed = self._place(device, activation_codec, grad_codec)  # always: it sets the device and compressors
-        problem = problem or placed
+        # the user's optimizer is built here, before any message: a factory that raises on one
+        # rank's parameters raises the same ValueError on every rank
+        inner, made = self._inner_optimizer(optimizer)
+        problem = problem or placed or made
         self._refuse_construction(problem, needed)
         self._agree(dp_compressor, dp_options, optimizer)
         self.grid.make_dp_groups(group_timeout(process_group if process_group is not None else dist.group.WORLD))
         self._delta_out = [DeltaFeedback(c) for c in self._act_send] if delta else []  # what each sent
         self._delta_in = [DeltaFeedback(c) for c in self._act_recv] if delta else []  # what each received
         self._ids: List[Any] = []
-        self.optimizer = self._make_optimizer(optimizer, dp_compressor, dp_options or {})
+        self.optimizer = self._wrap_optimizer(optimizer, inner, dp_compressor, dp_options or {})
         # every rank's actions are known to every rank: the message order follows from them (the
         # plans are checked against the pass table alike everywhere, so every rank raises alike)
         plans = [build(schedule, r, p, microbatches, self.virtual_stages) for r in range(p)]
@@ -254,17 +261,29 @@ class Pipeline:
                              "device= (e.g. torch.device('cuda', local_rank)) to Pipeline")
         return torch.device("cpu")
 
-    def _make_optimizer(self, factory: Any, dp: Any, options: Dict[str, Any]) -> Optional[torch.optim.Optimizer]:
+    def _inner_optimizer(self, factory: Any) -> Tuple[Optional[torch.optim.Optimizer], str]:
+        """``(the user's optimizer of this rank's parameters, what was wrong or "")``. A stage
+        without parameters gets none: it has nothing to update (and torch refuses an
+        optimizer of no parameters)."""
         if factory is None:
-            if self.grid.replicas > 1:
-                raise ValueError("replicas > 1 needs optimizer= (a function of the stage's parameters returning a "
-                                 "torch.optim.Optimizer): the stage replicas average gradients inside its step")
-            return None
+            return None, ""
         if not callable(factory):
-            raise ValueError(f"optimizer must be a function of the stage's parameters returning a "
-                             f"torch.optim.Optimizer, got {type(factory).__name__}")
-        inner = factory(self.local.parameters())
-        if self.grid.replicas == 1:
+            return None, (f"optimizer must be a function of the stage's parameters returning a "
+                          f"torch.optim.Optimizer, got {type(factory).__name__}")
+        params = list(self.local.parameters())
+        if not params:
+            return None, ""
+        try:
+            return factory(params), ""
+        except Exception as exc:  # the user's factory: any error is this rank's construction problem
+            return None, f"optimizer= raised on this rank's stage parameters: {type(exc).__name__}: {exc}"
+
+    def _wrap_optimizer(self, factory: Any, inner: Optional[torch.optim.Optimizer], dp: Any,
+                        options: Dict[str, Any]) -> Optional[torch.optim.Optimizer]:
+        if factory is None and self.grid.replicas > 1:
+            raise ValueError("replicas > 1 needs optimizer= (a function of the stage's parameters returning a "
+                             "torch.optim.Optimizer): the stage replicas average gradients inside its step")
+        if inner is None or self.grid.replicas == 1:
             return inner
         return CompressedOptimizer(inner, dp, model=self.local, process_group=self.grid.dp_group, **options)
 
@@ -380,7 +399,7 @@ class Pipeline:
         self._check_usable()
         mbs, _ = self._split_inputs(inputs, targets, None, need_targets=loss_fn is not None, need_ids=False)
         self.started_at = time.time()
-        outs: List[torch.Tensor] = []
+        outs: List[Any] = []
         losses: List[torch.Tensor] = []
         txn = Transaction()  # codec counters of eval messages are not training state
         try:
@@ -401,7 +420,7 @@ class Pipeline:
             self._abandon(txn, exc)
             raise
         txn.rollback()
-        return (torch.cat(outs) if outs else None), mean
+        return (_joined(outs) if outs else None), mean
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's stage: modules, optimizer (with its compression state), delta caches,
@@ -537,26 +556,25 @@ class Pipeline:
 
     def _pass_backward(self, c: int, mb: int, step: "_Step") -> None:
         x, y = step.saved.pop((c, mb))
-        out, grad, t = self._backward_inputs(c, mb, y)
+        outs, grads, t = self._backward_inputs(c, mb, y)
         with self._accumulating():
-            torch.autograd.backward(out, grad)
+            if outs:  # nothing when no output needs a gradient (a first stage without parameters)
+                torch.autograd.backward(outs, grads)
         self._event("B", self._stage(c), mb, t)
         if self._stage(c) > 0:
-            self._send(c, mb, "grad", x.grad)
+            self._send(c, mb, "grad", _input_grads(x, lambda leaf: leaf.grad))
 
     def _pass_input(self, c: int, mb: int, step: "_Step") -> None:
         """The input's gradient only (sent at once); the weights' part waits for the W pass."""
         x, y = step.saved.pop((c, mb))
-        out, grad, t = self._backward_inputs(c, mb, y)
+        outs, grads, t = self._backward_inputs(c, mb, y)
+        leaves = _leaves(x)
         with self._accumulating():
-            dx, step.weights[(c, mb)] = input_grad(out, grad, x, list(self.modules[c].parameters()))
+            dxs, step.weights[(c, mb)] = input_grad(outs, grads, leaves, list(self.modules[c].parameters()))
         self._event("I", self._stage(c), mb, t)
         if self._stage(c) > 0:
-            if dx is None:
-                raise ValueError(f"pipeline: stage {self._stage(c)}'s input (micro-batch {mb}) has no gradient to send "
-                                 f"back: a stage after the first must take a floating-point input its output "
-                                 f"depends on")
-            self._send(c, mb, "grad", dx)
+            got = {id(leaf): dx for leaf, dx in zip(leaves, dxs)}
+            self._send(c, mb, "grad", _input_grads(x, lambda leaf: got[id(leaf)]))
 
     def _pass_void(self, kind: str, c: int, mb: int) -> None:
         """A pass of a raw step that a payload of this rank has made void (it runs again
@@ -581,16 +599,27 @@ class Pipeline:
         with self._accumulating():
             w.run()
         for b, before in kept:
-            b.copy_(before)
+            # through .data: the restore must not move the buffer's version counter, which the
+            # graphs of micro-batches not recomputed (checkpoint="except_last") saved with it;
+            # BatchNorm's own update of its running statistics does not move it either
+            b.data.copy_(before)
         self._event("W", self._stage(c), mb, t)
 
-    def _backward_inputs(self, c: int, mb: int, y: torch.Tensor) -> Tuple[torch.Tensor, Optional[torch.Tensor], float]:
-        """``(what to backpropagate, its gradient, when the pass began)``: the last stage's loss
-        over the micro-batches, or the output and its gradient from the next stage."""
+    def _backward_inputs(self, c: int, mb: int, y: Any
+                         ) -> Tuple[List[torch.Tensor], Optional[List[torch.Tensor]], float]:
+        """``(what to backpropagate, their gradients, when the pass began)``: the last stage's
+        loss over the micro-batches, or the output's values that need a gradient and their
+        gradients from the next stage (none where it sent none)."""
         if self._stage(c) == self.n_stages - 1:
-            return y / self.microbatches, None, time.time()
+            return [y / self.microbatches], None, time.time()
         grad = self._recv(c, mb, "grad")
-        return y, grad, time.time()
+        ys = [y] if isinstance(y, torch.Tensor) else list(y)
+        gs = [grad] if isinstance(grad, torch.Tensor) else list(grad.values)
+        if len(ys) != len(gs):
+            raise ValueError(f"pipeline: stage {self._stage(c)}'s output (micro-batch {mb}) has {len(ys)} values, the "
+                             f"gradient the next stage sent back {len(gs)}")
+        pairs = [(o, g) for o, g in zip(ys, gs) if g is not None and isinstance(o, torch.Tensor) and o.requires_grad]
+        return [o for o, _ in pairs], [g for _, g in pairs], time.time()
 
     def _accumulating(self) -> Any:
         """Where a pass accumulates gradients. With replicas every pass only accumulates; the
@@ -611,19 +640,25 @@ class Pipeline:
         return self.checkpoint == "always" or (self.checkpoint == "except_last" and mb < self.microbatches - 1)
 
     def _forward_pass(self, c: int, mb: int, mbs: Dict[str, List[Any]], record: bool) -> Any:
+        """One forward: ``(the stage's input leaves, its output)`` when ``record`` (training),
+        else the output. The stage gets its input as in one process: not the leaves whose
+        gradients are sent back but an alias of each made by an autograd node, which it may
+        change in place (a first ``ReLU(inplace=True)``); a recomputed stage gets a copy inside
+        the checkpointed region, so that its recomputation starts from the input it was given."""
         s = self._stage(c)
         if s == 0:
-            x = mbs["inputs"][mb]
+            x = inp = mbs["inputs"][mb]
         else:
-            x = self._recv(c, mb, "act", delta=record)
-            if x.is_floating_point() and record:
-                x.requires_grad_(True)
+            x, inp = _stage_input(self._recv(c, mb, "act", delta=record), record)
         t = time.time()
         module = self.modules[c]
-        y = _checkpoint(module, x, use_reentrant=False) if record and self._recomputes(mb) else module(x)
+        if record and self._recomputes(mb):
+            y = _checkpoint(_on_a_copy(module), x, use_reentrant=False)
+        else:
+            y = module(inp)
         self._event("F" if record else "E", s, mb, t)
         if s < self.n_stages - 1:
-            self._send(c, mb, "act", y.detach(), delta=record)
+            self._send(c, mb, "act", _outgoing(y, s), delta=record)
         return (x, y) if record else y
 
     # ---- messages ------------------------------------------------------------------------
@@ -641,7 +676,7 @@ class Pipeline:
             raw = agreement.settle()
             self._transport.begin(self._order, raw=raw, learn=self._raw_ok)
 
-    def _send(self, c: int, mb: int, kind: str, tensor: torch.Tensor, delta: bool = False) -> None:
+    def _send(self, c: int, mb: int, kind: str, value: Union[torch.Tensor, Parts], delta: bool = False) -> None:
         self._open_gate()
         msg = self._message(c, mb, kind, True)
         compressor: Any = self._act_send[c] if kind == "act" else self._grad[c]
@@ -649,10 +684,10 @@ class Pipeline:
             compressor = self._delta_out[c]
             compressor.expect(msg.key, self._ids[mb])
         t = time.time()
-        self._transport.send(msg, tensor, compressor)
+        self._transport.send(msg, value, compressor)
         self._event("send", self._stage(c), mb, t)
 
-    def _recv(self, c: int, mb: int, kind: str, delta: bool = False) -> torch.Tensor:
+    def _recv(self, c: int, mb: int, kind: str, delta: bool = False) -> Union[torch.Tensor, Parts]:
         self._open_gate()
         msg = self._message(c, mb, kind, False)
         compressor: Any = self._act_recv[c] if kind == "act" else self._grad[c]
@@ -804,6 +839,89 @@ def _ids_hash(ids: torch.Tensor) -> int:
     """A non-negative 63-bit hash of the sample ids (a host copy: delta mode only)."""
     flat = ids.detach().reshape(-1).to("cpu", torch.int64)
     return int.from_bytes(bytes.fromhex(fingerprint(flat.numpy().tobytes())), "little") >> 1
+
+
+class _StageInput(torch.autograd.Function):
+    """A received value as its stage's input: an alias of the leaf whose gradient is sent back,
+    made by this node (so not a view of the leaf: the stage may change it in place, as it may
+    change its input in one process); the gradient passes through unchanged."""
+
+    @staticmethod
+    def forward(ctx: Any, leaf: torch.Tensor) -> torch.Tensor:
+        return leaf.detach()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+def _stage_input(got: Union[torch.Tensor, Parts], record: bool) -> Tuple[Any, Any]:
+    """``(the leaves, the stage's input)`` of a received value, in the form it was sent (a
+    tensor, a tuple or a list). Training (``record``): a floating-point tensor, or a value the
+    sending stage's output required a gradient for, becomes a leaf that requires one, and the
+    stage gets an alias of it (:class:`_StageInput`); other values are given as they are."""
+    if isinstance(got, torch.Tensor):
+        if record and got.is_floating_point():
+            leaf = got.requires_grad_(True)
+            return leaf, _StageInput.apply(leaf)
+        return got, got
+    leaves = tuple(v.requires_grad_(True) if record and g and v is not None else v for v, g in zip(got.values, got.grad))
+    given = tuple(_StageInput.apply(v) if v is not None and v.requires_grad else v for v in leaves)
+    return _form(got.form, leaves), _form(got.form, given)
+
+
+def _form(form: str, values: Tuple[Any, ...]) -> Any:
+    return values[0] if form == "tensor" else list(values) if form == "list" else values
+
+
+def _leaves(x: Any) -> List[torch.Tensor]:
+    """The stage input's tensors that require a gradient (what the I pass differentiates for)."""
+    values = [x] if isinstance(x, torch.Tensor) else list(x) if isinstance(x, (tuple, list)) else []
+    return [v for v in values if isinstance(v, torch.Tensor) and v.requires_grad]
+
+
+def _input_grads(x: Any, grad_of: Callable[[torch.Tensor], Optional[torch.Tensor]]) -> Union[torch.Tensor, Parts]:
+    """The gradient message of a stage input ``x``: a tensor's gradient, or :class:`Parts` of
+    one per value, None for a value that needs none or got none (the stage before then
+    backpropagates nothing through it, as in one process)."""
+    if isinstance(x, torch.Tensor):
+        grad = grad_of(x) if x.requires_grad else None
+        return grad if grad is not None else Parts("tensor", (None,), (False,))
+    values = tuple(grad_of(v) if isinstance(v, torch.Tensor) and v.requires_grad else None for v in x)
+    return Parts("tuple", values, (False,) * len(values))
+
+
+def _outgoing(y: Any, stage: int) -> Union[torch.Tensor, Parts]:
+    """A stage output as its message carries it: a tensor, or a tuple or list of tensors (None
+    allowed) as :class:`Parts`, with whether each required a gradient."""
+    if isinstance(y, torch.Tensor):
+        return y.detach()
+    if isinstance(y, (tuple, list)) and all(v is None or isinstance(v, torch.Tensor) for v in y):
+        return Parts("list" if isinstance(y, list) else "tuple",
+                     tuple(None if v is None else v.detach() for v in y),
+                     tuple(v is not None and v.requires_grad for v in y))
+    raise ValueError(f"pipeline: stage {stage} returned {type(y).__name__}: a stage's output crosses a boundary as a "
+                     f"tensor, or a tuple or list of tensors (None allowed)")
+
+
+def _on_a_copy(module: nn.Module) -> Callable[[Any], Any]:
+    """``module`` run on a copy of its input's tensors (for a checkpointed region: an in-place
+    change of the input is then not seen by the recomputation, nor by the caller)."""
+    def run(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return module(x.clone())
+        copied = tuple(v.clone() if isinstance(v, torch.Tensor) else v for v in x)
+        return module(list(copied) if isinstance(x, list) else copied)
+    return run
+
+
+def _joined(outs: List[Any]) -> Any:
+    """The last stage's outputs of every micro-batch, joined along dim 0 (a tuple or list of
+    tensors value by value)."""
+    if isinstance(outs[0], torch.Tensor):
+        return torch.cat(outs)
+    joined = [None if v[0] is None else torch.cat(list(v)) for v in zip(*outs)]
+    return joined if isinstance(outs[0], list) else tuple(joined)
 
 
 def _boundary_compressor(spec: BoundarySpec, what: str) -> Compressor:

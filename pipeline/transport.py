@@ -13,12 +13,18 @@ Invariants (why, and what was measured: docs/pipeline.md, "No deadlock" and "Sha
   is posted; posting stops at a send not yet produced and at a receive whose header is not read
   (it may announce a tail). Each post is one ``batch_isend_irecv`` from the calling thread;
   operations are waited in issue order.
-- **One message per tensor.** A uint8 device tensor: a 64-byte header (magic, message code,
-  payload length, the boundary compressor's hash, dtype), then the payload in the wire format
-  (self-describing, so shapes may change at any step), built in one buffer on the device and
-  parsed where it arrived. Both ends know each channel's capacity (the previous message's
-  length, kept across steps; the header alone for its first message); a longer payload sends
-  its rest right after, posted by the receiver once it has read the header.
+- **One message per stage output.** A uint8 device tensor: a 64-byte header (magic, message
+  code, payload length, the boundary compressor's hash, dtype, parts table length), then the
+  payload in the wire format (self-describing, so shapes may change at any step), built in one
+  buffer on the device and parsed where it arrived. An output that is not one floating-point
+  tensor (a tuple or list of tensors, None among them, or a tensor of another dtype: masks,
+  token ids) is a message of parts (:class:`Parts`): a parts table (JSON: the form and, per
+  value, its kind, dtype, shape, whether the sending stage's output required a gradient and
+  its bytes), then each value 8-byte aligned: a floating-point tensor through the boundary
+  compressor under its own key (``key.i``), any other as its exact bytes, None as nothing.
+  Both ends know each channel's capacity (the previous message's length, kept across steps;
+  the header alone for its first message); a longer payload sends its rest right after,
+  posted by the receiver once it has read the header.
 - **Buffers kept.** A message's buffer (sent or received) comes from its channel's
   :class:`_Pool`: one nothing else holds any more (its step's slots and works are gone, and
   no tensor of a caller views it: the storage's use count says so), reused from step to step,
@@ -29,8 +35,9 @@ Invariants (why, and what was measured: docs/pipeline.md, "No deadlock" and "Sha
 **Raw steps.** Every message of a step whose layouts are agreed travels raw: its payload's
 tensors and nothing else (one tensor: that tensor itself, no copy; several: copied once into one
 buffer at offsets both ends derive), received into a buffer of the agreed size, with no header
-to read, so posting never stops at a receive. A channel's layout (the payload's compressor,
-shape, dtype, meta and tensors' dtypes and shapes, and the stage output's dtype) is learned at
+to read, so posting never stops at a receive. A channel's layout (the message's form and, per
+value, the payload's compressor, shape, dtype, meta and tensors' dtypes and shapes, and the stage
+output's dtype and gradient flag, or a value's exact dtype and shape) is learned at
 both ends from the self-describing messages of a framed step in which every message on that
 channel had the same one; :class:`~gradcomp.pipeline.Pipeline` decides, in the batch agreement
 every step begins with, whether a step is raw (every rank's layouts known, its inputs shaped as
@@ -46,17 +53,19 @@ ranks are out of step (``Pipeline`` then refuses further steps).
 """
 from __future__ import annotations
 
+import json
 import math
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from gradcomp.collectives import CommunicationError, fingerprint
 from gradcomp.compress import Compressor, Payload
-from gradcomp.compress.payload import memory_bytes
+from gradcomp.compress.payload import DTYPES, dtype_name, memory_bytes
 from gradcomp.compress import transaction
 from gradcomp.kernels import memory
+from gradcomp.kernels.memory import copy_from_host
 
 from .schedule import Action, timeline
 
@@ -79,8 +88,14 @@ HEAD_GUESS = 512  # payload bytes read with the header: a payload's own JSON hea
 # message is 8 ms there, a forward 2-3 ms). 1F1B's, GPipe's and ZB-H1's orders on 2 ranks are
 # the same at 1 and at 3.
 MESSAGE_COST = 3.0
-_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+# a plain message's dtype code (its header) indexes the first four; a value of another dtype
+# travels as its exact bytes in a message of parts (a mask, token ids)
+WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
+               torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+_DTYPES = WIRE_DTYPES[:4]
 FLOAT_DTYPES = frozenset(_DTYPES)
+MAX_PARTS = 64  # values in one message
+MAX_STRUCTURE = 1 << 16  # bytes of a message's parts table (JSON); a few dozen per value
 
 
 class Message(NamedTuple):
@@ -140,40 +155,77 @@ class _Slot:
         self.head: Optional[bytes] = None  # receive: the payload's first bytes, read with the header
 
 
-class Layout(NamedTuple):
-    """What both ends of a channel know of its messages in a raw step: the payload's structure,
-    each tensor's offset in the message (8-byte aligned) and the message's bytes."""
+class Parts(NamedTuple):
+    """A boundary value other than one floating-point tensor, as its message carries it:
+    ``values`` (tensors of any dtype the wire carries, or None: a gradient that does not exist)
+    delivered as ``form`` (``"tuple"``, ``"list"``, or ``"tensor"``: the one value alone), and
+    per value whether the sending stage's output required a gradient (the receiving stage asks
+    for the gradients of those only)."""
 
-    compressor: str
-    shape: Tuple[int, ...]
-    dtype: torch.dtype  # the payload's (decoded) dtype
-    meta: Any  # the payload's meta, compared whole
-    tensors: Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]
-    wire_dtype: torch.dtype  # the stage output's dtype, restored on receipt
+    form: str
+    values: Tuple[Optional[torch.Tensor], ...]
+    grad: Tuple[bool, ...]
+
+
+class Part(NamedTuple):
+    """The structure of one value of a message: ``kind`` "t" (a floating-point tensor through
+    the boundary compressor: its payload's structure), "x" (a tensor of another dtype, its
+    exact bytes) or "n" (None)."""
+
+    kind: str
+    compressor: str  # "t": the payload's compressor
+    shape: Tuple[int, ...]  # "t": the payload's shape; "x": the tensor's
+    dtype: torch.dtype  # "t": the payload's (decoded) dtype; "x": the tensor's
+    meta: Any  # "t": the payload's meta, compared whole
+    tensors: Tuple[Tuple[torch.dtype, Tuple[int, ...]], ...]  # what travels: each tensor's dtype and shape
+    wire_dtype: torch.dtype  # "t": the stage output's dtype, restored on receipt
+    grad: bool  # the sending stage's output required a gradient
+
+
+NONE_PART = Part("n", "", (), torch.float32, None, (), torch.float32, False)
+
+
+class _Enc(NamedTuple):
+    """One value encoded for sending: its structure, its payload ("t") and the tensors that travel."""
+
+    part: Part
+    payload: Optional[Payload]
+    tensors: List[torch.Tensor]
+
+
+class Layout(NamedTuple):
+    """What both ends of a channel know of its messages in a raw step: the message's form
+    (``"plain"``: one floating-point tensor; else a :class:`Parts` form), each value's
+    structure, each tensor's offset in the message (8-byte aligned, all values' tensors in
+    order) and the message's bytes."""
+
+    form: str
+    parts: Tuple[Part, ...]
     offsets: Tuple[int, ...]
     nbytes: int
 
     @classmethod
-    def of(cls, payload: Payload, wire_dtype: torch.dtype) -> "Layout":
-        specs = tuple((t.dtype, tuple(t.shape)) for t in payload.tensors)
+    def of(cls, form: str, parts: Sequence[Part]) -> "Layout":
         offsets, pos = [], 0
-        for dtype, shape in specs:
-            offsets.append(pos)
-            pos += -(-math.prod(shape) * dtype.itemsize // 8) * 8
-        return cls(payload.compressor, tuple(payload.shape), payload.dtype, payload.meta, specs, wire_dtype,
-                   tuple(offsets), pos)
+        for part in parts:
+            for dtype, shape in part.tensors:
+                offsets.append(pos)
+                pos += _up8(math.prod(shape) * dtype.itemsize)
+        # a message of no bytes (every gradient of a tuple None) still sends 8: no 0-byte operation
+        return cls(form, tuple(parts), tuple(offsets), pos if form == "plain" else max(pos, 8))
 
-    def fits(self, payload: Payload, wire_dtype: torch.dtype) -> bool:
-        return (payload.compressor == self.compressor and tuple(payload.shape) == self.shape
-                and payload.dtype == self.dtype and wire_dtype == self.wire_dtype
-                and len(payload.tensors) == len(self.tensors)
-                and all(t.dtype == d and tuple(t.shape) == sh for t, (d, sh) in zip(payload.tensors, self.tensors))
-                and payload.meta == self.meta)
+    def fits(self, form: str, parts: Sequence[Part]) -> bool:
+        return form == self.form and tuple(parts) == self.parts
 
-    def views(self, buf: torch.Tensor) -> List[torch.Tensor]:
-        """The payload's tensors, viewed where they lie in the received ``buf``."""
-        return [buf[o:o + math.prod(sh) * d.itemsize].view(d).reshape(sh)
-                for o, (d, sh) in zip(self.offsets, self.tensors)]
+    def views(self, buf: torch.Tensor) -> List[List[torch.Tensor]]:
+        """Each value's tensors, viewed where they lie in the received ``buf``."""
+        flat = iter(zip(self.offsets, [spec for part in self.parts for spec in part.tensors]))
+        return [[buf[o:o + math.prod(sh) * d.itemsize].view(d).reshape(sh) for o, (d, sh) in
+                 (next(flat) for _ in part.tensors)] for part in self.parts]
+
+
+def _up8(n: int) -> int:
+    return -(-n // 8) * 8
 
 
 def _use_count(t: torch.Tensor) -> int:
@@ -262,22 +314,20 @@ class Transport:
         self._pos, self.sent_bytes, self.payload_bytes, self.messages = 0, 0, 0, 0
         self._works, self._waited = [], 0
 
-    def send(self, msg: Message, tensor: torch.Tensor, compressor: Any) -> None:
-        """Compress ``tensor`` with the boundary ``compressor`` (a Compressor or a feedback
-        wrapper of one; its state under ``msg.key``) and post it as soon as the agreed order
-        allows."""
+    def send(self, msg: Message, value: Union[torch.Tensor, Parts], compressor: Any) -> None:
+        """Compress ``value`` (a floating-point tensor, or :class:`Parts`: each floating-point
+        value through the compressor, others exact) with the boundary ``compressor`` (a
+        Compressor or a feedback wrapper of one; its state under ``msg.key``, a value of parts
+        under ``msg.key`` + ``.i``) and post it as soon as the agreed order allows."""
         self._check()
         slot = self._slot[msg]
-        if tensor.dtype not in FLOAT_DTYPES:
-            raise ValueError(f"pipeline: a stage output of dtype {tensor.dtype} cannot cross a boundary; "
-                             f"use float16, bfloat16, float32 or float64")
-        base, payload = _encode(msg, tensor, compressor)
+        form, encs = _encode(msg, value, compressor)
         if self.raw:
-            self._raw_frame(slot, payload, tensor.dtype)
+            self._raw_frame(slot, form, encs)
         else:
-            self._frame(slot, base, payload, tensor.dtype)
-            self._note(msg, Layout.of(payload, tensor.dtype) if self._learn else None)
-        self.payload_bytes += payload.nbytes
+            self._frame(slot, _split(compressor)[0], form, encs)
+            self._note(msg, Layout.of(form, [e.part for e in encs]) if self._learn else None)
+        self.payload_bytes += sum(t.numel() * t.element_size() for e in encs for t in e.tensors)
         self._leave(slot)
 
     def send_void(self, msg: Message) -> None:
@@ -313,19 +363,37 @@ class Transport:
         if slot.works and self._waited < before:
             self._wait_index(before)
 
-    def _frame(self, slot: _Slot, base: Compressor, payload: Payload, dtype: torch.dtype) -> None:
+    def _frame(self, slot: _Slot, base: Compressor, form: str, encs: List[_Enc]) -> None:
         """Header + payload into the slot, built in one buffer on the transport's device (the
         headers copied from the host, each payload tensor copied once into place): padded to
-        the channel's capacity, or cut into the first ``capacity`` bytes and a tail."""
+        the channel's capacity, or cut into the first ``capacity`` bytes and a tail. A message
+        of parts has its parts table (JSON) after the header, then each value (a payload's wire
+        bytes, or a tensor's exact bytes) at an 8-byte aligned offset."""
         msg = slot.msg
-        head = payload.wire_head()
-        length = len(head) + payload.nbytes
-        ours = torch.tensor([MAGIC, msg.code, length, h63(repr(base)), _DTYPES.index(dtype), 0, 0, 0],
+        heads = [e.payload.wire_head() if e.payload is not None else b"" for e in encs]
+        sizes = [len(h) + sum(t.numel() * t.element_size() for t in e.tensors) for h, e in zip(heads, encs)]
+        if form == "plain":
+            table, code, length = b"", _DTYPES.index(encs[0].part.wire_dtype), sizes[0]
+        else:
+            table, code = _parts_table(form, encs, sizes), 0
+            length = len(table) + sum(_up8(n) for n in sizes)
+        ours = torch.tensor([MAGIC, msg.code, length, h63(repr(base)), code, len(table), 0, 0],
                             dtype=torch.int64).view(torch.uint8).numpy().tobytes()
         cap = self._capacity(msg)
         whole = HEADER_BYTES + length
         buf = self._pool(msg, True).take(max(whole, cap))
-        payload.write_wire(buf, head=ours + head)  # both headers in one copy from the host, then the tensors
+        if form == "plain":
+            assert encs[0].payload is not None
+            encs[0].payload.write_wire(buf, head=ours + heads[0])  # both headers in one copy from the host
+        else:
+            pos = HEADER_BYTES + len(table)
+            copy_from_host(buf[:pos], torch.frombuffer(bytearray(ours + table), dtype=torch.uint8))
+            for head, enc, size in zip(heads, encs, sizes):
+                if enc.payload is not None:
+                    enc.payload.write_wire(buf[pos:pos + size], head=head)
+                elif size:
+                    buf[pos:pos + size].copy_(enc.tensors[0].reshape(-1).view(torch.uint8))
+                pos += _up8(size)
         if whole < cap:
             buf[whole:].zero_()
             slot.buf = buf
@@ -337,20 +405,21 @@ class Transport:
         slot.length = length
         self.sent_bytes += whole
 
-    def _raw_frame(self, slot: _Slot, payload: Payload, dtype: torch.dtype) -> None:
-        """The payload's tensors as the channel's layout places them: the one tensor itself
+    def _raw_frame(self, slot: _Slot, form: str, encs: List[_Enc]) -> None:
+        """The values' tensors as the channel's layout places them: the one tensor itself
         where it is a contiguous, 8-byte aligned block of the agreed bytes (no copy; it does
-        not change before the step's end), else one buffer; zeros when it does not fit."""
+        not change before the step's end), else one buffer; zeros when they do not fit."""
         lay = self._layout(slot.msg)
-        if not lay.fits(payload, dtype):
+        tensors = [t for e in encs for t in e.tensors]
+        if not lay.fits(form, [e.part for e in encs]):
             self.mismatched = True
             slot.buf = self._void(slot.msg, lay)
-        elif len(payload.tensors) == 1 and payload.tensors[0].is_contiguous() and lay.nbytes == payload.nbytes \
-                and payload.tensors[0].data_ptr() % 8 == 0:
-            slot.buf = payload.tensors[0].detach().reshape(-1).view(torch.uint8)
+        elif len(tensors) == 1 and tensors[0].is_contiguous() and tensors[0].data_ptr() % 8 == 0 \
+                and lay.nbytes == tensors[0].numel() * tensors[0].element_size():
+            slot.buf = tensors[0].detach().reshape(-1).view(torch.uint8)
         else:
             buf = self._pool(slot.msg, True).take(lay.nbytes)
-            for t, o in zip(payload.tensors, lay.offsets):
+            for t, o in zip(tensors, lay.offsets):
                 size = t.numel() * t.element_size()
                 if size:
                     buf[o:o + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
@@ -369,8 +438,9 @@ class Transport:
         elif self._seen[ch] != layout:
             self._seen[ch] = None
 
-    def take(self, msg: Message, compressor: Any) -> torch.Tensor:
-        """The decoded tensor of ``msg`` (waits for it), through ``compressor`` as :meth:`send`."""
+    def take(self, msg: Message, compressor: Any) -> Union[torch.Tensor, Parts]:
+        """The decoded value of ``msg`` (waits for it), through ``compressor`` as :meth:`send`:
+        a tensor, or :class:`Parts`."""
         self._check()
         slot = self._slot[msg]
         at = self._seq.index(slot)
@@ -391,24 +461,59 @@ class Transport:
                              f"than {base!r}; every rank must be built with the same activation_codec and "
                              f"grad_codec")
         try:  # the bytes are this rank's own: the payload may view them where they lie, on the device
-            payload = Payload.from_tensor(data, head=slot.head)
+            entries: List[_Entry]
+            if slot.hdr[5] == 0:
+                form, entries = "plain", [("t", _DTYPES[slot.hdr[4]], (), True, slot.length)]
+            else:
+                form, entries = _read_table(self._table_bytes(slot, data))
+                if sum(_up8(e[4]) for e in entries) != slot.length - slot.hdr[5]:
+                    raise ValueError("its parts do not fill the message")
+            parts: List[Part] = []
+            values: List[Optional[torch.Tensor]] = []
+            pos = slot.hdr[5]
+            for i, (kind, dtype, shape, grad, size) in enumerate(entries):
+                piece = data[pos:pos + size]
+                pos += _up8(size)
+                if kind == "n":
+                    parts.append(NONE_PART)
+                    values.append(None)
+                elif kind == "x":
+                    parts.append(Part("x", "", shape, dtype, None, ((dtype, shape),), dtype, False))
+                    values.append(_exact(piece, dtype, shape))
+                else:
+                    payload = Payload.from_tensor(piece, head=slot.head if form == "plain" else None)
+                    parts.append(_part_of(payload, dtype, grad))
+                    values.append(_decoded(_key(msg, form, i), base, feedback, payload, dtype))
         except ValueError as exc:
             raise ValueError(f"pipeline: the payload of {msg.key} from rank {slot.peer} is invalid: {exc}") from None
-        self._note(msg, Layout.of(payload, _DTYPES[slot.hdr[4]]) if self._learn else None)
-        return _decoded(msg, base, feedback, payload, _DTYPES[slot.hdr[4]])
+        self._note(msg, Layout.of(form, parts) if self._learn else None)
+        return _delivered(form, values, parts)
 
-    def _take_raw(self, slot: _Slot, compressor: Any) -> torch.Tensor:
+    def _table_bytes(self, slot: _Slot, data: torch.Tensor) -> bytes:
+        """A message's parts table: read with the header where it fits (off the CPU), else now."""
+        n = slot.hdr[5]
+        if slot.head is not None and len(slot.head) >= n:
+            return slot.head[:n]
+        return data[:n].cpu().numpy().tobytes()
+
+    def _take_raw(self, slot: _Slot, compressor: Any) -> Union[torch.Tensor, Parts]:
         """A raw message decoded on its channel's layout: its tensors viewed in the buffer, made
         safe by the compressor on the device, its flag (if any) noted in the step's transaction."""
         lay = self._layout(slot.msg)
         base, feedback = _split(compressor)
         assert slot.buf is not None
-        payload = Payload(lay.compressor, lay.shape, lay.dtype, lay.views(slot.buf),
-                          dict(lay.meta) if isinstance(lay.meta, dict) else lay.meta)
-        payload, bad = base.check_on_device(payload)
-        if bad is not None:
-            transaction.refuse(bad, f"pipeline: the payload of {slot.msg.key} from rank {slot.peer} is invalid")
-        return _decoded(slot.msg, base, feedback, payload, lay.wire_dtype)
+        values: List[Optional[torch.Tensor]] = []
+        for i, (part, tensors) in enumerate(zip(lay.parts, lay.views(slot.buf))):
+            if part.kind != "t":
+                values.append(tensors[0] if part.kind == "x" else None)
+                continue
+            payload = Payload(part.compressor, part.shape, part.dtype, tensors,
+                              dict(part.meta) if isinstance(part.meta, dict) else part.meta)
+            payload, bad = base.check_on_device(payload)
+            if bad is not None:
+                transaction.refuse(bad, f"pipeline: the payload of {slot.msg.key} from rank {slot.peer} is invalid")
+            values.append(_decoded(_key(slot.msg, lay.form, i), base, feedback, payload, part.wire_dtype))
+        return _delivered(lay.form, values, lay.parts)
 
     def finish(self) -> None:
         """Post what is left and wait until every operation of the step is done."""
@@ -532,10 +637,11 @@ class Transport:
         if hdr[1] != slot.msg.code:
             raise ValueError(f"pipeline: rank {slot.peer} sent another message ({hdr[1]:#x}) where this rank "
                              f"expected {slot.msg.key} ({slot.msg.code:#x}): the ranks run different schedules")
-        length, dtype = hdr[2], hdr[4]
+        length, dtype, table = hdr[2], hdr[4], hdr[5]
         limit = memory_bytes()
-        if length < 0 or not 0 <= dtype < len(_DTYPES) or (limit is not None and length > limit):
-            raise ValueError(f"pipeline: the header of {slot.msg.key} from rank {slot.peer} is invalid ({hdr[:5]})")
+        if length < 0 or not 0 <= dtype < len(_DTYPES) or (limit is not None and length > limit) \
+                or not 0 <= table <= min(length, MAX_STRUCTURE) or table % 8:
+            raise ValueError(f"pipeline: the header of {slot.msg.key} from rank {slot.peer} is invalid ({hdr[:6]})")
         whole = HEADER_BYTES + length
         cap = slot.buf.numel()
         if whole > cap:
@@ -555,26 +661,127 @@ class Transport:
             raise self.broken
 
 
-def _encode(msg: Message, tensor: torch.Tensor, compressor: Any) -> Tuple[Compressor, Payload]:
-    """``tensor`` compressed under ``msg.key``, through the feedback wrapper if there is one."""
+def _key(msg: Message, form: str, i: int) -> str:
+    """The boundary compressor's key of value ``i`` of ``msg`` (a plain message: the message's)."""
+    return msg.key if form == "plain" else f"{msg.key}.{i}"
+
+
+def _part_of(payload: Payload, wire_dtype: torch.dtype, grad: bool) -> Part:
+    return Part("t", payload.compressor, tuple(payload.shape), payload.dtype, payload.meta,
+                tuple((t.dtype, tuple(t.shape)) for t in payload.tensors), wire_dtype, grad)
+
+
+def _encode(msg: Message, value: Union[torch.Tensor, Parts], compressor: Any) -> Tuple[str, List[_Enc]]:
+    """``value`` as its message's form and encoded values: each floating-point tensor compressed
+    under its key, through the feedback wrapper if there is one; any other exact."""
+    if isinstance(value, torch.Tensor) and value.dtype in FLOAT_DTYPES:
+        payload = _compressed(msg.key, value, compressor)
+        return "plain", [_Enc(_part_of(payload, value.dtype, True), payload, payload.tensors)]
+    if isinstance(value, torch.Tensor):
+        value = Parts("tensor", (value,), (False,))
+    if len(value.values) > MAX_PARTS:
+        raise ValueError(f"pipeline: a stage output of {len(value.values)} values cannot cross a boundary; at most "
+                         f"{MAX_PARTS}")
+    encs = []
+    for i, (v, grad) in enumerate(zip(value.values, value.grad)):
+        if v is None:
+            encs.append(_Enc(NONE_PART, None, []))
+        elif v.dtype in FLOAT_DTYPES:
+            payload = _compressed(_key(msg, value.form, i), v, compressor)
+            encs.append(_Enc(_part_of(payload, v.dtype, grad), payload, payload.tensors))
+        elif v.dtype in WIRE_DTYPES:
+            shape = tuple(v.shape)
+            encs.append(_Enc(Part("x", "", shape, v.dtype, None, ((v.dtype, shape),), v.dtype, False), None,
+                             [v.detach().contiguous()]))
+        else:
+            raise ValueError(f"pipeline: a stage output of dtype {v.dtype} cannot cross a boundary; use one of "
+                             f"{', '.join(dtype_name(d) for d in WIRE_DTYPES)}")
+    return value.form, encs
+
+
+def _compressed(key: str, tensor: torch.Tensor, compressor: Any) -> Payload:
+    """``tensor`` compressed under ``key``, through the feedback wrapper if there is one."""
     base, feedback = _split(compressor)
     acc = tensor.detach()
     if feedback is None:  # framed at once: the payload may view the tensor (the identity's does)
-        return base, base.compress_view(acc, msg.key)
-    acc = feedback.accumulate(acc, msg.key)
-    payload, sent = base.compress_decoded(acc.to(tensor.dtype), msg.key)
-    feedback.update(msg.key, acc, sent)
-    return base, payload
+        return base.compress_view(acc, key)
+    acc = feedback.accumulate(acc, key)
+    payload, sent = base.compress_decoded(acc.to(tensor.dtype), key)
+    feedback.update(key, acc, sent)
+    return payload
 
 
-def _decoded(msg: Message, base: Compressor, feedback: Optional[Any], payload: Payload,
+def _decoded(key: str, base: Compressor, feedback: Optional[Any], payload: Payload,
              dtype: torch.dtype) -> torch.Tensor:
-    """``payload`` decoded, through the feedback wrapper under ``msg.key`` if there is one, in
+    """``payload`` decoded, through the feedback wrapper under ``key`` if there is one, in
     the stage output's ``dtype``."""
     out = base.decompress(payload)
     if feedback is not None:
-        out = feedback.combine(msg.key, out)
+        out = feedback.combine(key, out)
     return out.to(dtype)
+
+
+def _delivered(form: str, values: List[Optional[torch.Tensor]], parts: Sequence[Part]
+               ) -> Union[torch.Tensor, Parts]:
+    if form == "plain":
+        assert values[0] is not None
+        return values[0]
+    return Parts(form, tuple(values), tuple(p.grad for p in parts))
+
+
+def _exact(raw: torch.Tensor, dtype: torch.dtype, shape: Tuple[int, ...]) -> torch.Tensor:
+    """A value sent as its exact bytes, viewed where the 1-D uint8 ``raw`` holds them (a copy
+    where they are not aligned for ``dtype``; none for no bytes)."""
+    if not raw.numel():
+        return torch.empty(shape, dtype=dtype, device=raw.device)
+    if raw.storage_offset() % dtype.itemsize:
+        raw = raw.clone()
+    return raw.view(dtype).reshape(shape)
+
+
+_FORMS = ("tuple", "list", "tensor")
+
+
+def _parts_table(form: str, encs: List[_Enc], sizes: List[int]) -> bytes:
+    """A message's parts table: its form and, per value, ``[kind, dtype, shape, grad, bytes]``
+    (JSON, padded with spaces to a multiple of 8 bytes)."""
+    rows = [[e.part.kind, dtype_name(e.part.wire_dtype), list(e.part.shape) if e.part.kind == "x" else [],
+             e.part.grad, n] for e, n in zip(encs, sizes)]
+    raw = json.dumps({"f": form, "p": rows}, separators=(",", ":")).encode()
+    if len(raw) > MAX_STRUCTURE:
+        raise ValueError(f"pipeline: a stage output's parts table of {len(raw)} bytes exceeds {MAX_STRUCTURE}")
+    return raw + b" " * (-len(raw) % 8)
+
+
+_Entry = Tuple[str, torch.dtype, Tuple[int, ...], bool, int]  # a parts table's row: kind, dtype, shape, grad, bytes
+
+
+def _read_table(raw: bytes) -> Tuple[str, List[_Entry]]:
+    """A received parts table, checked: ``(form, [(kind, dtype, shape, grad, bytes), ...])``;
+    ``ValueError`` for anything :func:`_parts_table` does not make."""
+    if raw.count(b"[") + raw.count(b"{") > 2 + 2 * MAX_PARTS:  # bounds nesting before parsing
+        raise ValueError("its parts table is nested too deep")
+    try:
+        table = json.loads(raw.decode())
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError("its parts table is not valid JSON") from None
+    if not isinstance(table, dict) or set(table) != {"f", "p"} or table["f"] not in _FORMS \
+            or not isinstance(table["p"], list) or len(table["p"]) > MAX_PARTS \
+            or (table["f"] == "tensor" and len(table["p"]) != 1):
+        raise ValueError("its parts table is malformed")
+    out: List[_Entry] = []
+    for row in table["p"]:
+        if not (isinstance(row, list) and len(row) == 5 and row[0] in ("t", "x", "n") and row[1] in DTYPES
+                and isinstance(row[2], list) and len(row[2]) <= 16 and isinstance(row[3], bool)
+                and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in row[2])
+                and isinstance(row[4], int) and not isinstance(row[4], bool) and row[4] >= 0):
+            raise ValueError(f"its parts table holds an invalid entry {row!r:.80}")
+        kind, dtype, shape, grad, size = row[0], DTYPES[row[1]], tuple(row[2]), row[3], row[4]
+        if (kind == "t") != (dtype in FLOAT_DTYPES) and kind != "n" or (kind != "t" and grad) \
+                or (kind == "x" and size != math.prod(shape) * dtype.itemsize) or (kind == "n" and size):
+            raise ValueError(f"its parts table holds an invalid entry {row!r:.80}")
+        out.append((kind, dtype, shape, grad, size))
+    return table["f"], out
 
 
 def _split(compressor: Any) -> Tuple[Compressor, Optional[Any]]:

@@ -4,7 +4,8 @@ The reference runs the unsplit model on the same micro-batches in order, backpro
 ``loss / microbatches`` each (what a pipeline step computes); with boundary compressors it passes
 every stage boundary through their round trip — forward the activation compressor, backward the
 gradient compressor — keyed and stepped as the pipeline's channels are (``act{b}:{mb}`` / ``grad{b}:{mb}``,
-step = the training step), so a pipeline step and the reference give the same bits.
+step = the training step; value ``i`` of a stage output that is a tuple ``act{b}:{mb}.{i}``, its
+floating-point values only), so a pipeline step and the reference give the same bits.
 """
 from __future__ import annotations
 
@@ -37,14 +38,29 @@ def seq_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 class _RoundTrip(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, act: Any, grad: Any, b: int, mb: int, step: int) -> torch.Tensor:
-        ctx.grad, ctx.key, ctx.step = grad, f"grad{b}:{mb}", step
-        return act.decompress(act.compress(x.detach(), f"act{b}:{mb}", step=step)) if act is not None else x.clone()
+    def forward(ctx: Any, x: torch.Tensor, act: Any, grad: Any, b: int, mb: int, step: int, part: str) -> torch.Tensor:
+        ctx.grad, ctx.key, ctx.step = grad, f"grad{b}:{mb}{part}", step
+        if act is None:
+            return x.clone()
+        # a copy: the next stage may change its input in place, which autograd refuses on a view a
+        # custom Function returns
+        return act.decompress(act.compress(x.detach(), f"act{b}:{mb}{part}", step=step)).to(x.dtype).clone()
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> Any:
-        out = ctx.grad.decompress(ctx.grad.compress(g, ctx.key, step=ctx.step)) if ctx.grad is not None else g
-        return out, None, None, None, None, None
+        out = ctx.grad.decompress(ctx.grad.compress(g, ctx.key, step=ctx.step)).to(g.dtype) if ctx.grad is not None \
+            else g
+        return out, None, None, None, None, None, None
+
+
+def _round_trip(h: Any, act: Any, grad: Any, b: int, mb: int, step: int) -> Any:
+    """A stage output across boundary ``b``: each floating-point tensor through the round trip,
+    anything else as it is (the pipeline carries it exactly)."""
+    if isinstance(h, torch.Tensor):
+        return _RoundTrip.apply(h, act, grad, b, mb, step, "") if h.is_floating_point() else h
+    out = [_RoundTrip.apply(v, act, grad, b, mb, step, f".{i}") if isinstance(v, torch.Tensor) and v.is_floating_point()
+           else v for i, v in enumerate(h)]
+    return out if isinstance(h, list) else tuple(out)
 
 
 def pieces_of(model: nn.Sequential, balance: Sequence[int]) -> List[nn.Module]:
@@ -61,7 +77,7 @@ def micro_step(pieces: List[nn.Module], x: torch.Tensor, y: torch.Tensor, microb
         for b, piece in enumerate(pieces):
             h = piece(h)
             if b < len(pieces) - 1:
-                h = _RoundTrip.apply(h, act, grad, b, mb, step)
+                h = _round_trip(h, act, grad, b, mb, step)
         loss = loss_fn(h, yb)
         (loss / microbatches).backward()
         per.append(loss.detach())
@@ -69,11 +85,12 @@ def micro_step(pieces: List[nn.Module], x: torch.Tensor, y: torch.Tensor, microb
 
 
 def reference(model: nn.Sequential, balance: Sequence[int], batches: List[Tuple[torch.Tensor, torch.Tensor]],
-              microbatches: int, *, act: Any = None, grad: Any = None, loss_fn: Any = LOSS
+              microbatches: int, *, act: Any = None, grad: Any = None, loss_fn: Any = LOSS, optimizer: Any = None
               ) -> Tuple[List[float], List[torch.Tensor]]:
-    """``(loss per step, final parameters)`` of single-process training with :func:`sgd`."""
+    """``(loss per step, final parameters)`` of single-process training with ``optimizer`` (a
+    factory of the parameters; :func:`sgd` by default)."""
     pieces = pieces_of(model, balance)
-    opt = sgd(model.parameters())
+    opt = (optimizer or sgd)(list(model.parameters()))
     losses = []
     for step, (x, y) in enumerate(batches):
         opt.zero_grad()

@@ -1,6 +1,8 @@
 """The pieces of a pipeline in one process: every schedule runs without deadlock and with the
 textbook bubble; 1F1B's in-flight bound; the balance programme's optimum and its measured
-inputs; the delta feedback's round trip; bad options get an error naming what is allowed."""
+inputs; the delta feedback's round trip; the split backward over several inputs and outputs; a
+message's parts table refuses what it does not make; bad options get an error naming what is
+allowed."""
 from __future__ import annotations
 
 import itertools
@@ -100,7 +102,7 @@ def test_input_then_weight_gradients_equal_the_whole_backward(kind, recompute):
             out = checkpoint(tail, h, use_reentrant=False) if recompute else tail(h)
             g = torch.full_like(out, 0.25 + mb)
             if split:
-                dx, w = input_grad(out, g, h, list(tail.parameters()))
+                (dx,), w = input_grad([out], [g], [h], list(tail.parameters()))
                 w.run()
             else:
                 h.grad = None
@@ -109,6 +111,50 @@ def test_input_then_weight_gradients_equal_the_whole_backward(kind, recompute):
             grads.append(dx.clone())
         runs.append(grads + [p.grad for p in tail.parameters()])
     assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(*runs))
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_input_then_weight_gradients_over_tuples_equal_the_whole_backward(recompute):
+    """A stage whose input and output are tuples (a hidden state used twice, one passed through
+    unchanged, one no output depends on): I gives each input's gradient (None for the unused
+    one) and I + W the bits of one backward; an output no input reaches runs the whole backward
+    in I."""
+    import copy
+
+    from torch.utils.checkpoint import checkpoint
+
+    from gradcomp.pipeline.backward import input_grad
+    from gradcomp.pipeline.pipe import _StageInput
+
+    torch.manual_seed(0)
+    lin, other = nn.Linear(8, 8), nn.Linear(8, 8)
+    x = [torch.randn(6, 8) for _ in range(3)]
+    w = nn.Parameter(torch.randn(8))
+    for with_weight_output in (False, True):
+        runs = []
+        for split in (False, True):
+            params = [copy.deepcopy(m) for m in (lin, other)] + [copy.deepcopy(w)]
+            lin_, other_, w_ = params
+            leaves = [v.clone().requires_grad_(True) for v in x]
+
+            def run(a, b, c):  # b passed through, c unused, w_ * 2 an output from a weight alone
+                h = torch.tanh(lin_(a)) + other_(a * b)
+                return (h, b, w_ * 2) if with_weight_output else (h, b)
+
+            given = [_StageInput.apply(v) for v in leaves]  # as a stage gets its received values
+            outs = list(checkpoint(run, *given, use_reentrant=False) if recompute else run(*given))
+            grads = [torch.full_like(o, 0.5 + i) for i, o in enumerate(outs)]
+            weights = [p for m in params for p in (m.parameters() if isinstance(m, nn.Module) else [m])]
+            if split:
+                dxs, wg = input_grad(outs, grads, leaves, weights)
+                assert dxs[2] is None and not wg.whole
+                assert bool(wg._parts) != with_weight_output, "split, unless an output no input reaches"
+                wg.run()
+            else:
+                torch.autograd.backward(outs, grads)
+                dxs = [v.grad for v in leaves]
+            runs.append(dxs + [p.grad for p in weights])
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(*runs)), with_weight_output
 
 
 def test_every_rank_runs_each_pass_once_in_micro_batch_order():
@@ -165,6 +211,31 @@ def test_auto_balance_measures_and_leaves_the_model_as_it_was():
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(ValueError, match="sample="):
         auto_balance(model, None, 2)  # type: ignore[arg-type]
+
+
+def test_auto_balance_measures_layers_that_pass_tuples():
+    class Split(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(8, 64)
+
+        def forward(self, x):
+            return self.lin(x), x[:, 0] > 0
+
+    class Join(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(64, 8)
+
+        def forward(self, parts):
+            h, mask = parts
+            return self.lin(h) * mask[:, None]
+
+    torch.manual_seed(0)
+    out = auto_balance(nn.Sequential(Split(), Join(), nn.Linear(8, 8)), torch.randn(16, 8), 2, repeats=1)
+    assert sum(out.balance) == 3
+    assert out.costs[0].act_bytes == 16 * 64 * 4 + 16, "the float value through the codec, the mask exact"
+    assert out.costs[0].grad_bytes == 16 * 64 * 4, "a gradient for the float value only"
 
 
 def test_delta_feedback_round_trip_keeps_both_ends_equal():
@@ -326,3 +397,59 @@ def test_the_example_prints_from_rank_0_only():
     assert prints, "the example prints nothing"
     alone = [ast.unparse(p)[:60] for p in prints if id(p) not in guarded]
     assert not alone, f"printed by other ranks than rank 0: {alone}"
+
+
+def _table(form, rows):
+    import json
+
+    raw = json.dumps({"f": form, "p": rows}).encode()
+    return raw + b" " * (-len(raw) % 8)
+
+
+@pytest.mark.parametrize("raw,message", [
+    (b"[" * 200, "nested too deep"),
+    (b"\xff\xfe      ", "not valid JSON"),
+    (_table("dict", []), "malformed"),
+    (_table("tensor", []), "malformed"),
+    (_table("tuple", [["t", "int64", [], False, 8]]), "invalid entry"),  # a compressed value of ints
+    (_table("tuple", [["x", "float32", [2], False, 8]]), "invalid entry"),  # exact bytes of a float
+    (_table("tuple", [["x", "int64", [2], False, 8]]), "invalid entry"),  # 2 int64 are 16 bytes
+    (_table("tuple", [["x", "bool", [2], True, 2]]), "invalid entry"),  # a mask needs no gradient
+    (_table("tuple", [["n", "float32", [], False, 4]]), "invalid entry"),  # None has no bytes
+    (_table("tuple", [["x", "int64", [-1], False, 0]]), "invalid entry"),
+    (_table("tuple", [["x", "complex64", [1], False, 8]]), "invalid entry"),
+    (_table("tuple", [["n", "float32", [], False, 0]] * 65), "too deep"),  # more values than a message holds
+], ids=["nested", "not json", "form", "tensor of none", "ints compressed", "exact float", "bytes", "mask grad",
+        "none bytes", "negative", "complex", "too many"])
+def test_a_parts_table_the_sender_would_not_make_is_refused(raw, message):
+    from gradcomp.pipeline.transport import _read_table
+
+    with pytest.raises(ValueError, match=message):
+        _read_table(raw)
+
+
+def test_a_parts_table_round_trips():
+    from gradcomp.pipeline.transport import Message, Parts, _encode, _parts_table, _read_table
+
+    value = Parts("list", (torch.randn(2, 3), torch.tensor([True, False]), None, torch.arange(4)),
+                  (True, False, False, False))
+    form, encs = _encode(Message("act", 0, 1), value, get_compressor("int8"))
+    sizes = [len(e.payload.wire_head()) + e.payload.nbytes if e.payload else
+             sum(t.numel() * t.element_size() for t in e.tensors) for e in encs]
+    got_form, rows = _read_table(_parts_table(form, encs, sizes))
+    assert got_form == "list" and [r[0] for r in rows] == ["t", "x", "n", "x"]
+    assert [r[1] for r in rows] == [torch.float32, torch.bool, torch.float32, torch.int64]
+    assert [r[2] for r in rows] == [(), (2,), (), (4,)] and [r[3] for r in rows] == [True, False, False, False]
+    assert [r[4] for r in rows] == sizes and sizes[1:] == [2, 0, 32]
+
+
+def test_a_stage_output_that_cannot_cross_a_boundary_says_what_can():
+    from gradcomp.pipeline.pipe import _outgoing
+    from gradcomp.pipeline.transport import Message, _encode
+
+    with pytest.raises(ValueError, match="stage 1 returned dict: a stage's output crosses a boundary as a tensor"):
+        _outgoing({"h": torch.ones(2)}, 1)
+    with pytest.raises(ValueError, match="stage 0 returned tuple"):
+        _outgoing((torch.ones(2), 3), 0)
+    with pytest.raises(ValueError, match="dtype torch.complex64 cannot cross a boundary"):
+        _encode(Message("act", 0, 0), _outgoing((torch.ones(2, dtype=torch.complex64),), 0), get_compressor("none"))

@@ -18,7 +18,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from _pipeline_helpers import LOSS, chain, data, gathered_params, reference, seq_loss, same_params, sgd  # noqa: E402
+from _pipeline_helpers import (LOSS, NOT_BITWISE, chain, data, gathered_params, reference, seq_loss,  # noqa: E402
+                               same_params, sgd)
 from ranks import run_ranks  # noqa: E402
 
 BALANCE = {"gpipe": [4, 3], "1f1b": [4, 3], "interleaved": [2, 2, 2, 1], "zb-h1": [4, 3], "zb-h2": [4, 3]}
@@ -325,6 +326,160 @@ def _models(rank):
                         checkpoint="always", optimizer=sgd)
         losses = [float(pipe.step(xb, yb, LOSS)) for xb, yb in [model_data("conv_bn", 16, seed=s) for s in range(2)]]
         out[("recompute", schedule)] = losses, gathered_params(pipe), [b.clone() for b in pipe.local.buffers()]
+    for schedule in ("gpipe", "1f1b", "zb-h1", "zb-h2"):  # the last micro-batch not recomputed, foreach SGD
+        torch.manual_seed(0)
+        pipe = Pipeline(sequential("conv_bn"), balance=MODEL_BALANCE["conv_bn"], schedule=schedule, microbatches=4,
+                        checkpoint="except_last", optimizer=_sgd_foreach)
+        losses = [float(pipe.step(xb, yb, LOSS)) for xb, yb in [model_data("conv_bn", 16, seed=s) for s in range(2)]]
+        out[("except_last", schedule)] = losses, gathered_params(pipe), [b.clone() for b in pipe.local.buffers()]
+    return out
+
+
+def _sgd_foreach(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True)
+
+
+def _adamw_fused(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, fused=True)
+
+
+class _InPlace(torch.nn.Module):
+    """Changes its input in place (doubles it, then ReLU): the first layer of every stage but the first."""
+
+    def forward(self, x):
+        return x.mul_(2).relu_()
+
+
+def _in_place_model():
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [torch.nn.Linear(16, 16), _InPlace()]
+    return torch.nn.Sequential(*layers, torch.nn.Linear(16, 3))
+
+
+IN_PLACE_BALANCE = {"interleaved": [1, 2, 2, 4]}  # every stage after the first starts with _InPlace; else [3, 6]
+
+
+def _in_place(schedule, checkpoint=None, optimizer=sgd, act=None):
+    """A stage that changes its received input in place, as it may in one process."""
+    from gradcomp.pipeline import Pipeline
+
+    pipe = Pipeline(_in_place_model(), balance=IN_PLACE_BALANCE.get(schedule, [3, 6]), schedule=schedule,
+                    microbatches=4, checkpoint=checkpoint, optimizer=optimizer, activation_codec=act)
+    losses = [float(pipe.step(x, y, LOSS)) for x, y in _batches()]
+    return losses, gathered_params(pipe), pipe.raw_steps
+
+
+class _Stem(torch.nn.Module):
+    """A transformer-like first layer's output as a tuple: ``(hidden, mask, ids, bias, skip, unused,
+    None)`` -- a bool mask and integer ids (exact across a boundary, no gradient), a float additive
+    mask that needs no gradient, a hidden state passed on unchanged (``skip``), one no later stage
+    uses (no gradient comes back for it) and a None."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.lin, self.side, self.dtype = torch.nn.Linear(16, 16), torch.nn.Linear(16, 16), dtype
+
+    def forward(self, x):
+        mask = x[:, 0] > -0.5
+        ids = (x[:, 1] > 0).long() + 2 * (x[:, 2] > 0).long()
+        bias = torch.where(x[:, 3:4] > 0, 0.0, -1.0).expand(-1, 16)
+        h = self.lin(x)
+        return h.to(self.dtype), mask, ids, bias, (h * 0.5).to(self.dtype), self.side(x), None
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, dtype):
+        super().__init__()
+        self.lin, self.embed, self.dtype = torch.nn.Linear(16, 16), torch.nn.Embedding(4, 16), dtype
+
+    def forward(self, parts):
+        h, mask, ids, bias, skip, unused, none = parts
+        h = torch.tanh(self.lin(h.float()) + self.embed(ids) + bias) * mask[:, None]
+        return h.to(self.dtype), mask, ids, bias, skip, unused, none
+
+
+class _Out(torch.nn.Module):
+    """The logits and the mask: the last stage's output is a tuple too."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 3)
+
+    def forward(self, parts):
+        h, mask, _, _, skip, _, _ = parts
+        return self.lin((h + skip).float()), mask
+
+
+def _tuple_model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(_Stem(dtype), *[_Layer(dtype) for _ in range(5)], _Out())
+
+
+def _tuple_loss(out, y):
+    return LOSS(out[0], y)
+
+
+def _tuples(schedule, act=None, grad=None, dtype=torch.float32, delta=False):
+    """Stages that pass tuples of tensors of several dtypes (the first steps framed, the later
+    raw); the last stage's eval_step output, a tuple joined micro-batch by micro-batch."""
+    from gradcomp.pipeline import Pipeline
+
+    pipe = Pipeline(_tuple_model(dtype), balance=BALANCE[schedule], schedule=schedule, microbatches=4,
+                    activation_codec=act, grad_codec=grad, optimizer=sgd, delta=delta)
+    ids = torch.arange(16) if delta else None
+    losses = [float(pipe.step(x, y, _tuple_loss, sample_ids=ids)) for x, y in _batches()]
+    out, _ = pipe.eval_step(_batches()[0][0])
+    cache = None
+    if delta:
+        cache = pipe._delta_out[0].state_dict() if pipe.is_first else pipe._delta_in[0].state_dict()
+    return losses, gathered_params(pipe), pipe.raw_steps, out, cache
+
+
+class _Tokens(torch.nn.Module):
+    """A first stage without parameters whose output is integer token ids."""
+
+    def forward(self, x):
+        return (x[:, :4] > 0).long() + 2 * (x[:, 4:8] > 0).long()
+
+
+class _Pool(torch.nn.Module):
+    def forward(self, h):
+        return h.mean(1)
+
+
+def _parameterless_model(where):
+    torch.manual_seed(0)
+    if where == "first, integer output":
+        return torch.nn.Sequential(_Tokens(), torch.nn.Embedding(4, 16), _Pool(), torch.nn.Linear(16, 3))
+    if where == "first":
+        return torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3),
+                               torch.nn.LogSoftmax(dim=1))
+
+
+PARAMETERLESS = {"first, integer output": [1, 3], "first": [1, 3], "last": [3, 1]}
+
+
+def _parameterless(rank):
+    """A stage without parameters, given optimizer=: it gets no optimizer and trains as one
+    process; a factory that raises on one rank raises the same error on every rank."""
+    from gradcomp.pipeline import Pipeline
+
+    out = {}
+    for where, balance in PARAMETERLESS.items():
+        for schedule, optimizer in (("1f1b", _adamw_fused), ("zb-h1", _sgd_foreach)):
+            pipe = Pipeline(_parameterless_model(where), balance=balance, schedule=schedule, microbatches=4,
+                            optimizer=optimizer)
+            losses = [float(pipe.step(x, y, LOSS)) for x, y in _batches()]
+            out[(where, schedule)] = losses, gathered_params(pipe), pipe.optimizer is None
+    try:
+        Pipeline(chain(), balance=[4, 3], microbatches=4,
+                 optimizer=(lambda p: torch.optim.AdamW(p, lr=-1.0)) if rank == 1 else _adamw_fused)
+        out["raises"] = None
+    except ValueError as exc:
+        out["raises"] = str(exc)
     return out
 
 
@@ -363,8 +518,17 @@ def _auto(rank):
     return pipe.balance, float(pipe.step(x, y, LOSS))
 
 
+def _auto_tuples():
+    """balance='auto' on layers that pass tuples."""
+    from gradcomp.pipeline import Pipeline
+
+    x, y = data(16)
+    pipe = Pipeline(_tuple_model(), balance="auto", sample=x[:4], microbatches=4, optimizer=sgd, link_bps=1e9)
+    return pipe.balance, float(pipe.step(x, y, _tuple_loss))
+
+
 def _rank(rank, world):
-    res = {"auto": _auto(rank)}
+    res = {"auto": _auto(rank), "auto tuples": _auto_tuples()}
     for schedule in BALANCE:
         res[("exact", schedule)] = _train(schedule)
     res["torch_1f1b"] = _torch_1f1b(rank, world)
@@ -398,6 +562,17 @@ def _rank(rank, world):
     res["bad_inputs"] = _bad_inputs()
     res["disagree"] = _disagree(rank)
     res["models"] = _models(rank)
+    for schedule in BALANCE:
+        res[("in place", schedule)] = _in_place(schedule)
+        res[("tuples", schedule)] = _tuples(schedule)
+    for schedule, checkpoint in (("1f1b", "always"), ("zb-h1", "except_last"), ("zb-h2", "always")):
+        res[("in place", schedule, checkpoint)] = _in_place(schedule, checkpoint)
+    res[("in place", "1f1b", "foreach bf16")] = _in_place("1f1b", optimizer=_sgd_foreach, act="bf16")
+    res[("tuples", "1f1b", "int8+fp16")] = _tuples("1f1b", act="int8", grad="fp16")
+    res[("tuples", "zb-h1", "qsgd")] = _tuples("zb-h1", act="qsgd", grad="qsgd")
+    res[("tuples", "1f1b", "bf16")] = _tuples("1f1b", dtype=torch.bfloat16)
+    res[("tuples", "delta")] = _tuples("1f1b", act="int8", delta=True)
+    res["parameterless"] = _parameterless(rank)
     return res
 
 
@@ -601,9 +776,10 @@ def test_eval_step_is_the_model_forward(results):
     assert results[0]["eval"][0] is None and results[0]["eval"][1] == loss
 
 
-def test_auto_balance_is_shared_by_every_rank(results):
-    balance, loss = results[0]["auto"]
-    assert results[1]["auto"] == (balance, loss)
+@pytest.mark.parametrize("case", ["auto", "auto tuples"])
+def test_auto_balance_is_shared_by_every_rank(results, case):
+    balance, loss = results[0][case]
+    assert results[1][case] == (balance, loss)
     assert sum(balance) == 7 and len(balance) == 2 and loss == loss
 
 
@@ -686,3 +862,113 @@ def test_plain_gloo_runs_the_transport(tmp_path):
     for schedule in ("1f1b", "interleaved"):
         ref_losses, _ = reference(chain(), BALANCE[schedule], _batches(), 4, act=_codec("int8", {}))
         assert plain[0][schedule] == plain[1][schedule] == ref_losses, schedule
+
+
+@pytest.mark.parametrize("case", [(s,) for s in BALANCE] + [("1f1b", "always"), ("zb-h1", "except_last"),
+                                                           ("zb-h2", "always"), ("1f1b", "foreach bf16")])
+def test_a_stage_that_changes_its_input_in_place_trains_as_one_process(results, case):
+    """A stage whose first layer changes its input in place (``ReLU(inplace=True)``, here
+    ``x.mul_(2).relu_()``) gets the received tensor as one process gives a layer its input, in
+    every schedule; a recomputed stage recomputes from the input it was given (in one process
+    torch's checkpoint refuses that input change)."""
+    from gradcomp.compress import get_compressor
+
+    schedule = case[0]
+    optimizer, act = (_sgd_foreach, get_compressor("bf16")) if case[1:] == ("foreach bf16",) else (None, None)
+    ref_losses, ref_params = reference(_in_place_model(), IN_PLACE_BALANCE.get(schedule, [3, 6]), _batches(), 4,
+                                       act=act, optimizer=optimizer)
+    for rank in range(2):
+        losses, params, raw_steps = results[rank][("in place",) + case]
+        assert losses == ref_losses, (rank, losses, ref_losses)
+        assert same_params(schedule, params, ref_params), f"rank {rank}: parameters differ from one process"
+        assert raw_steps == STEPS - 1
+
+
+def test_zero_bubble_recompute_except_last_with_batchnorm_equals_gpipe_1f1b_and_one_process(results):
+    """The W pass puts BatchNorm's statistics back after its recomputation without moving their
+    version counter, which the not-recomputed last micro-batch's graph saved. The statistics move
+    at each forward and each recomputation, so they are those of the schedule with the same order
+    of forwards and backwards: ZB-H1's are 1F1B's on both ranks, ZB-H2's on the last."""
+    from models import data as model_data, sequential
+
+    torch.manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks
+    try:
+        ref_losses, ref_params = reference(sequential("conv_bn"), MODEL_BALANCE["conv_bn"],
+                                           [model_data("conv_bn", 16, seed=s) for s in range(2)], 4,
+                                           optimizer=_sgd_foreach)
+    finally:
+        torch.set_num_threads(threads)
+    for rank in range(2):
+        runs = {s: results[rank]["models"][("except_last", s)] for s in ("gpipe", "1f1b", "zb-h1", "zb-h2")}
+        for schedule, (losses, params, _) in runs.items():
+            assert losses == ref_losses, (schedule, rank)
+            assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), (schedule, rank)
+        for schedule in ("zb-h1", "zb-h2") if rank == 1 else ("zb-h1",):
+            buffers, want = runs[schedule][2], runs["1f1b"][2]
+            assert len(buffers) == len(want) and all(torch.equal(a, b) for a, b in zip(buffers, want)), (schedule, rank)
+
+
+@pytest.mark.parametrize("where", list(PARAMETERLESS))
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_a_stage_without_parameters_gets_no_optimizer_and_trains_as_one_process(results, where, schedule):
+    optimizer = _adamw_fused if schedule == "1f1b" else _sgd_foreach
+    ref_losses, ref_params = reference(_parameterless_model(where), PARAMETERLESS[where], _batches(), 4,
+                                       optimizer=optimizer)
+    without = 0 if where.startswith("first") else 1
+    for rank in range(2):
+        losses, params, no_optimizer = results[rank]["parameterless"][(where, schedule)]
+        assert no_optimizer == (rank == without)
+        assert losses == ref_losses, (rank, losses, ref_losses)
+        assert all(torch.equal(a, b) for a, b in zip(params, ref_params)), f"rank {rank}: parameters differ"
+
+
+def test_an_optimizer_factory_that_raises_on_one_rank_raises_on_every_rank(results):
+    said = [results[r]["parameterless"]["raises"] for r in range(2)]
+    assert said[0] is not None and said[0] == said[1], said
+    assert said[0].startswith("Pipeline: rank 1: optimizer= raised") and "learning rate" in said[0], said[0]
+
+
+TUPLE_CASES = [(s,) for s in BALANCE] + [("1f1b", "int8+fp16"), ("zb-h1", "qsgd"), ("1f1b", "bf16")]
+
+
+@pytest.mark.parametrize("case", TUPLE_CASES)
+def test_stages_that_pass_tuples_train_as_one_process(results, case):
+    """Tuples cross every boundary in every schedule, framed and raw: floating-point values
+    through the boundary compressors (keyed per value), bool and integer tensors exact, None as
+    None; a value no later stage uses gets no gradient (its layer none, as in one process)."""
+    from gradcomp.compress import get_compressor
+
+    schedule, variant = case[0], case[1:]
+    codecs = {("int8+fp16",): ("int8", "fp16"), ("qsgd",): ("qsgd", "qsgd")}.get(variant)
+    act, grad = (get_compressor(codecs[0]), get_compressor(codecs[1])) if codecs else (None, None)
+    dtype = torch.bfloat16 if variant == ("bf16",) else torch.float32
+    ref_model = _tuple_model(dtype)
+    ref_losses, ref_params = reference(ref_model, BALANCE[schedule], _batches(), 4, act=act, grad=grad,
+                                       loss_fn=_tuple_loss)
+    assert ref_model[0].side.weight.grad is None, "the unused value's layer gets no gradient in one process"
+    for rank in range(2):
+        losses, params, raw_steps, out, _ = results[rank][("tuples",) + case]
+        assert losses == ref_losses, (rank, losses, ref_losses)
+        assert same_params(schedule, params, ref_params), f"rank {rank}: parameters differ from one process"
+        assert raw_steps == STEPS - 1
+    x = _batches()[0][0]
+    with torch.no_grad():
+        want = [ref_model(xb) for xb in x.chunk(4)]
+    logits, mask = results[1][("tuples",) + case][3]
+    assert results[0][("tuples",) + case][3] is None
+    if codecs is None and schedule not in NOT_BITWISE:  # else within rounding, or through the codecs
+        assert torch.equal(logits, torch.cat([w[0] for w in want]))
+    assert mask.dtype == torch.bool and torch.equal(mask, torch.cat([w[1] for w in want]))
+
+
+def test_tuples_in_delta_mode_keep_both_caches_equal(results):
+    losses0, _, _, _, sent = results[0][("tuples", "delta")]
+    losses1, _, _, _, received = results[1][("tuples", "delta")]
+    assert losses0 == losses1
+    # a row per sample and floating-point value that is not None: hidden, bias, skip, unused
+    assert sent.keys() == received.keys() == {f"{i}.{v}" for i in range(16) for v in (0, 3, 4, 5)}
+    assert all(torch.equal(sent[k], received[k]) for k in sent)
+    exact = results[0][("tuples", "1f1b")][0]
+    assert max(abs(a - b) for a, b in zip(losses0, exact)) < 0.05
