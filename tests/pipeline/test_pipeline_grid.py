@@ -1,14 +1,16 @@
 """Pipelines on 4 real gloo ranks: 4 stages under every schedule give the bits of one process;
 a 2 x 2 grid (2 stages x 2 replicas) averages each stage's gradients over its replicas with a
-gradcomp compressor, the replicas stay identical; ranks built differently raise the same
-error; a peer that dies mid-step is a ``CommunicationError`` on the others, not a hang.
+gradcomp compressor, the replicas stay identical (a stage without parameters among them); ranks
+built differently raise the same error; a peer that dies mid-step is a ``CommunicationError`` on
+the others, not a hang.
 
-One spawn runs the training cases, one more the death of a rank."""
+One spawn runs the training cases, one more the death of a rank. Neither times the machine:
+each waits for its ranks' results with deadlines far above what the work takes on a loaded
+machine (a rank's own group timeout bounds a hang)."""
 from __future__ import annotations
 
 import os
 import sys
-import time
 
 import pytest
 import torch
@@ -51,6 +53,27 @@ def _grid(rank, compressor, options, schedule="1f1b"):
     return losses, (pipe.grid.stage, replica), gathered_params(pipe, 0), gathered_params(pipe, 1), launched
 
 
+def _parameterless_grid(rank):
+    """2 stages x 2 replicas, the first stage without parameters: it gets no optimizer (nor a
+    data-parallel exchange), the second averages over its replicas."""
+    from gradcomp.pipeline import Pipeline
+
+    pipe = Pipeline(_parameterless_model(), balance=[1, 3], microbatches=4, replicas=2, dp_compressor="none",
+                    optimizer=_adamw_fused)
+    replica = pipe.grid.replica
+    losses = [float(pipe.step(x, y, LOSS)) for x, y in _batches(replica)]
+    return losses, pipe.optimizer is None, gathered_params(pipe, 0), gathered_params(pipe, 1)
+
+
+def _parameterless_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+
+
+def _adamw_fused(params):
+    return torch.optim.AdamW(params, lr=0.01, weight_decay=0.1, fused=True)
+
+
 def _mismatch(rank):
     from gradcomp.pipeline import Pipeline
 
@@ -68,6 +91,7 @@ def _rank(rank, world):
     for name, options in DP:
         res[("grid", name)] = _grid(rank, name, options)
     res[("grid", "zb-h1")] = _grid(rank, "none", {}, "zb-h1")  # the exchange after the last W
+    res["parameterless"] = _parameterless_grid(rank)
     res["mismatch"] = _mismatch(rank)
     return res
 
@@ -128,15 +152,25 @@ def test_pp_x_dp_under_zero_bubble_exchanges_after_the_last_w(results):
         assert launched and all(launched), f"rank {r}: a data-parallel bucket left while messages were in flight"
 
 
-def _dp_reference():
+def test_a_stage_without_parameters_among_replicas_gets_no_optimizer(results):
+    losses, _, replica0, replica1 = results[0]["parameterless"]
+    assert [results[r]["parameterless"][1] for r in range(4)] == [True, False, True, False]
+    assert all(results[r]["parameterless"][0] == losses for r in range(4))
+    assert all(torch.equal(a, b) for a, b in zip(replica0, replica1)), "stage replicas diverged"
+    ref_losses, ref_params = _dp_reference(_parameterless_model(), [1, 3], None, None, _adamw_fused)
+    assert losses == pytest.approx(ref_losses, abs=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(replica0, ref_params))
+
+
+def _dp_reference(model=None, balance=(4, 3), act="int8", grad="fp16", optimizer=sgd):
     """One process, 2 stage boundaries' codecs, each step's gradient the mean of the two
     replicas' (summation order differs from the all-reduce's: equal to rounding)."""
     from gradcomp.compress import get_compressor
 
-    act, grad = get_compressor("int8"), get_compressor("fp16")
-    model = chain()
-    pieces = pieces_of(model, [4, 3])
-    opt = sgd(model.parameters())
+    act, grad = (None if c is None else get_compressor(c) for c in (act, grad))
+    model = chain() if model is None else model
+    pieces = pieces_of(model, list(balance))
+    opt = optimizer(model.parameters())
     losses = []
     for step in range(STEPS):
         per, grads = [], []
@@ -158,13 +192,15 @@ def test_mismatched_balance_raises_on_every_rank(results):
 
 
 def test_dead_peer_raises_on_the_others(tmp_path):
-    start = time.monotonic()
+    """The survivors raise CommunicationError (a hang would end with every rank killed and no
+    result). Nothing here is timed: the survivors notice the closed connections at once on an
+    idle machine, but four ranks starting on a loaded one can take minutes, so the deadlines are
+    generous (group timeout 120 s; run_ranks waits three times that for the ranks to finish,
+    and 120 s once one has reported)."""
     with pytest.raises(AssertionError) as killed:
-        run_ranks(_dies, 4, tmp_path, timeout_s=20.0)
-    lost = time.monotonic() - start
+        run_ranks(_dies, 4, tmp_path, timeout_s=120.0)
     report = str(killed.value)
     assert "rank 2: exited with code 1" in report, report
     for r in (0, 1, 3):
         part = report.split(f"rank {r}:", 1)[1][:600]
         assert "CommunicationError" in part, f"rank {r} did not name a lost peer: {part}"
-    assert lost < 60, f"the survivors took {lost:.0f} s to notice"
