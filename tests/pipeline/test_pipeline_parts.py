@@ -259,6 +259,22 @@ def test_delta_feedback_round_trip_keeps_both_ends_equal():
         sender.accumulate(a, "k")
 
 
+def test_delta_feedback_keeps_a_row_per_sample_and_value_of_a_message_of_parts():
+    end = DeltaFeedback(get_compressor("none"))
+    ids = torch.tensor([3, 1])
+    end.expect("act0:1", ids)
+    plain, part = torch.randn(2, 4), torch.randn(2, 5)
+    end.combine("act0:1", plain)
+    end.combine("act0:1.2", part)  # value 2 of the message: its own rows, the message's ids
+    state = end.state_dict()
+    assert set(state) == {"3", "1", "3.2", "1.2"}
+    assert torch.equal(state["1.2"], part[1]) and torch.equal(state["3"], plain[0])
+    again = DeltaFeedback(get_compressor("none"))
+    again.load_state_dict(state)
+    again.expect("act0:1", ids)
+    assert torch.equal(again.accumulate(part, "act0:1.2"), torch.zeros(2, 5)), "the part's rows, restored"
+
+
 @pytest.mark.parametrize("kw,message", [
     ({"checkpoint": "sometimes"}, "checkpoint='sometimes' is not allowed"),
     ({"delta": 1}, "delta=1 is not allowed"),
