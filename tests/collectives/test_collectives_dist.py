@@ -17,6 +17,7 @@ what it saw and the parent asserts. Invariants protected:
 """
 from __future__ import annotations
 
+import os
 import time
 import zlib
 
@@ -310,6 +311,30 @@ def _rank_main(rank, w):
     return out
 
 
+def _slow_start(seconds: float, marker: str) -> float:
+    """Unpickled in each rank before it runs: the first rank to get here goes on at once, the
+    others wait ``seconds`` (a machine too loaded to start processes together)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL))
+    except FileExistsError:
+        time.sleep(seconds)
+    return seconds
+
+
+class SlowStart:
+    """An argument of ``run_ranks`` that makes all ranks but one start ``seconds`` late."""
+
+    def __init__(self, seconds: float, marker: str) -> None:
+        self.seconds, self.marker = seconds, marker
+
+    def __reduce__(self):
+        return _slow_start, (self.seconds, self.marker)
+
+
+def _rank_started(rank, w, delay):
+    return rank
+
+
 def _rank_dead_peer(rank, w):
     from gradcomp.collectives import CommunicationError, allreduce
 
@@ -550,8 +575,16 @@ def test_rank_time_budget(runs):
 
 
 def test_dead_peer_raises_within_the_timeout(tmp_path):
-    results = run_ranks(_rank_dead_peer, 2, tmp_path, timeout_s=5)
+    # the harness waits for the error as long as it takes to come (it ends when both ranks have
+    # reported): a loaded machine slows the run, never cuts it short
+    results = run_ranks(_rank_dead_peer, 2, tmp_path, timeout_s=5, deadline_s=300)
     status, seconds, message = results[0]
     assert status == "raised", "allreduce returned although its peer had left"
-    assert seconds < 5 + 3, f"took {seconds:.1f} s, beyond the 5 s group timeout"
+    assert seconds < 3 * 5, f"took {seconds:.1f} s: beyond the 5 s group timeout, as if it had hung"
     assert "peer" in message and "rank 0" in message
+
+
+def test_ranks_started_late_by_a_loaded_machine_still_run(tmp_path):
+    # a rank starting 5 s after the other: the group's 2 s timeout and the run's 6 s deadline
+    # count from when both have started, not from the spawn
+    assert run_ranks(_rank_started, 2, tmp_path, SlowStart(5.0, str(tmp_path / "first")), timeout_s=2) == [0, 1]
