@@ -294,13 +294,14 @@ class Comm:
         return t
 
     def all_gather(self, t: torch.Tensor, while_sending: Optional[Callable[[], None]] = None) -> torch.Tensor:
-        """``(w, *t.shape)``: every rank's ``t`` in rank order (same shape on every rank).
+        """``(w, *t.shape)``: every rank's ``t`` in rank order (same shape on every rank; an
+        empty ``t`` is not sent: no backend is asked to move no bytes).
         ``while_sending``: local work run while the all-gather is in flight (it must not write
         ``t``; the calling thread issues nothing else on the group meanwhile)."""
-        if self.size == 1:
+        if self.size == 1 or not t.numel():  # alone, or no bytes on any rank (every rank passes t's shape)
             if while_sending is not None:
                 while_sending()
-            return t.unsqueeze(0).clone()
+            return t.unsqueeze(0).clone() if self.size == 1 else t.new_empty((self.size, *t.shape))
         src = self._wire(t)
         out = src.new_empty((self.size, *t.shape))
         self._overlapped("all_gather", lambda asy: dist.all_gather(list(out.unbind(0)), src, group=self.group,
