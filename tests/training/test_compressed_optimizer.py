@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _training_helpers import batch, flat_params, mlp, teacher_data
 from ranks import run_ranks
+from syncs import HostSyncs
 from gradcomp.compress import available_compressors
 
 STEPS = 6
@@ -163,12 +164,14 @@ def _branches_run(me, inner, compressor, steps=4):
     initial = params()
     opt.step()  # no backward at all: nothing moves, weight decay included
     out = {"idle moved": sorted(n for n, p in params().items() if not torch.equal(p, initial[n])),
-           "initial": initial, "residual": []}
+           "initial": initial, "residual": [], "syncs": []}
     for step in range(steps):
         opt.zero_grad()
         xb, yb = batch(x, y, 16, me, step)
-        torch.nn.functional.cross_entropy(ddp(xb, me, step), yb).backward()
-        opt.step()
+        with HostSyncs() as syncs:  # which gradients every rank had is read with the step's one read
+            torch.nn.functional.cross_entropy(ddp(xb, me, step), yb).backward()
+            opt.step()
+        out["syncs"].append(syncs.count)
         if step == 0:
             out["after first"] = params()
         if compressor == "topk" and step in (0, steps - 1):
@@ -252,6 +255,7 @@ def test_parameters_without_a_gradient_are_left_as_the_inner_optimizer_leaves_th
             assert torch.equal(ours["final"][n], ours["initial"][n]), (rank, n)
         for n in ("first.weight", "first.bias"):  # a gradient at the first step only: not moved afterwards
             assert torch.equal(ours["final"][n], ours["after first"][n]), (rank, n)
+        assert ours["syncs"][1:] == [1] * 3, ours["syncs"]  # on the agreed layout: the step's one host read
         if name == "none":  # the bits of plain DDP: rank0's branch sent as zeros by rank 1, averaged
             assert all(torch.equal(ours["final"][n], plain["final"][n]) for n in plain["final"]), rank
         else:  # what the first-step branch still owes is kept while no rank has its gradient
