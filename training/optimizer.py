@@ -10,9 +10,9 @@ replica applies the same bits.
 
 Buckets are launched strictly in order, and any not complete by ``step()`` are launched
 there, so the collectives run in the same order on every rank whatever the timing. A
-parameter without a gradient on this rank is sent as zeros; which ranks had each gradient
-travels with the last bucket (a few bytes, no extra host read: it is read with the step's
-finiteness), and a parameter that no rank had a gradient for keeps ``.grad = None``, so the
+parameter without a gradient on this rank is sent as zeros; how many ranks had each gradient
+is summed after the last bucket, in its job (one small all-reduce of an int32 per parameter;
+no extra host read: it is read with the step's finiteness), and a parameter that no rank had a gradient for keeps ``.grad = None``, so the
 inner optimizer leaves it exactly as it would without gradcomp (no weight decay, no momentum
 step), and its error feedback keeps what it owed. One that some ranks have is averaged with
 the others' zeros, as DDP does with ``find_unused_parameters``. A ``step()`` without a
