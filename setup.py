@@ -1,6 +1,5 @@
 """gradcomp: compressed gradient communication for distributed PyTorch training."""
 from setuptools import setup
-from setuptools.command.build_py import build_py
 
 # Layout: the code stays in the folders at the repository root, and gradcomp/<folder> is a
 # relative symlink to each (gradcomp/compress -> ../compress), so the tree itself has the
@@ -11,18 +10,9 @@ from setuptools.command.build_py import build_py
 # exactly one name, gradcomp, on sys.path; the repository root there would also make compress,
 # bench, tests and setup importable as top-level names. Wheels and sdists get the files
 # behind the links. A checkout needs symlinks (git on Windows: core.symlinks=true).
-# tests/test_layout.py keeps the links, this list and the folders in step.
+# tests/test_layout.py keeps the links, this list and the folders in step. tools/ (the GPU check,
+# one-off measurements, the pytest-benchmark file) is no package: it stays out of wheels and sdists.
 _PACKAGES = ["compress", "kernels", "collectives", "training", "memory", "optim", "pipeline", "bench"]
-
-# developer-only modules of a package that stay out of wheels and sdists
-_NOT_SHIPPED = {("gradcomp.bench", "test_bench_compressors")}  # pytest-benchmark, bench/gpu_check.sh
-
-
-class _BuildPy(build_py):
-    def find_package_modules(self, package, package_dir):
-        modules = super().find_package_modules(package, package_dir)
-        return [m for m in modules if (m[0], m[1]) not in _NOT_SHIPPED]
-
 
 setup(
     name="gradcomp",
@@ -47,7 +37,6 @@ setup(
     package_dir={"": "src"},
     packages=["gradcomp"] + [f"gradcomp.{p}" for p in _PACKAGES],
     package_data={"gradcomp": ["py.typed"], "gradcomp.kernels": ["cuda/*.cu", "cuda/*.cuh"]},
-    cmdclass={"build_py": _BuildPy},
     # numpy 2: np.bitwise_count (onebit, bit counting); torch 2.6: group_dst/group_src in
     # torch.distributed's point-to-point and gather/scatter calls; numba 0.60: the first for
     # numpy 2 (kernels/cpu.py's fused CPU loops; without it the numpy paths run). README,

@@ -186,3 +186,25 @@ def test_the_walker_sees_what_it_must():
     assert any(isinstance(n, ast.ImportFrom) for n in _walk(tree))
     guarded = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .x import y\n"
     assert not [n for n in _walk(ast.parse(guarded)) if isinstance(n, ast.ImportFrom) and n.module == "x"]
+
+
+def test_tools_scripts_use_gradcomp_from_outside():
+    """tools/ holds scripts outside the package (the GPU check, one-off measurements): they import
+    only gradcomp's public modules and names, as a user's script would, and no module of gradcomp
+    imports one of them."""
+    scripts = {p.stem: p for p in sorted((ROOT / "tools").glob("*.py"))}
+    assert "gpu_check" in scripts
+    wrong = []
+    for stem, path in scripts.items():
+        for target, names, line in _imports(f"tools.{stem}", path):
+            private = [p for p in target.split(".")[1:] if p.startswith("_")] + [n for n in names if n.startswith("_")]
+            if private:
+                wrong.append(f"{path.relative_to(ROOT)}:{line} imports the private {', '.join(private)} of {target}")
+    for module, path in MODULES.items():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in _walk(tree):
+            found = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            wrong += [f"{path.relative_to(ROOT)}:{node.lineno} imports tools/{n}.py" for n in found
+                      if n.split(".")[0] in scripts or n.split(".")[0] == "tools"]
+    assert not wrong, "\n".join(wrong)

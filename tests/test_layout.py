@@ -45,12 +45,30 @@ def test_package_imports_from_its_root_folder(name):
     assert Path(mod.__file__).resolve() == ROOT / name / "__init__.py"
 
 
-def _not_shipped():
-    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_NOT_SHIPPED":
-            return ast.literal_eval(node.value)
-    raise AssertionError("setup.py has no _NOT_SHIPPED set")
+def test_bench_holds_only_the_command_line():
+    """bench/ ships as ``python -m gradcomp.bench``: each of its modules is one the command line
+    imports or starts (a subcommand, a rank's worker). The GPU check and one-off measurements are
+    scripts of tools/, which is no package and stays out of the wheel."""
+    from gradcomp.bench import cli
+
+    bench = ROOT / "bench"
+    modules = {p.stem for p in bench.glob("*.py")}
+    todo, reached = ["__init__", "__main__", *cli.SUBCOMMANDS.values()], set()
+    while todo:
+        name = todo.pop()
+        if name in reached or name not in modules:
+            continue
+        reached.add(name)
+        for node in ast.walk(ast.parse((bench / f"{name}.py").read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and (node.level == 1 or node.module == "gradcomp.bench"):
+                todo += [node.module] if node.level and node.module else [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("gradcomp.bench."):
+                todo.append(node.module.split(".")[2])
+            elif isinstance(node, ast.Constant) and str(node.value).startswith("gradcomp.bench."):
+                todo.append(node.value.split(".")[2])  # python -m gradcomp.bench._worker: what each rank runs
+    assert modules == reached, f"modules of bench/ the command line never imports or starts: " \
+                               f"{sorted(modules - reached)} (scripts of their own belong in tools/)"
+    assert not (ROOT / "tools" / "__init__.py").exists() and (ROOT / "tools" / "gpu_check.py").is_file()
 
 
 _CHECK_INSTALLED = """
@@ -78,7 +96,7 @@ print("installed ok")
 def test_wheel_and_pip_install_outside_the_checkout(tmp_path):
     """``pip wheel .`` builds from a copy of the tree (the build writes build/ and *.egg-info
     where it runs); the wheel holds every module of every package folder, the kernels' CUDA
-    sources and py.typed, nothing else at the top; installed with pip into a folder of its own,
+    sources and py.typed, nothing else (tools/ not); installed with pip into a folder of its own,
     gradcomp imports and compresses from there, not from the checkout."""
     tree = tmp_path / "tree"
     skip = shutil.ignore_patterns("__pycache__", "*.pyc", "results", "build", "*.egg-info")
@@ -96,7 +114,7 @@ def test_wheel_and_pip_install_outside_the_checkout(tmp_path):
     expected = {"gradcomp/__init__.py", "gradcomp/py.typed"}
     for name in PACKAGES:
         for f in (ROOT / name).iterdir():
-            if f.suffix == ".py" and (f"gradcomp.{name}", f.stem) not in _not_shipped():
+            if f.suffix == ".py":
                 expected.add(f"gradcomp/{name}/{f.name}")
     expected |= {f"gradcomp/kernels/cuda/{f.name}" for f in (ROOT / "kernels" / "cuda").iterdir()
                  if f.suffix in (".cu", ".cuh")}

@@ -1,9 +1,8 @@
-"""``bench/gpu_check.sh``'s logic, with bounded work and no wall-clock figure: what it collects
+"""``tools/gpu_check.sh``'s logic, with bounded work and no wall-clock figure: what it collects
 (with only the device's packages importable), how it counts and judges a part (minimums,
 nothing collected is a failure, a failed test, a part killed at its limit), the budget
 arithmetic and the report. The real run needs a CUDA GPU; the script is the check there."""
 import contextlib
-import importlib
 import importlib.util
 import io
 import json
@@ -16,12 +15,25 @@ from pathlib import Path
 
 import pytest
 
-from gradcomp.bench import gpu_check as gc
 from gradcomp.kernels import _cupy
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "bench" / "gpu_check.sh"
+TOOLS = ROOT / "tools"
+SCRIPT = TOOLS / "gpu_check.sh"
 PY = sys.executable
+
+
+def _tool(name):
+    """A script of tools/ as a module (tools/ is a folder of scripts outside the package, not a package)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, TOOLS / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before it runs: its dataclasses look their module up there
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+gc = _tool("gpu_check")
 
 
 def _env(**extra):
@@ -195,18 +207,16 @@ def test_tests_are_picked_by_marker_and_file():
     assert gc.read_verbose("a/test_x.py::t[1] PASSED  [ 25%]\na/test_x.py::u FAILED  [ 50%]\n"
                            "b/test_y.py::v[a b] SKIPPED (why)  [ 75%]\nb/test_y.py::w ERROR  [100%]\n") == \
         {"a/test_x.py": [1, 1, 0], "b/test_y.py": [0, 1, 1]}
-    nccl = importlib.import_module("gradcomp.bench.gpu_check_nccl")
+    nccl = _tool("gpu_check_nccl")
     assert next(p.minimum for p in gc.plan(ROOT, Path("logs")) if p.needs_gpus == 2) == len(nccl.CHECKS)
     assert next(p.minimum for p in gc.plan(ROOT, Path("logs")) if p.name == "NVRTC compile") == \
         len(_cupy.families()) >= 6
 
 
 def _smoke_rank(rank, world):
-    from gradcomp.bench import gpu_check_nccl
-
     out = io.StringIO()
     with contextlib.redirect_stdout(out):  # the PASS/FAIL lines the part counts
-        rc = gpu_check_nccl.main(["--backend", "gloo", "--device", "cpu"])
+        rc = _tool("gpu_check_nccl").main(["--backend", "gloo", "--device", "cpu"])
     return rc, out.getvalue()
 
 
@@ -229,7 +239,7 @@ def test_nccl_smoke_on_a_machine_without_gpus_says_it_needs_them():
 
     if torch.cuda.device_count() >= 1:
         pytest.skip("checks the message of a machine without a GPU")
-    proc = subprocess.run([sys.executable, "-m", "gradcomp.bench.gpu_check_nccl"], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(TOOLS / "gpu_check_nccl.py")], capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "needs one CUDA GPU per rank" in proc.stderr and "--backend gloo --device cpu" in proc.stderr

@@ -2,7 +2,7 @@
 
 Not part of the unit-test run. Run with::
 
-    python -m pytest -n 0 bench/test_bench_compressors.py --benchmark-only --benchmark-columns=median,iqr,rounds
+    python -m pytest -n 0 tools/test_bench_compressors.py --benchmark-only --benchmark-columns=median,iqr,rounds
 
 (``-n 0``: the project's pytest options start two xdist workers, under which pytest-benchmark
 switches itself off; the calls then run once each, a smoke test with nothing timed.)

@@ -1,5 +1,5 @@
 """One-process timings of the CPU paths that the collectives and the DDP hook spend most time
-in: ``python bench/cpu_paths.py [--repeats N]`` (1 thread, medians after one warm-up).
+in: ``python tools/cpu_paths.py [--repeats N]`` (1 thread, medians after one warm-up).
 
 - ``topk+ef`` and ``powersgd+ef`` over ResNet-50's 161 parameter shapes, as the hook runs them
   on one rank (PowerSGD's rounds driven alone, with and without ``out=`` the gradient);

@@ -1,7 +1,7 @@
 """Kernel micro-benchmarks on one GPU: achieved bandwidth of every CUDA kernel against the
 device's measured copy bandwidth, and top-k against ``torch.topk``.
 
-``python -m gradcomp.bench.kernel_bench [--numel N] [--out report.md]`` times each kernel on
+``python tools/kernel_bench.py [--numel N] [--out report.md]`` times each kernel on
 ``N = 2**26`` fp32 elements with CUDA events (after warm-up; medians of ``--reps`` runs) and
 prints a markdown table. GB/s counts the bytes a kernel reads plus the bytes it writes
 (every pass of a multi-pass kernel counted); "% copy" divides by the same figure for a

@@ -1,4 +1,4 @@
-"""The NCCL smoke test of ``bench/gpu_check.sh``, where there are two GPUs: two ranks, one GPU each,
+"""The NCCL smoke test of ``tools/gpu_check.sh``, where there are two GPUs: two ranks, one GPU each,
 under torchrun, as a user runs gradcomp. One ``PASS`` or ``FAIL`` line per check (rank 0 prints):
 
 - the DDP communication hook (PowerSGD) for a few steps: parameters identical on both ranks;
@@ -9,7 +9,7 @@ under torchrun, as a user runs gradcomp. One ``PASS`` or ``FAIL`` line per check
   identical on both ranks, and the same bits with ``prefetch=True`` (the weights' all-gather
   running into the next forward pass).
 
-``torchrun --standalone --nproc_per_node=2 -m gradcomp.bench.gpu_check_nccl`` (NCCL and the
+``torchrun --standalone --nproc_per_node=2 tools/gpu_check_nccl.py`` (NCCL and the
 GPU of ``LOCAL_RANK``); ``--backend gloo --device cpu`` runs the same checks on CPU ranks.
 """
 from __future__ import annotations
@@ -127,7 +127,7 @@ CHECKS: List[Callable[[torch.device, int], str]] = [check_hook, check_compressed
 def _missing_gpus(device: str, backend: str, local: int) -> Optional[str]:
     """Why this machine cannot run the checks as asked (None: it can)."""
     fallback = ("; --backend gloo --device cpu runs the same checks on CPU ranks "
-                "(torchrun --standalone --nproc_per_node=2 -m gradcomp.bench.gpu_check_nccl --backend gloo --device cpu)")
+                "(torchrun --standalone --nproc_per_node=2 tools/gpu_check_nccl.py --backend gloo --device cpu)")
     if device == "cuda":
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if local >= count:
@@ -148,7 +148,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     local = int(os.environ.get("LOCAL_RANK", "0"))
     problem = _missing_gpus(args.device, args.backend, local)
     if problem:
-        print(f"gradcomp.bench.gpu_check_nccl: {problem}", file=sys.stderr, flush=True)
+        print(f"tools/gpu_check_nccl.py: {problem}", file=sys.stderr, flush=True)
         return 2
     if args.device == "cuda":
         torch.cuda.set_device(local)  # before the group: object collectives and allocations use it

@@ -1,6 +1,6 @@
 """What keeping compression state transactional costs on the CPU path, measured side by side.
 
-``python bench/state_cost.py [--numel N] [--repeats R]`` times, in one process with one thread,
+``python tools/state_cost.py [--numel N] [--repeats R]`` times, in one process with one thread,
 the pieces a step adds when a non-finite or failed step must leave the state as it was
 (see ``gradcomp.compress.transaction``), next to what they replace:
 
@@ -18,10 +18,11 @@ import argparse
 
 import torch
 
-from gradcomp.bench.cpu_paths import median_ms
 from gradcomp.collectives import allreduce
 from gradcomp.compress import ErrorFeedback, get_compressor
 from gradcomp.compress.transaction import Transaction, all_finite
+
+from cpu_paths import median_ms  # tools/cpu_paths.py: python puts this script's folder first on sys.path
 
 
 def main() -> None:

@@ -1,6 +1,6 @@
 """Bytes per rank and time per call of each allreduce algorithm, on local gloo ranks (loopback).
 
-    python bench/collectives_loopback.py [--numel 25000000] [--world-sizes 2 4] [--repeats 3]
+    python tools/collectives_loopback.py [--numel 25000000] [--world-sizes 2 4] [--repeats 3]
 
 For every world size it spawns that many ranks (one thread each) and times, after one warm-up
 call, ``--repeats`` calls of each (algorithm, compressor) pair on an fp32 tensor viewed as a

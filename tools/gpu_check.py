@@ -1,4 +1,4 @@
-"""Every GPU check of gradcomp in one run: ``bash bench/gpu_check.sh [--list] REPORT.md``.
+"""Every GPU check of gradcomp in one run: ``bash tools/gpu_check.sh [--list] REPORT.md``.
 
 The run is cut into parts (install, environment, collection, NVRTC compile, the ``gpu`` tests in
 groups, an NCCL smoke test where there are two GPUs, two benchmarks), each under a time cap;
@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 LIST_LIMIT_S = 900  # --list: only a guard against a hang, never a figure the result depends on
+TOOLS = Path(__file__).resolve().parent  # tools/ of the checkout: this script and the ones it runs
 MAX_BUDGET_S = 540  # with install and start-up, one device command of at most 10 minutes
 KERNEL_TESTS = "tests/kernels/test_cuda_kernels.py"
 # substrings of the kernel tests' names (case-insensitive, as pytest -k matches) per group
@@ -143,14 +144,14 @@ def pytest_argv(py: str, only_device_packages: Optional[bool] = None) -> List[st
     # "-o addopts=": not pytest.ini's two pytest-xdist workers (the device has no pytest-xdist, and its
     # tests share one GPU)
     if device_packages_only() if only_device_packages is None else only_device_packages:
-        return [py, "-m", "gradcomp.bench.gpu_check", "--pytest-device-packages", "--", "-o", "addopts="]
+        return [py, str(TOOLS / "gpu_check.py"), "--pytest-device-packages", "--", "-o", "addopts="]
     return [py, "-m", "pytest", "-o", "addopts="]
 
 
 def plan(root: Path, logs: Path, py: str = sys.executable) -> List[Part]:
     """Every part in running order (pytest parts without their tests: :func:`assign` fills them
     from the collection)."""
-    here = [py, "-m", "gradcomp.bench.gpu_check"]
+    here = [py, str(TOOLS / "gpu_check.py")]
     pt = pytest_argv(py)
     files = gpu_test_files(root)
     parts = [
@@ -171,8 +172,8 @@ def plan(root: Path, logs: Path, py: str = sys.executable) -> List[Part]:
                           pt + ["-v", "-m", "gpu", "-rfEs", "--durations=5", "-p", "no:cacheprovider"]))
     # 4: gpu_check_nccl.CHECKS (not imported here: this module stays free of torch)
     parts.append(Part("NCCL smoke: 2 ranks, one GPU each", CAPS["NCCL smoke: 2 ranks, one GPU each"], 4, "lines",
-                      [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",
-                       "gradcomp.bench.gpu_check_nccl"], needs_gpus=2,
+                      [py, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                       str(TOOLS / "gpu_check_nccl.py")], needs_gpus=2,
                       note="DDP hook, CompressedOptimizer, a Pipeline step, a ShardedOptimizer step over NCCL"))
     parts.append(Part("memory benchmark (transformer-like)", CAPS["memory benchmark (transformer-like)"], 0,
                       "command", [py, "-m", "gradcomp.bench", "memory", "--model", "transformer-like",
@@ -180,7 +181,7 @@ def plan(root: Path, logs: Path, py: str = sys.executable) -> List[Part]:
                                   "--budgets", "0.25", "--json", str(logs / "memory.json")],
                       outputs=[str(logs / "memory.json")]))
     parts.append(Part("kernel benchmarks", CAPS["kernel benchmarks"], 0, "command",
-                      [py, "-m", "gradcomp.bench.kernel_bench", "--out", str(logs / "kernel_bench.md")],
+                      [py, str(TOOLS / "kernel_bench.py"), "--out", str(logs / "kernel_bench.md")],
                       outputs=[str(logs / "kernel_bench.md")]))
     return parts
 
@@ -300,7 +301,9 @@ def run_part(part: Part, limit_s: int, logs: Path, cwd: Path) -> Outcome:
         argv += [f"--junitxml={xml}"] + part.tests
     for out in part.outputs:
         Path(out).unlink(missing_ok=True)
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # gradcomp from the checkout (the folder the parts run in), even before the install part has run
+    path = [str(cwd)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTHONPATH=os.pathsep.join(path))
     if "--pytest-device-packages" in argv:
         env["PYTEST_DISABLE_PLUGIN_AUTOLOAD"] = "1"  # installed plugins the device lacks would load first
     t0 = time.monotonic()
@@ -419,7 +422,7 @@ def run_all(parts: Sequence[Part], budget: Optional[int], logs: Path, root: Path
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    ap = argparse.ArgumentParser(prog="bash bench/gpu_check.sh", description=(__doc__ or "").split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="bash tools/gpu_check.sh", description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("report", help="the markdown report to write (logs go to REPORT.logs/)")
     ap.add_argument("--list", action="store_true", help="collect and plan only: what each part would run")
     ap.add_argument("--root", default=".", help="the checkout (default: the current directory)")

@@ -8,9 +8,9 @@
 #   and kernel benchmarks.
 # Each part has a time cap and a minimum of passed tests; a part that ran nothing, or fewer
 # than its minimum, fails. Needs only torch, CuPy, numpy and pytest. Exit status 0 only if
-# every part passed. Details: bench/gpu_check.py.
-#   bash bench/gpu_check.sh REPORT_PATH            # the check (from anywhere)
-#   bash bench/gpu_check.sh --list REPORT_PATH     # what each part would run, in seconds, no GPU needed
+# every part passed. Details: tools/gpu_check.py.
+#   bash tools/gpu_check.sh REPORT_PATH            # the check (from anywhere)
+#   bash tools/gpu_check.sh --list REPORT_PATH     # what each part would run, in seconds, no GPU needed
 # GPU_CHECK_BUDGET=SECONDS: less time for all parts together (default: the sum of their caps);
 # --only WORD,WORD: only the parts whose names contain one of the words.
 set -u
@@ -25,5 +25,6 @@ for a in "$@"; do  # the report path made absolute before the cd below; option v
   PREV="$a"
 done
 cd "$ROOT" || exit 1
-# from the checkout even before the install part has run: gradcomp/ is the package's shape
-exec "${PYTHON:-python}" -m gradcomp.bench.gpu_check --root "$ROOT" "${ARGS[@]}"
+# the parts import gradcomp from the checkout even before the install part has run (gradcomp/ is
+# the package's shape; tools/gpu_check.py puts the checkout on their PYTHONPATH)
+exec "${PYTHON:-python}" "$ROOT/tools/gpu_check.py" --root "$ROOT" "${ARGS[@]}"
