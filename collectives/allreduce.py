@@ -58,7 +58,8 @@ def allreduce(tensor: torch.Tensor, compressor: Any = "none", key: Optional[str]
 
     ``compressor``: a name, a compressor, or an error-feedback wrapper (``ErrorFeedback(c)``).
     ``key`` names the tensor across steps: error feedback, warm starts and shared random
-    streams are kept per key. Returns a new tensor of the input's shape and dtype, the same
+    streams are kept per key, in the object passed (pass the same one at every step); a name
+    makes a new compressor for this call alone, so nothing carries from one call to the next. Returns a new tensor of the input's shape and dtype, the same
     bits on every rank; the input is never written to. ``async_op=True`` returns a
     ``torch.futures.Future`` at once (chain with ``.then()``); async calls run in FIFO order
     on a worker thread over a dedicated twin of the group, so leave ``tensor`` unchanged until
@@ -71,7 +72,8 @@ def allreduce(tensor: torch.Tensor, compressor: Any = "none", key: Optional[str]
     ``CommunicationError`` within the group's timeout.
     """
     spec = make_spec(compressor, algorithm, measure_error, verify)
-    if key is None and (spec.feedback is not None or type(spec.base).state_dict is not Compressor.state_dict):
+    if key is None and not isinstance(compressor, str) and (
+            spec.feedback is not None or type(spec.base).state_dict is not Compressor.state_dict):
         # state per key (beyond step counters): two tensors sharing the default key share it
         check_default_key(spec.feedback if spec.feedback is not None else spec.base, tensor, "allreduce")
     key = "" if key is None else str(key)

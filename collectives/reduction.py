@@ -40,8 +40,6 @@ from ._comm import Comm
 from ._shared import local_bounds
 from .scatter_reduce import server_feedback
 
-_named: Dict[str, Compressor] = {}
-
 
 @dataclass
 class Spec:
@@ -58,11 +56,11 @@ class Spec:
 
 def make_spec(compressor: Any, algorithm: Optional[str], measure_error: Optional[bool], verify_native: bool) -> Spec:
     """Resolve and check what the caller passed (the same on every rank, so errors here need no
-    exchange); ``ValueError`` naming what is allowed."""
+    exchange); ``ValueError`` naming what is allowed. A name makes a new compressor for this
+    call alone: state kept per key (step counters of random streams, warm starts) lives in the
+    object the caller passes, so nothing carries from one call by name to the next."""
     if isinstance(compressor, str):
-        if compressor not in _named:  # one shared instance per name, so per-key state persists
-            _named[compressor] = get_compressor(compressor)
-        base, feedback = _named[compressor], None
+        base, feedback = get_compressor(compressor), None
     elif isinstance(compressor, Compressor):
         base, feedback = compressor, None
     elif is_feedback(compressor) and isinstance(compressor.compressor, Compressor):

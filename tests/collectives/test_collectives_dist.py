@@ -13,7 +13,10 @@ what it saw and the parent asserts. Invariants protected:
   stays usable; a dead peer raises CommunicationError within the group timeout;
 - measured bytes per rank: scatter-reduce bounded as ranks grow, allgather grows;
 - async calls back to back equal sync calls; bucketing keeps error feedback per name;
-  point-to-point and hierarchical paths deliver the same bits everywhere.
+  point-to-point and hierarchical paths deliver the same bits everywhere;
+- state belongs to the object passed: two callers of one key with different error feedback
+  keep independent residuals (server residuals included), and a compressor passed by name
+  keeps nothing from one call to the next.
 """
 from __future__ import annotations
 
@@ -298,12 +301,32 @@ def _conservation(rank, w):
 _CONS_BUCKET = [("a", (6, 5)), ("b", (7,)), ("c", (2, 2))]
 
 
+def _independent(rank, w):
+    """Two callers of one key: different ErrorFeedback objects, then compressors by name."""
+    from gradcomp.collectives import allreduce, server_feedback, server_key
+
+    out = {}
+    a, b, c = (ErrorFeedback(get_compressor("topk", ratio=0.1)) for _ in range(3))
+    for step in range(2):  # the first caller's steps under key "w"
+        allreduce(data(f"ind/a/{step}", rank, (12, 5), torch.float32), a, key="w", algorithm="scatter-reduce")
+    gb = data("ind/b", rank, (12, 5), torch.float32)
+    # the second caller's step under the same key, beside the first and alone (a fresh one)
+    out["ef"] = [(allreduce(gb, fb, key="w", algorithm="scatter-reduce"), fb.residual("w"),
+                  server_feedback(fb).residual(server_key("w", rank))) for fb in (b, c)]
+    out["ef first"] = (a.residual("w"), server_feedback(a).residual(server_key("w", rank)))
+    for name in ("powersgd", "randomk"):  # warm start; the step counter of a shared random stream
+        x, y = data(f"ind/{name}/x", rank, (16, 8), torch.float32), data(f"ind/{name}/y", rank, (16, 8), torch.float32)
+        allreduce(x, name, key="w")
+        out[name] = (allreduce(y, name, key="w"), allreduce(y, get_compressor(name), key="w"))
+    return out
+
+
 def _rank_main(rank, w):
     torch.manual_seed(1234 + rank)  # compressors must not depend on it; different per rank on purpose
     started = time.perf_counter()
     parts = {"matrix": _matrix, "nonfinite": _nonfinite, "dense": _dense_equality, "mismatch": _mismatches,
              "async": _async_and_buckets, "bytes": _bytes_and_telemetry, "p2p": _p2p,
-             "conservation": _conservation}
+             "conservation": _conservation, "independent": _independent}
     if w == 4:
         parts["hierarchical"] = _hierarchical
     out = {k: fn(rank, w) for k, fn in parts.items()}
@@ -458,6 +481,21 @@ def test_error_feedback_loses_no_mass_across_steps(runs):
                 held = held + torch.cat([r["conservation"][(name, algo)][2].double() for r in results]).view(24, 10)
             err = float((total + held - inputs).abs().max())
             assert err < 1e-4 * float(inputs.abs().max()), f"{w} ranks, {name}/{algo}: {err:.2e} of the gradient lost"
+
+
+def test_callers_of_one_key_keep_independent_state(runs):
+    """Two callers of ``key="w"`` with different ErrorFeedback objects: the second's result,
+    residual and server residual are those of a caller alone; a
+    compressor passed by name starts afresh at every call (no warm start or step carried)."""
+    for w, results in runs.items():
+        for rank, r in enumerate(results):
+            (out_b, res_b, srv_b), (out_c, res_c, srv_c) = r["independent"]["ef"]
+            assert same_bits(out_b, out_c) and same_bits(res_b, res_c) and same_bits(srv_b, srv_c), (w, rank)
+            res_a, srv_a = r["independent"]["ef first"]
+            assert srv_a.dim() and not torch.equal(res_a, res_b) and not torch.equal(srv_a, srv_b), (w, rank)
+            for name in ("powersgd", "randomk"):
+                named, fresh = r["independent"][name]
+                assert same_bits(named, fresh), f"{w} ranks, {name}: a call by name kept an earlier call's state"
 
 
 def test_none_equals_dense_allreduce_mean(runs):
