@@ -38,7 +38,7 @@ from . import allgather, native, rounds  # noqa: F401  (importing each registers
 from ._algorithm import ALGORITHMS, Algorithm, fresh
 from ._comm import Comm
 from ._shared import local_bounds
-from .scatter_reduce import server_feedback
+from .scatter_reduce import serve
 
 
 @dataclass
@@ -173,7 +173,8 @@ def start(cls: Type[Algorithm], tensor: Any, spec: Spec, comm: Comm, key: str, f
         return Started(None, None, (0, []))
     in_place = cls.compresses_residual and feedback is not None and bool(feedback.keeps_residual_in_place(tensor))
     # the second compression of scatter-reduce gets error feedback when the first has it
-    server = server_feedback(spec.owner) if cls.name == "scatter-reduce" and feedback is not None else None
+    server = serve(spec.owner, key, tensor.numel(), comm) if cls.name == "scatter-reduce" and feedback is not None \
+        else None
     algo = cls(spec.base, key, comm, feedback=feedback is not None, in_place=in_place, server=server,
                verify=spec.verify)
     with comm.record.timing("compress"):

@@ -18,8 +18,6 @@ then hold the new residual: no decoded copies of this rank's own payloads.
 """
 from __future__ import annotations
 
-import threading
-import weakref
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -34,10 +32,6 @@ from ._shared import (OK, Bounds, Flags, Layout, SizedLayout, agreed_buffer, ann
                       bounded_set, checked, device_of, exact_sizes, header, local_status, pack, padded_buffer,
                       signature, split, status_problem, statuses, verify_many)
 from ._wire import decode, encode, gather_bytes
-
-_servers: "weakref.WeakKeyDictionary[Any, ErrorFeedback]" = weakref.WeakKeyDictionary()
-_servers_lock = threading.Lock()
-
 
 def server_key(key: str, j: int) -> str:
     """The key of the server-side residual of chunk ``j`` (on rank ``j``) of an exchange under
@@ -57,15 +51,25 @@ def key_of(state_key: str) -> str:
 
 def server_feedback(compressor: Any) -> ErrorFeedback:
     """The server-side error feedback that scatter-reduce keeps for ``compressor`` (the object
-    passed to ``allreduce``, an error-feedback wrapper): residuals per :func:`server_key`.
-    Use its ``state_dict``/``load_state_dict`` to checkpoint and resume it."""
+    passed to ``allreduce``, an error-feedback wrapper): the wrapper's own ``server`` part,
+    residuals per :func:`server_key`. The wrapper's ``state_dict``/``load_state_dict`` carry
+    it, and so do its own; the wrapper's ``owed``/``take`` include it."""
     if not is_feedback(compressor):
         raise ValueError("server-side error feedback exists only for error-feedback wrappers such as ErrorFeedback(c)")
-    with _servers_lock:
-        server = _servers.get(compressor)
-        if server is None:  # the feedback protocol's compressor: a wrapper's .base
-            server = _servers[compressor] = ErrorFeedback(compressor.compressor)
-        return server
+    server = getattr(compressor, "server", None)
+    if not isinstance(server, ErrorFeedback):
+        raise ValueError(f"scatter-reduce keeps the error of its second compression in the error feedback's "
+                         f"server part (an ErrorFeedback, its .server); {type(compressor).__name__} has none: "
+                         f"derive it from ErrorFeedback or EF21, or use algorithm='allgather'")
+    return server
+
+
+def serve(compressor: Any, key: str, numel: int, comm: Any) -> ErrorFeedback:
+    """:func:`server_feedback` of ``compressor`` for an exchange of ``numel`` elements under
+    ``key`` over ``comm``, told where this rank's server residual sits in the tensor."""
+    server = server_feedback(compressor)
+    server.place(key, server_key(key, comm.rank), numel, comm.size, comm.rank)
+    return server
 
 
 @register_algorithm

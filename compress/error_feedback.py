@@ -130,7 +130,7 @@ class _Feedback(_ReadsCapabilities):
 
     kind = "?"
 
-    def __init__(self, compressor: Compressor | str) -> None:
+    def __init__(self, compressor: Compressor | str, *, _server: bool = True) -> None:
         self.compressor = _as_compressor(compressor)
         # the wrapped compressor's, so collectives treat us like it; feedback makes the sent
         # value depend on the past, so never unbiased (config is frozen: computed once)
@@ -138,6 +138,10 @@ class _Feedback(_ReadsCapabilities):
         self._state: Dict[str, torch.Tensor] = {}
         # the other buffer of each key inside a transaction (see gradcomp.compress.transaction)
         self._spares: Dict[str, torch.Tensor] = {}
+        # the residuals of the second compression of scatter-reduce (see server); a server part
+        # has none of its own, and notes where each of its residuals sits (see place)
+        self._server: Optional[ErrorFeedback] = ErrorFeedback(self.compressor, _server=False) if _server else None
+        self._layouts: Dict[str, Dict[str, Tuple[int, int, int]]] = {}
 
     @property
     def capabilities(self) -> Capabilities:
@@ -157,6 +161,31 @@ class _Feedback(_ReadsCapabilities):
 
     def decompress(self, payload: Payload) -> torch.Tensor:
         return self.compressor.decompress(payload)
+
+    @property
+    def server(self) -> "ErrorFeedback":
+        """The error feedback of scatter-reduce's second compression, owned by this wrapper: on
+        more than two ranks each rank averages one chunk of every tensor and compresses the
+        average again, keeping that compression's error here, per server key
+        (``{key}/chunk{rank}/server``). Saved and loaded with this wrapper's ``state_dict``."""
+        if self._server is None:
+            raise ValueError(f"{self.kind}: a server part keeps no server part of its own")
+        return self._server
+
+    def place(self, key: str, part: str, numel: int, world: int, index: int) -> None:
+        """Note that this server part's residual ``part`` belongs to ``key``: chunk ``index`` of
+        the ``world`` chunks (``torch.tensor_split``) of the ``numel`` elements exchanged under
+        ``key``, which ``owed``/``take`` of the wrapper owning this part read."""
+        where = self._layouts.setdefault(key, {})
+        if where.get(part) != (numel, world, index):
+            where[part] = (numel, world, index)
+
+    def _server_parts(self, key: str) -> Dict[str, Tuple[int, int, int]]:
+        """``{server key: (numel, world, index)}`` of the server residuals held for ``key``."""
+        if self._server is None:
+            return {}
+        held = self._server._state
+        return {part: where for part, where in self._server._layouts.get(key, {}).items() if part in held}
 
     def bits_per_element(self, numel: int = 1 << 20) -> float:
         return self.compressor.bits_per_element(numel)
@@ -190,10 +219,16 @@ class _Feedback(_ReadsCapabilities):
 
     def state_dict(self) -> Dict[str, Any]:
         """The state per key, with whose it is: this process's rank and world size and the
-        configuration (residuals belong to one rank of one job)."""
-        return {"kind": self.kind, "compressor": self.compressor.state_dict(),
-                "state": {k: v.detach().cpu().clone() for k, v in self._state.items()},
-                "identity": _identity(self.kind, repr(self)).to_dict()}
+        configuration (residuals belong to one rank of one job); ``"server"``: the server part's
+        (see :attr:`server`), whose own has ``"layouts"`` (see :meth:`place`)."""
+        sd = {"kind": self.kind, "compressor": self.compressor.state_dict(),
+              "state": {k: v.detach().cpu().clone() for k, v in self._state.items()},
+              "identity": _identity(self.kind, repr(self)).to_dict()}
+        if self._server is None:
+            sd["layouts"] = {k: {p: list(w) for p, w in where.items()} for k, where in self._layouts.items()}
+        else:
+            sd["server"] = self._server.state_dict()
+        return sd
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         if state.get("kind") != self.kind:
@@ -205,9 +240,16 @@ class _Feedback(_ReadsCapabilities):
                       f"(this one: {self!r})"})
         if problem:  # this rank only: see _identity
             raise ValueError(f"{self.kind}: {problem}")
+        if self._server is not None and "server" in state:
+            # a state saved without it leaves the server part as it is (load that one on its own,
+            # from server_feedback(wrapper).state_dict(), as such states were saved)
+            self._server.load_state_dict(state["server"])
         self.compressor.load_state_dict(state["compressor"])
         self._state = {k: v.clone() for k, v in state["state"].items()}
         self._spares = {}
+        if self._server is None:  # where the residuals sit: known again at the next exchange when not saved
+            self._layouts = {k: {p: (int(w[0]), int(w[1]), int(w[2])) for p, w in where.items()}
+                             for k, where in state.get("layouts", {}).items()}
 
     def _send(self, acc: torch.Tensor, dtype: torch.dtype, key: Optional[str],
               step: Optional[int]) -> Tuple[Payload, torch.Tensor]:
@@ -261,6 +303,37 @@ class ErrorFeedback(_Feedback):
         """The current residual of ``key`` (a scalar zero before its first step)."""
         buf = self._state.get("" if key is None else str(key))
         return buf.clone() if buf is not None else torch.zeros(())
+
+    def owed(self, key: Optional[str] = None, dtype: Optional[torch.dtype] = None) -> Optional[torch.Tensor]:
+        """What this wrapper owes ``key`` (None when nothing): its residual plus, where
+        scatter-reduce ran over ``w`` ranks, ``w`` times the server residual of the chunk this
+        rank averaged, at that chunk's place (the average's error, owed to the sum), in the
+        residual's shape (flat when only a server part is held) and dtype, or summed in
+        ``dtype``. With the averages sent it closes the error-feedback invariant: over the
+        ranks, ``sum(inputs) == w * sum(averages) + sum(owed)``. Changes nothing."""
+        skey = "" if key is None else str(key)
+        res = self._state.get(skey)
+        total = None if res is None else res.to(dtype or res.dtype, copy=True)
+        for part, (numel, world, index) in self._server_parts(skey).items():
+            sres = self.server._state[part]
+            flat = torch.zeros(numel, dtype=dtype or sres.dtype, device=sres.device)
+            flat.tensor_split(world)[index].add_(sres.reshape(-1).to(flat.dtype), alpha=world)
+            total = flat if total is None else total + flat.view(total.shape)
+        return total
+
+    def take(self, key: Optional[str] = None) -> Optional[torch.Tensor]:
+        """Remove and return what this wrapper owes ``key`` (:meth:`owed`; None when nothing):
+        its residual and its server residuals become zero (an open transaction can restore
+        them)."""
+        skey = "" if key is None else str(key)
+        owed = self.owed(skey)
+        res = self._state.get(skey)
+        if res is not None:
+            self.update(skey, res, res)  # residual := 0
+        for part in self._server_parts(skey):
+            sres = self.server._state[part]
+            self.server.update(part, sres, sres)
+        return owed
 
     def accumulate(self, tensor: torch.Tensor, key: Optional[str]) -> torch.Tensor:
         """``tensor + residual`` in the residual's dtype (a new tensor)."""

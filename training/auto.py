@@ -79,8 +79,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import (agree, choose_algorithm, exchange_bucket, plan_buckets, rank_of, server_feedback,
-                                  server_key, worker)
+from gradcomp.collectives import agree, choose_algorithm, exchange_bucket, plan_buckets, rank_of, worker
 from gradcomp.compress import ErrorFeedback, compressor_class, transaction
 
 from .engine import Runtime
@@ -747,43 +746,24 @@ class AutoRuntime(Runtime):
                   + (f"; measured {bucket.measured:.2f} ms" if bucket.measured is not None else ""))
 
     def _take(self, codec: Any, name: str, shape: torch.Size) -> Optional[torch.Tensor]:
-        """Remove and return what ``codec`` owes parameter ``name`` (None when nothing)."""
+        """Remove and return what ``codec`` owes parameter ``name`` (None when nothing): its
+        error feedback's residual and scatter-reduce server residual (``ErrorFeedback.take``)."""
         if not isinstance(codec, ErrorFeedback):
             return None
-        owed = None
-        res = codec.residual(name)
-        if res.dim():
-            codec.update(name, res, res)  # residual := 0
-            owed = res.reshape(shape)
-        if choose_algorithm(codec, self.exchange_world) == "scatter-reduce":
-            server, w = server_feedback(codec), self.world
-            skey = server_key(name, rank_of(self.group))
-            sres = server.residual(skey)
-            if sres.dim():  # the average's error of my chunk: w times it is owed to the sum
-                server.update(skey, sres, sres)
-                flat = torch.zeros(shape.numel(), dtype=sres.dtype, device=sres.device)
-                flat.tensor_split(w)[rank_of(self.group)].add_(sres.reshape(-1), alpha=w)
-                owed = flat.view(shape) if owed is None else owed + flat.view(shape)
-        return owed
+        owed = codec.take(name)
+        return None if owed is None else owed.reshape(shape)
 
     def owed(self, name: str, shape: Sequence[int]) -> torch.Tensor:
         """What this rank still owes parameter ``name`` (of ``shape``), summed over every
-        candidate: error-feedback residuals, ``w`` times its scatter-reduce server residual
-        of its chunk, and a carry waiting for the next gradient; changes nothing. With the
-        averages sent, it closes the error-feedback invariant: over the ranks,
-        ``sum(g) == w * sum(averages) + sum(owed)``."""
-        w, rank = self.world, rank_of(self.group)
+        candidate: what each candidate's error feedback owes it (``ErrorFeedback.owed``: its
+        residual and ``w`` times its scatter-reduce server residual of its chunk), and a carry
+        waiting for the next gradient; changes nothing. With the averages sent, it closes the
+        error-feedback invariant: over the ranks, ``sum(g) == w * sum(averages) + sum(owed)``."""
         total = torch.zeros(math.prod(shape), dtype=torch.float64)
         for codec in self.policy.codecs().values():
-            if not isinstance(codec, ErrorFeedback):
-                continue
-            res = codec.residual(name)
-            if res.dim():
-                total += res.reshape(-1).double().cpu()
-            if choose_algorithm(codec, self.exchange_world) == "scatter-reduce":
-                sres = server_feedback(codec).residual(server_key(name, rank))
-                if sres.dim():
-                    total.tensor_split(w)[rank].add_(sres.reshape(-1).double().cpu(), alpha=w)
+            part = codec.owed(name, torch.float64) if isinstance(codec, ErrorFeedback) else None
+            if part is not None:
+                total += part.reshape(-1).cpu()
         if name in self._carry:
             total += self._carry[name].reshape(-1).double().cpu()
         return total.view(*shape)

@@ -312,8 +312,10 @@ def _independent(rank, w):
     gb = data("ind/b", rank, (12, 5), torch.float32)
     # the second caller's step under the same key, beside the first and alone (a fresh one)
     out["ef"] = [(allreduce(gb, fb, key="w", algorithm="scatter-reduce"), fb.residual("w"),
-                  server_feedback(fb).residual(server_key("w", rank))) for fb in (b, c)]
+                  server_feedback(fb).residual(server_key("w", rank)), fb.owed("w")) for fb in (b, c)]
     out["ef first"] = (a.residual("w"), server_feedback(a).residual(server_key("w", rank)))
+    taken = c.take("w")  # owed, then nothing: residual and server residual zero
+    out["take"] = (taken, c.owed("w"), c.residual("w"), server_feedback(c).residual(server_key("w", rank)))
     for name in ("powersgd", "randomk"):  # warm start; the step counter of a shared random stream
         x, y = data(f"ind/{name}/x", rank, (16, 8), torch.float32), data(f"ind/{name}/y", rank, (16, 8), torch.float32)
         allreduce(x, name, key="w")
@@ -485,14 +487,22 @@ def test_error_feedback_loses_no_mass_across_steps(runs):
 
 def test_callers_of_one_key_keep_independent_state(runs):
     """Two callers of ``key="w"`` with different ErrorFeedback objects: the second's result,
-    residual and server residual are those of a caller alone; a
+    residual, server residual and what it owes the key (``owed``, ``take``) are those of a
+    caller alone; a
     compressor passed by name starts afresh at every call (no warm start or step carried)."""
     for w, results in runs.items():
         for rank, r in enumerate(results):
-            (out_b, res_b, srv_b), (out_c, res_c, srv_c) = r["independent"]["ef"]
+            (out_b, res_b, srv_b, owed_b), (out_c, res_c, srv_c, owed_c) = r["independent"]["ef"]
             assert same_bits(out_b, out_c) and same_bits(res_b, res_c) and same_bits(srv_b, srv_c), (w, rank)
             res_a, srv_a = r["independent"]["ef first"]
             assert srv_a.dim() and not torch.equal(res_a, res_b) and not torch.equal(srv_a, srv_b), (w, rank)
+            # what the error feedback owes the key: its residual and w times its server residual,
+            # at the place of the chunk this rank averaged
+            expected = res_b.clone()
+            expected.view(-1).tensor_split(w)[rank].add_(srv_b, alpha=w)
+            assert same_bits(owed_b, expected) and same_bits(owed_c, owed_b), (w, rank)
+            taken, after, res_after, srv_after = r["independent"]["take"]
+            assert same_bits(taken, owed_c) and not after.any() and not res_after.any() and not srv_after.any()
             for name in ("powersgd", "randomk"):
                 named, fresh = r["independent"][name]
                 assert same_bits(named, fresh), f"{w} ranks, {name}: a call by name kept an earlier call's state"

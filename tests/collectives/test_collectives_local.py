@@ -3,6 +3,8 @@ same code, the algorithm choice from capability flags, argument errors, bucketin
 telemetry. (Multi-rank guarantees: test_collectives_dist.py.)"""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -179,6 +181,40 @@ def test_scatter_reduce_server_feedback_is_kept_per_key_and_resumable():
     assert torch.equal(server_feedback(other).residual("s/chunk0/server"), server.residual("s/chunk0/server"))
     with pytest.raises(ValueError, match="error-feedback"):
         server_feedback(get_compressor("topk"))
+
+
+def test_error_feedback_owns_its_server_residuals_owes_and_gives_them_back():
+    """The wrapper holds scatter-reduce's server residuals: ``owed`` adds them (``w`` times, at
+    their chunk: one chunk on one process) to the residual, ``take`` empties both, and
+    ``state_dict`` carries them; a state saved without them leaves the server part alone."""
+    ef = ErrorFeedback("topk")
+    for step in range(2):
+        allreduce(torch.randn(5, 10), ef, key="s", algorithm="scatter-reduce")
+    # on one process the average's recompression is exact: give the server part something to owe
+    server_feedback(ef).update("s/chunk0/server", torch.randn(50), torch.zeros(50))
+    res, sres = ef.residual("s"), server_feedback(ef).residual("s/chunk0/server")
+    assert res.shape == (5, 10) and sres.shape == (50,) and sres.any()
+    owed = ef.owed("s")
+    assert torch.equal(owed, res + sres.view(5, 10)) and ef.owed("nothing") is None
+    assert torch.equal(ef.owed("s", torch.float64), res.double() + sres.double().view(5, 10))
+    assert torch.equal(copy.deepcopy(ef).owed("s"), owed), "a copy of the wrapper owes what it owes"
+    sd = ef.state_dict()
+    other = ErrorFeedback("topk")
+    other.load_state_dict(sd)
+    assert torch.equal(other.owed("s"), owed)
+    assert torch.equal(server_feedback(other).residual("s/chunk0/server"), sres)
+    taken = other.take("s")
+    assert torch.equal(taken, owed) and not other.owed("s").any()
+    assert not other.residual("s").any() and not server_feedback(other).residual("s/chunk0/server").any()
+    assert torch.equal(ef.owed("s"), owed), "another wrapper's take left this one alone"
+    # a state saved without the server part: the residuals load, the server part stays as it is
+    # and loads from its own state (which says where its residuals sit)
+    old = {k: v for k, v in sd.items() if k != "server"}
+    third = ErrorFeedback("topk")
+    third.load_state_dict(old)
+    assert torch.equal(third.owed("s"), res)
+    server_feedback(third).load_state_dict(server_feedback(ef).state_dict())
+    assert torch.equal(third.owed("s"), owed)
 
 
 def test_plan_buckets_groups_by_dtype_caps_size_and_keeps_order():
