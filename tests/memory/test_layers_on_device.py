@@ -1,5 +1,5 @@
-"""The round-2 optimizers on the device their tensors live on: on CPU here, and on CUDA where
-``bench/gpu_check.sh`` runs the ``gpu`` tests. One process, no process group (the multi-rank
+"""The optimizers of the memory and optim layers on the device their tensors live on: on CPU here, and on CUDA where
+``tools/gpu_check.sh`` runs the ``gpu`` tests. One process, no process group (the multi-rank
 behaviour is in test_sharded.py and tests/optim/); what is checked is that each runs on the
 device and keeps its exact contract there."""
 import pytest
