@@ -167,7 +167,7 @@ class _Feedback(_ReadsCapabilities):
         """The error feedback of scatter-reduce's second compression, owned by this wrapper: on
         more than two ranks each rank averages one chunk of every tensor and compresses the
         average again, keeping that compression's error here, per server key
-        (``{key}/chunk{rank}/server``). Saved and loaded with this wrapper's ``state_dict``."""
+        (``{key}/chunk{rank}/server``). Saved and loaded with its own ``state_dict``."""
         if self._server is None:
             raise ValueError(f"{self.kind}: a server part keeps no server part of its own")
         return self._server
@@ -219,15 +219,14 @@ class _Feedback(_ReadsCapabilities):
 
     def state_dict(self) -> Dict[str, Any]:
         """The state per key, with whose it is: this process's rank and world size and the
-        configuration (residuals belong to one rank of one job); ``"server"``: the server part's
-        (see :attr:`server`), whose own has ``"layouts"`` (see :meth:`place`)."""
+        configuration (residuals belong to one rank of one job). The server part (see
+        :attr:`server`) has its own, with ``"layouts"`` (see :meth:`place`): the training
+        runtime saves it beside this one, and resharding folds it into the residuals."""
         sd = {"kind": self.kind, "compressor": self.compressor.state_dict(),
               "state": {k: v.detach().cpu().clone() for k, v in self._state.items()},
               "identity": _identity(self.kind, repr(self)).to_dict()}
         if self._server is None:
             sd["layouts"] = {k: {p: list(w) for p, w in where.items()} for k, where in self._layouts.items()}
-        else:
-            sd["server"] = self._server.state_dict()
         return sd
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -240,10 +239,6 @@ class _Feedback(_ReadsCapabilities):
                       f"(this one: {self!r})"})
         if problem:  # this rank only: see _identity
             raise ValueError(f"{self.kind}: {problem}")
-        if self._server is not None and "server" in state:
-            # a state saved without it leaves the server part as it is (load that one on its own,
-            # from server_feedback(wrapper).state_dict(), as such states were saved)
-            self._server.load_state_dict(state["server"])
         self.compressor.load_state_dict(state["compressor"])
         self._state = {k: v.clone() for k, v in state["state"].items()}
         self._spares = {}

@@ -185,8 +185,8 @@ def test_scatter_reduce_server_feedback_is_kept_per_key_and_resumable():
 
 def test_error_feedback_owns_its_server_residuals_owes_and_gives_them_back():
     """The wrapper holds scatter-reduce's server residuals: ``owed`` adds them (``w`` times, at
-    their chunk: one chunk on one process) to the residual, ``take`` empties both, and
-    ``state_dict`` carries them; a state saved without them leaves the server part alone."""
+    their chunk: one chunk on one process) to the residual, ``take`` empties both, a copy of the
+    wrapper owes the same, and the server part's ``state_dict`` says where its residuals sit."""
     ef = ErrorFeedback("topk")
     for step in range(2):
         allreduce(torch.randn(5, 10), ef, key="s", algorithm="scatter-reduce")
@@ -198,23 +198,23 @@ def test_error_feedback_owns_its_server_residuals_owes_and_gives_them_back():
     assert torch.equal(owed, res + sres.view(5, 10)) and ef.owed("nothing") is None
     assert torch.equal(ef.owed("s", torch.float64), res.double() + sres.double().view(5, 10))
     assert torch.equal(copy.deepcopy(ef).owed("s"), owed), "a copy of the wrapper owes what it owes"
-    sd = ef.state_dict()
-    other = ErrorFeedback("topk")
-    other.load_state_dict(sd)
+    other = ErrorFeedback("topk")  # a resumed run: the residuals and the server part's, each its own state
+    other.load_state_dict(ef.state_dict())
+    server_feedback(other).load_state_dict(server_feedback(ef).state_dict())
     assert torch.equal(other.owed("s"), owed)
     assert torch.equal(server_feedback(other).residual("s/chunk0/server"), sres)
     taken = other.take("s")
     assert torch.equal(taken, owed) and not other.owed("s").any()
     assert not other.residual("s").any() and not server_feedback(other).residual("s/chunk0/server").any()
     assert torch.equal(ef.owed("s"), owed), "another wrapper's take left this one alone"
-    # a state saved without the server part: the residuals load, the server part stays as it is
-    # and loads from its own state (which says where its residuals sit)
-    old = {k: v for k, v in sd.items() if k != "server"}
+    # a server state saved without where its residuals sit: they load, and are owed again once
+    # an exchange of their key has said where they sit
     third = ErrorFeedback("topk")
-    third.load_state_dict(old)
-    assert torch.equal(third.owed("s"), res)
-    server_feedback(third).load_state_dict(server_feedback(ef).state_dict())
-    assert torch.equal(third.owed("s"), owed)
+    third.load_state_dict(ef.state_dict())
+    server_feedback(third).load_state_dict({k: v for k, v in server_feedback(ef).state_dict().items() if k != "layouts"})
+    assert torch.equal(third.owed("s"), res) and torch.equal(server_feedback(third).residual("s/chunk0/server"), sres)
+    allreduce(torch.zeros(5, 10), third, key="s", algorithm="scatter-reduce")
+    assert "s/chunk0/server" in server_feedback(third)._layouts["s"]
 
 
 def test_plan_buckets_groups_by_dtype_caps_size_and_keeps_order():
