@@ -52,8 +52,8 @@ def key_of(state_key: str) -> str:
 def server_feedback(compressor: Any) -> ErrorFeedback:
     """The server-side error feedback that scatter-reduce keeps for ``compressor`` (the object
     passed to ``allreduce``, an error-feedback wrapper): the wrapper's own ``server`` part,
-    residuals per :func:`server_key`. The wrapper's ``state_dict``/``load_state_dict`` carry
-    it, and so do its own; the wrapper's ``owed``/``take`` include it."""
+    residuals per :func:`server_key`. Checkpoint it with its own ``state_dict``/
+    ``load_state_dict`` (the wrapper's do not include it); the wrapper's ``owed``/``take`` do."""
     if not is_feedback(compressor):
         raise ValueError("server-side error feedback exists only for error-feedback wrappers such as ErrorFeedback(c)")
     server = getattr(compressor, "server", None)
