@@ -58,9 +58,17 @@ def make_spec(compressor: Any, algorithm: Optional[str], measure_error: Optional
     """Resolve and check what the caller passed (the same on every rank, so errors here need no
     exchange); ``ValueError`` naming what is allowed. A name makes a new compressor for this
     call alone: state kept per key (step counters of random streams, warm starts) lives in the
-    object the caller passes, so nothing carries from one call by name to the next."""
+    object the caller passes, so nothing carries from one call by name to the next. A
+    compressor unbiased through its random stream is refused by name: made anew, it would draw
+    the same stream at every call of a key (the same positions for randomk), which no longer
+    averages out over calls."""
     if isinstance(compressor, str):
         base, feedback = get_compressor(compressor), None
+        if base.stochastic and base.unbiased:
+            raise ValueError(f"compressor {compressor!r} is unbiased through a random stream per key and step; by name "
+                             f"it is made anew at every call and would draw the same stream each time. Create it once "
+                             f"and pass "
+                             f"it at every call: c = get_compressor({compressor!r}); allreduce(t, c, key=...)")
     elif isinstance(compressor, Compressor):
         base, feedback = compressor, None
     elif is_feedback(compressor) and isinstance(compressor.compressor, Compressor):

@@ -15,6 +15,7 @@ from gradcomp.bench import collective
 from ranks import run_ranks
 
 NUMEL = 128 * 128
+HEADER = 256  # bytes: one self-describing frame's header, far below what tells two methods apart
 
 
 def _forced_switch(rank, world):
@@ -77,7 +78,10 @@ def test_the_auto_row_has_the_bytes_and_error_of_what_it_chose(results):
     assert auto["auto_settled"] and auto["auto_changed_while_timed"] == 0
     chosen = auto["auto_choices"]
     label = {"dense x1": "dense", "fp16 x1": "fp16", "topk x1": "topk+ef"}[chosen]
-    assert auto["bytes_per_rank"] == by[label]["bytes_per_rank"], (chosen, auto["bytes_per_rank"])
+    # auto's exchange runs on the runtime's agreed layouts, the fixed row through allreduce(), whose
+    # frame may add a header: the payloads are the same, so the two agree to within one header's bytes
+    # (dense and fp16, the nearest two, differ by half the tensor)
+    assert abs(auto["bytes_per_rank"] - by[label]["bytes_per_rank"]) <= HEADER, (chosen, auto["bytes_per_rank"])
     assert auto["rel_error"] == pytest.approx(by[label]["rel_error"], rel=0.1, abs=1e-6), (chosen, auto["rel_error"])
     for r in records:  # every row carries its spread, and its speed-up is against dense calls made beside it
         assert r["collective_ms_span"][0] <= r["collective_ms"] <= r["collective_ms_span"][1]

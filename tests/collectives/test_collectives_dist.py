@@ -16,7 +16,7 @@ what it saw and the parent asserts. Invariants protected:
   point-to-point and hierarchical paths deliver the same bits everywhere;
 - state belongs to the object passed: two callers of one key with different error feedback
   keep independent residuals (server residuals included), and a compressor passed by name
-  keeps nothing from one call to the next.
+  keeps nothing from one call to the next (a stochastic one is refused by name).
 """
 from __future__ import annotations
 
@@ -230,7 +230,7 @@ def _p2p(rank, w):
         huge[:2] = 3e38
         with Transaction().active():
             try:
-                send(huge, 1, "qsgd")
+                send(huge, 1, get_compressor("qsgd"))
                 out["refused send"] = "sent"
             except ValueError as exc:
                 out["refused send"] = str(exc)
@@ -316,10 +316,14 @@ def _independent(rank, w):
     out["ef first"] = (a.residual("w"), server_feedback(a).residual(server_key("w", rank)))
     taken = c.take("w")  # owed, then nothing: residual and server residual zero
     out["take"] = (taken, c.owed("w"), c.residual("w"), server_feedback(c).residual(server_key("w", rank)))
-    for name in ("powersgd", "randomk"):  # warm start; the step counter of a shared random stream
-        x, y = data(f"ind/{name}/x", rank, (16, 8), torch.float32), data(f"ind/{name}/y", rank, (16, 8), torch.float32)
-        allreduce(x, name, key="w")
-        out[name] = (allreduce(y, name, key="w"), allreduce(y, get_compressor(name), key="w"))
+    x, y = data("ind/powersgd/x", rank, (16, 8), torch.float32), data("ind/powersgd/y", rank, (16, 8), torch.float32)
+    allreduce(x, "powersgd", key="w")  # no warm start carried to the next call by name
+    out["powersgd"] = (allreduce(y, "powersgd", key="w"), allreduce(y, get_compressor("powersgd"), key="w"))
+    try:  # a random stream made anew at every call would repeat itself: refused, before any message
+        allreduce(y, "randomk", key="w")
+        out["randomk"] = None
+    except ValueError as exc:
+        out["randomk"] = str(exc)
     return out
 
 
@@ -489,7 +493,8 @@ def test_callers_of_one_key_keep_independent_state(runs):
     """Two callers of ``key="w"`` with different ErrorFeedback objects: the second's result,
     residual, server residual and what it owes the key (``owed``, ``take``) are those of a
     caller alone; a
-    compressor passed by name starts afresh at every call (no warm start or step carried)."""
+    compressor passed by name starts afresh at every call (no warm start carried), and a stochastic
+    one is refused by name (its random stream would repeat at every call)."""
     for w, results in runs.items():
         for rank, r in enumerate(results):
             (out_b, res_b, srv_b, owed_b), (out_c, res_c, srv_c, owed_c) = r["independent"]["ef"]
@@ -503,9 +508,10 @@ def test_callers_of_one_key_keep_independent_state(runs):
             assert same_bits(owed_b, expected) and same_bits(owed_c, owed_b), (w, rank)
             taken, after, res_after, srv_after = r["independent"]["take"]
             assert same_bits(taken, owed_c) and not after.any() and not res_after.any() and not srv_after.any()
-            for name in ("powersgd", "randomk"):
-                named, fresh = r["independent"][name]
-                assert same_bits(named, fresh), f"{w} ranks, {name}: a call by name kept an earlier call's state"
+            named, fresh = r["independent"]["powersgd"]
+            assert same_bits(named, fresh), f"{w} ranks, powersgd: a call by name kept an earlier call's state"
+            refused = r["independent"]["randomk"]
+            assert refused and "get_compressor('randomk')" in refused, (w, rank, refused)
 
 
 def test_none_equals_dense_allreduce_mean(runs):
