@@ -207,6 +207,13 @@ def test_readme_commands_are_what_ci_runs():
     assert "`pip install torch` takes PyPI's default build" in setup and "cannot be reached" in setup
 
 
+def test_readme_is_a_front_page():
+    """README.md is the front page: set-up, the two commands, the ways in, a few figures, where
+    the rest is and the tests, in at most 200 lines; the detail lives in docs/."""
+    lines = (ROOT / "README.md").read_text(encoding="utf-8").splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines: move the detail into docs/ (at most 200)"
+
+
 # The pages a user reads describe gradcomp as it is. How it got there (issues, commits, the
 # work's sessions and rounds, one release against another) is git's history and bench/RESULTS.md's.
 USER_PAGES = [*PAGES, ROOT / "CONTRIBUTING.md"]
