@@ -1,7 +1,7 @@
 """``allreduce``: the mean of a tensor over a process group, sent compressed.
 
 The algorithm is chosen from what the compressor declares, never from its name (see
-``choose_algorithm`` and the table in the README): ``rounds`` for multi-round compressors,
+``choose_algorithm`` and the table in docs/collectives.md): ``rounds`` for multi-round compressors,
 ``native`` for payloads that can be summed as they are, otherwise ``allgather`` on two ranks
 and ``scatter-reduce`` on more. ``algorithm=`` forces one; a pairing that cannot work raises
 ``ValueError`` before anything is sent.

@@ -1,4 +1,4 @@
-"""gradcomp.memory: training in less memory (README, "Saving memory").
+"""gradcomp.memory: training in less memory (docs/memory.md).
 
 - :func:`plan_memory`: per stage of a chain, keep / recompute / store compressed / offload
   what autograd saves, the fastest choice within a byte budget (``memory/planner.py``);
