@@ -12,11 +12,12 @@ Buckets are launched strictly in order, and any not complete by ``step()`` are l
 there, so the collectives run in the same order on every rank whatever the timing. A
 parameter without a gradient on this rank is sent as zeros; how many ranks had each gradient
 is summed after the last bucket, in its job (one small all-reduce of an int32 per parameter;
-no extra host read: it is read with the step's finiteness), and a parameter that no rank had a gradient for keeps ``.grad = None``, so the
-inner optimizer leaves it exactly as it would without gradcomp (no weight decay, no momentum
-step), and its error feedback keeps what it owed. One that some ranks have is averaged with
-the others' zeros, as DDP does with ``find_unused_parameters``. A ``step()`` without a
-backward pass moves nothing. A model with no parameter that requires a gradient is refused. For gradient accumulation run the extra
+no extra host read: it is read with the step's finiteness). A parameter that no rank had a
+gradient for keeps ``.grad = None``, so the inner optimizer leaves it exactly as it would
+without gradcomp (no weight decay, no momentum step), and its error feedback keeps what it
+owed. One that some ranks have is averaged with the others' zeros, as DDP does with
+``find_unused_parameters``. A ``step()`` without a backward pass moves nothing. A model with
+no parameter that requires a gradient is refused. For gradient accumulation run the extra
 backward passes under ``with opt.no_sync():``. With a loss scaler, call ``opt.synchronize()``
 before ``scaler.step(opt)`` so that the overflow check sees the averaged gradients.
 """
@@ -28,7 +29,6 @@ import torch
 
 from gradcomp.collectives import plan_buckets
 from gradcomp.collectives.identity import names_of
-
 from gradcomp.kernels.memory import copy_from_host
 
 from .wrapper import Wrapper, broadcast_params
