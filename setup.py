@@ -1,4 +1,6 @@
 """gradcomp: compressed gradient communication for distributed PyTorch training."""
+import os
+
 from setuptools import setup
 
 # Layout: the code stays in the folders at the repository root, and gradcomp/<folder> is a
@@ -13,6 +15,20 @@ from setuptools import setup
 # tests/test_layout.py keeps the links, this list and the folders in step. tools/ (the GPU check,
 # one-off measurements, the pytest-benchmark file) is no package: it stays out of wheels and sdists.
 _PACKAGES = ["compress", "kernels", "collectives", "training", "memory", "optim", "pipeline", "bench"]
+
+
+def _subpackages(roots):
+    """Every folder with an __init__.py below the packages (collectives/wire -> gradcomp.collectives.wire)."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    found = []
+    for root in roots:
+        for path, dirs, files in os.walk(os.path.join(here, root)):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            rel = os.path.relpath(path, here)
+            if rel != root and "__init__.py" in files:
+                found.append("gradcomp." + rel.replace(os.sep, "."))
+    return found
+
 
 setup(
     name="gradcomp",
@@ -35,7 +51,7 @@ setup(
     ],
     python_requires=">=3.9",
     package_dir={"": "src"},
-    packages=["gradcomp"] + [f"gradcomp.{p}" for p in _PACKAGES],
+    packages=["gradcomp"] + [f"gradcomp.{p}" for p in _PACKAGES] + _subpackages(_PACKAGES),
     package_data={"gradcomp": ["py.typed"], "gradcomp.kernels": ["cuda/*.cu", "cuda/*.cuh"]},
     # numpy 2: np.bitwise_count (onebit, bit counting); torch 2.6: group_dst/group_src in
     # torch.distributed's point-to-point and gather/scatter calls; numba 0.60: the first for

@@ -16,7 +16,7 @@ from gradcomp.compress.base import work_dtype
 from gradcomp.compress.error_feedback import to_finite
 
 from ._comm import Comm
-from ._header import build, claim_code, verify
+from .wire.header import build, claim_code, verify
 
 
 ALGORITHMS: Dict[str, Type["Algorithm"]] = {}  # name -> class, filled by @register_algorithm
@@ -125,7 +125,7 @@ class Algorithm:
         Returns ``(average, sent)`` per tensor (None for an empty one). ``shared``: the set
         shares each exchange (:meth:`exchange_many`, ``allreduce_fused``'s wire, whatever the
         number of tensors); otherwise one tensor travels alone (its header, then :meth:`run`).
-        ``layouts``: see ``collectives/_shared.py`` (agreed layouts; shared exchanges only)."""
+        ``layouts``: see ``collectives/wire/layouts.py`` (agreed layouts; shared exchanges only)."""
         if shared:
             return cls.exchange_many(comm, items, specs, [s.algo for s in started], error, layouts=layouts)
         if len(items) != 1:
@@ -147,7 +147,7 @@ class Algorithm:
         instance after ``local``, None for an empty one; ``error``: this rank's local failure,
         reported through the shared header). Returns ``(average, sent)`` per tensor (None for an
         empty one). An algorithm that implements it is available to ``allreduce_fused`` (see
-        ``collectives/_shared.py``). ``layouts``: the caller's agreed layouts, which an
+        ``collectives/wire/layouts.py``). ``layouts``: the caller's agreed layouts, which an
         algorithm may use to skip the header after a layout's first exchange (or ignore)."""
         raise NotImplementedError(f"algorithm {cls.name!r} cannot share its exchanges among tensors")
 

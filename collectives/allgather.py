@@ -20,11 +20,12 @@ from gradcomp.compress import transaction
 from gradcomp.kernels.memory import empty, zeros
 
 from ._algorithm import Algorithm, Pending, as_dtype, register_algorithm, shares_memory, wdtype
-from ._header import sizes as header_sizes
-from ._shared import (OK, Bounds, Flags, Layout, SizedLayout, agreed_buffer, announce, bounded_layout, bounded_set,
-                      checked, device_of, exact_sizes, header, local_status, pack, padded_buffer, signature, split,
-                      status_problem, statuses, verify_many)
-from ._wire import decode, encode, gather_bytes
+from .wire.bounds import Bounds, bounded_layout, bounded_set, exact_sizes
+from .wire.frame import decode, encode, gather_bytes, pack, split
+from .wire.header import set_header, verify_set
+from .wire.header import sizes as header_sizes
+from .wire.layouts import Layout, SizedLayout, agreed_buffer, announce, device_of, local_status, padded_buffer, signature
+from .wire.status import OK, Flags, checked, status_problem, statuses
 
 
 # CPU results from this many elements on are allocated and faulted in while the payloads are on
@@ -91,7 +92,7 @@ class AllGather(Algorithm):
     @classmethod
     def exchange_many(cls, comm, items, specs, algos, error, layouts=None):
         """One header and one all-gather of every tensor's payload for the whole set; on a
-        layout the ranks agreed on (``layouts``, see ``collectives/_shared.py``) after its first
+        layout the ranks agreed on (``layouts``, see ``collectives/wire/layouts.py``) after its first
         exchange, one all-gather of the raw payload tensors and nothing else."""
         device, exact = device_of(items), exact_sizes(specs)
         sig = signature(cls.name, comm.size, items, specs) if layouts is not None else None
@@ -104,8 +105,8 @@ class AllGather(Algorithm):
             return cls._agreed_sized(comm, items, algos, error, entry, device)
         error = transaction.resolve(error)  # the checked header says it: refusals read now
         buf = pack([None if a is None or error is not None else a.buf for a in algos], device, error)
-        table = comm.exchange(header(comm.size, cls.name, items, specs, error, [buf.numel()]))
-        verify_many(table, items, specs, error)
+        table = comm.exchange(set_header(comm.size, cls.name, items, specs, error, [buf.numel()]))
+        verify_set(table, items, specs, error)
         bufs = gather_bytes(comm, buf, header_sizes(table)[:, 0].tolist(), exact=exact,
                             while_sending=cls.finish_all(algos))
         per_rank = [split(b, len(items), r) for r, b in enumerate(bufs)]
@@ -117,7 +118,7 @@ class AllGather(Algorithm):
 
     @classmethod
     def _agreed_sized(cls, comm, items, algos, error, entry, device):
-        """An agreed set of variable-size payloads (``collectives/_shared.py``): every rank's
+        """An agreed set of variable-size payloads (``collectives/wire/layouts.py``): every rank's
         status and leading dimensions in one small all-gather, read at once (the exchange's one
         host read), then the payloads in one all-gather padded to the largest rank's bytes.
         The sizes read set the capacities of the set's next exchanges (``Bounds``)."""

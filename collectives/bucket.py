@@ -30,7 +30,7 @@ from gradcomp.compress.cast import CastCompressor
 from . import worker
 from ._comm import Comm, may_overlap
 from .reduction import flat_job, make_spec
-from ._header import h64
+from .wire.header import h64
 from ._telemetry import Record, commit, measure_error_default
 from .fused import allreduce_fused, exchange_prepared
 from .fused import prepare as prepare_fused

@@ -14,7 +14,7 @@ making its own: small tensors are latency-bound, not bandwidth-bound. Two algori
   stay below two payloads for any number of ranks.
 
 Results are the same bits as the per-tensor calls, on every rank. Each algorithm runs its own
-shared exchange (``Algorithm.exchange_many``; the wire format in ``collectives/_shared.py``), so
+shared exchange (``Algorithm.exchange_many``; the wire format in ``collectives/wire/``), so
 any registered algorithm that implements it is available here.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ from . import worker
 from ._algorithm import ALGORITHMS
 from ._comm import Comm
 from .reduction import exchange_started, label, make_spec, start_many
-from ._shared import Item, local_bounds
+from .wire.bounds import local_bounds
+from .wire.layouts import Item
 
 __all__ = ["allreduce_fused"]
 

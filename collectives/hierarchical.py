@@ -35,7 +35,7 @@ from . import worker
 from ._algorithm import chunk_sizes, mean_in_order, wdtype
 from ._comm import Comm, group_timeout, initialized, scale_
 from .reduction import check_input, choose_algorithm, label, measure, reduce
-from ._header import build, verify
+from .wire.header import build, verify
 from ._telemetry import Record, commit
 from .bucket import Item, exchange_bucket
 

@@ -18,8 +18,8 @@ from gradcomp.compress.payload import max_wire_bytes, memory_bytes
 
 from . import _telemetry as telemetry
 from ._comm import Comm
-from ._header import MAGIC, code_dtype, dtype_code, h64
-from ._wire import decode, encode
+from .wire.header import MAGIC, code_dtype, dtype_code, h64
+from .wire.frame import decode, encode
 from .reduction import check_input, label, make_spec
 
 _KIND = 3

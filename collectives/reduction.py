@@ -37,7 +37,7 @@ from . import _telemetry as telemetry
 from . import allgather, native, rounds  # noqa: F401  (importing each registers its algorithm)
 from ._algorithm import ALGORITHMS, Algorithm, fresh
 from ._comm import Comm
-from ._shared import local_bounds
+from .wire.bounds import local_bounds
 from .scatter_reduce import serve
 
 
@@ -133,7 +133,7 @@ def start_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: L
     :class:`~gradcomp.compress.transaction.Deferred` refusals found on the device), which the
     exchange reports to every rank. It may run early, while an earlier exchange is on the wire
     (the worker's look-ahead, see :func:`gradcomp.collectives.bucket.prepare_bucket`).
-    ``bounds``: the capacities agreed for variable-size payloads (``_shared.local_bounds``)."""
+    ``bounds``: the capacities agreed for variable-size payloads (``wire.bounds.local_bounds``)."""
     started: List[Started] = []
     error: Optional[BaseException] = None
     # local work first: a failure here must reach the other ranks, through the header or, on an

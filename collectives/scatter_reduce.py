@@ -27,11 +27,12 @@ from gradcomp.compress.sparse import payload_bounds
 from gradcomp.kernels.memory import empty, zeros
 
 from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, shares_memory, wdtype
-from ._header import sizes as header_sizes
-from ._shared import (OK, Bounds, Flags, Layout, SizedLayout, agreed_buffer, announce, bounded_layout,
-                      bounded_set, checked, device_of, exact_sizes, header, local_status, pack, padded_buffer,
-                      signature, split, status_problem, statuses, verify_many)
-from ._wire import decode, encode, gather_bytes
+from .wire.bounds import Bounds, bounded_layout, bounded_set, exact_sizes
+from .wire.frame import decode, encode, gather_bytes, pack, split
+from .wire.header import set_header, verify_set
+from .wire.header import sizes as header_sizes
+from .wire.layouts import Layout, SizedLayout, agreed_buffer, announce, device_of, local_status, padded_buffer, signature
+from .wire.status import OK, Flags, checked, status_problem, statuses
 
 def server_key(key: str, j: int) -> str:
     """The key of the server-side residual of chunk ``j`` (on rank ``j``) of an exchange under
@@ -156,8 +157,8 @@ class ScatterReduce(Algorithm):
                 for j, piece in enumerate(a.sendbuf.split(a.out_sizes)):
                     per_dest[j][i] = piece
         sends = [pack(parts, device, error) for parts in per_dest]
-        table = comm.exchange(header(w, cls.name, items, specs, error, [b.numel() for b in sends]))
-        verify_many(table, items, specs, error)
+        table = comm.exchange(set_header(w, cls.name, items, specs, error, [b.numel() for b in sends]))
+        verify_set(table, items, specs, error)
         in_sizes = header_sizes(table)[:, comm.rank].tolist()
         got = comm.all_to_all(torch.cat(sends), [b.numel() for b in sends], in_sizes, cls.finish_all(algos))
         failure, reduced = None, [None] * n
@@ -186,7 +187,7 @@ class ScatterReduce(Algorithm):
 
     @classmethod
     def _agreed_sized(cls, comm, items, algos, error, entry, device):
-        """Both phases on an agreed layout of variable-size payloads (``_shared.py``): every
+        """Both phases on an agreed layout of variable-size payloads (``wire/layouts.py``): every
         rank's sizes for every destination in one small all-gather, read at once, then one
         all-to-all of the chunk payloads at their exact sizes; after the reduction the reduced
         chunks' sizes the same way, then one all-gather padded to the largest. Two host reads,
@@ -246,7 +247,7 @@ class ScatterReduce(Algorithm):
     @classmethod
     def _agreed(cls, comm, items, algos, error, layout, device):
         """Both phases on an agreed layout: one all-to-all of the raw chunk payloads, one
-        all-gather of the raw reduced chunks, each behind a status word (see ``_shared.py``)."""
+        all-gather of the raw reduced chunks, each behind a status word (see ``wire/status.py``)."""
         w, me = comm.size, comm.rank
         sends, back = layout
         flags = Flags(transaction.current())

@@ -26,9 +26,10 @@ import torch
 from gradcomp.compress import transaction
 
 from ._comm import Comm, scale_
-from ._shared import Flags, Template, checked
+from .wire.layouts import Template
+from .wire.status import Flags, checked
 from ._telemetry import Record, commit
-from ._wire import decode, encode, gather_bytes
+from .wire.frame import decode, encode, gather_bytes
 
 __all__ = ["reduce_scatter", "all_gather", "any_rank", "piece_key"]
 

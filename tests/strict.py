@@ -63,7 +63,7 @@ _FACTORIES = ("empty", "zeros", "ones", "full", "tensor", "as_tensor", "asarray"
 
 # Functions that build host tensors by contract, moved to the group's device by their one caller
 # when it is not the CPU (so on CPU the move is skipped and the tensor would look like a defect):
-# the self-describing wire format is made on the host and ``collectives/_wire.encode`` moves it.
+# the self-describing wire format is made on the host and ``collectives/wire/frame.encode`` moves it.
 _HOST_BY_CONTRACT = {(os.path.join("compress", "payload.py"), "to_tensor")}
 
 _installed = False

@@ -112,10 +112,10 @@ def test_wheel_and_pip_install_outside_the_checkout(tmp_path):
     (wheel,) = dist.glob("gradcomp-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     expected = {"gradcomp/__init__.py", "gradcomp/py.typed"}
-    for name in PACKAGES:
-        for f in (ROOT / name).iterdir():
-            if f.suffix == ".py":
-                expected.add(f"gradcomp/{name}/{f.name}")
+    for name in PACKAGES:  # every module of a package and of its subpackages (collectives/wire)
+        for f in (ROOT / name).rglob("*.py"):
+            if "__pycache__" not in f.parts and (f.parent / "__init__.py").is_file():
+                expected.add(f"gradcomp/{f.relative_to(ROOT).as_posix()}")
     expected |= {f"gradcomp/kernels/cuda/{f.name}" for f in (ROOT / "kernels" / "cuda").iterdir()
                  if f.suffix in (".cu", ".cuh")}
     code = {n for n in names if ".dist-info/" not in n}

@@ -22,7 +22,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import _shared, allreduce_fused
+from gradcomp.collectives import allreduce_fused
+from gradcomp.collectives.wire import bounds, layouts as wire_layouts
 from gradcomp.compress import ErrorFeedback, get_compressor
 
 from ranks import run_ranks
@@ -72,7 +73,7 @@ def _entry(layouts: dict):
 
 
 def _rank(rank: int, world: int, algorithm):
-    _shared.REAGREE = 3
+    bounds.REAGREE = 3
     out = {}
     checked, agreed = _codecs(), _codecs()
     layouts: dict = {}
@@ -87,7 +88,7 @@ def _rank(rank: int, world: int, algorithm):
                       for _, t, c in _items(rank, step, _codecs()) if t.numel()])
         caps.append(dict(_entry(layouts).caps or {}))
     out.update(same=same, layouts=len(layouts), reads=reads, sizes=sizes, caps=caps)
-    out["bounds"] = all(isinstance(v, _shared.Bounds) and v.bounded for v in layouts.values())
+    out["bounds"] = all(isinstance(v, bounds.Bounds) and v.bounded for v in layouts.values())
 
     # a payload that outgrows its capacity: what did not fit stays in the residual
     grow, layouts5 = [ErrorFeedback(get_compressor("threshold", tau=1.0))], {}
@@ -126,7 +127,7 @@ def _rank(rank: int, world: int, algorithm):
         t = torch.randn(500, generator=torch.Generator().manual_seed(step + 7 * rank))
         with HostSyncs() as syncs:
             allreduce_fused([("t", t, plain[0])], algorithm=algorithm, layouts=layouts6)
-        plain_reads.append(sum(n for s, n in syncs.sites.items() if "collectives/_shared.py" in s))
+        plain_reads.append(sum(n for s, n in syncs.sites.items() if "collectives/wire/layouts.py" in s))
     out["plain"] = [_entry(layouts6).bounded, plain_reads]
 
     # every payload empty on every rank (nothing reaches tau): the agreed exchanges carry no
@@ -174,7 +175,7 @@ def _rank(rank: int, world: int, algorithm):
     allreduce_fused(_items(rank, 0, fresh), algorithm=algorithm, layouts=layouts4)
     if rank == 0:
         lay = _entry(layouts4).sized
-        lay = lay if isinstance(lay, _shared.SizedLayout) else lay[0][1]  # scatter-reduce: the chunks for rank 1
+        lay = lay if isinstance(lay, wire_layouts.SizedLayout) else lay[0][1]  # scatter-reduce: the chunks for rank 1
         honest = lay.dims
         lay.dims = lambda payloads: [d + 10_000 if i == 0 else d for i, d in enumerate(honest(payloads))]
     _attempt(out, "corrupt", lambda: allreduce_fused(_items(rank, 1, fresh), algorithm=algorithm, layouts=layouts4))
@@ -206,12 +207,12 @@ def test_agreed_variable_sizes(tmp_path, world, algorithm):
     for rank, r in enumerate(results):
         assert r["same"] == [True] * STEPS, f"rank {rank}: the agreed path changed the bits: {r['same']}"
         assert r["layouts"] == 1 and r["bounds"]
-        assert any("_header.py" in s for s in r["reads"][0]), r["reads"][0]
+        assert any("wire/header.py" in s for s in r["reads"][0]), r["reads"][0]
         for step, sites in enumerate(r["reads"][1:], start=1):
             ours = {s: n for s, n in sites.items() if "collectives/" in s or "transaction.py" in s}
             # the sizes' reads in the collectives (none when bounded), the transaction's read of the step's flags
             want = reads if MODES[step] == "sized" else 0
-            assert sum(n for s, n in ours.items() if "collectives/_shared.py" in s) == want, (rank, step, sites)
+            assert sum(n for s, n in ours.items() if "collectives/wire/layouts.py" in s) == want, (rank, step, sites)
             assert [n for s, n in ours.items() if "transaction.py" in s] == [1] and len(ours) == 1 + bool(want), ours
         # capacities: every threshold payload's (the int8 and top-k ones are fixed), the same on every rank
         assert r["caps"][0] == {} and r["caps"][1] and r["caps"][1] == results[0]["caps"][1], r["caps"]

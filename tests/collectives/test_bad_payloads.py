@@ -64,7 +64,7 @@ def _p2p_liar(rank, world):
     import torch.distributed as dist
 
     from gradcomp.collectives import p2p, recv, send
-    from gradcomp.collectives._header import MAGIC, dtype_code, h64
+    from gradcomp.collectives.wire.header import MAGIC, dtype_code, h64
     from gradcomp.compress import get_compressor
 
     out = {}
@@ -98,7 +98,7 @@ def _p2p_refused_then_good(rank, world):
     import torch.distributed as dist
 
     from gradcomp.collectives import p2p, recv, send
-    from gradcomp.collectives._header import MAGIC, dtype_code, h64
+    from gradcomp.collectives.wire.header import MAGIC, dtype_code, h64
     from gradcomp.compress import get_compressor
 
     x = torch.arange(20000.0)

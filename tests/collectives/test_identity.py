@@ -20,7 +20,7 @@ def test_fingerprint_is_stable_and_one_digest():
 
 
 def test_the_wire_hash_is_the_fingerprint_as_an_int64():
-    from gradcomp.collectives._header import h64
+    from gradcomp.collectives.wire.header import h64
 
     for text in ("", "topk(ratio=0.1)", "x" * 1000):
         assert h64(text) == int.from_bytes(bytes.fromhex(fingerprint(text)), "little", signed=True)

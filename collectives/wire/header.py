@@ -13,7 +13,7 @@ rank in one call while another is in the other is told so by name.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -190,3 +190,39 @@ def code_dtype(code: int) -> torch.dtype:
     if not 0 < code <= len(_DTYPES):
         raise ValueError(f"dtype code {code} is not one gradcomp sends")
     return _DTYPES[code - 1]
+
+
+# ---- a set of tensors' row (allreduce_fused) -------------------------------------------------
+def set_layout(items: List[Any]) -> str:
+    """Every tensor's shape and dtype, in order (hashed into a set's header row)."""
+    return repr([(tuple(t.shape), str(t.dtype)) if isinstance(t, torch.Tensor) else type(t).__name__
+                 for _, t, _ in items])
+
+
+def set_header(world: int, algorithm: str, items: List[Any], specs: list, error, sizes: List[int]) -> List[int]:
+    """The header row of a set of tensors (``allreduce_fused``): the row of one tensor of their
+    total size, with the hash of the whole layout in its ``shape`` field."""
+    numel = sum(t.numel() for _, t, _ in items if isinstance(t, torch.Tensor))
+    row = build(world, op="allreduce", algorithm=algorithm, tensor=torch.empty(numel, device="meta"),
+                compressor="|".join(s.desc for s in specs), key="\n".join(k for k, _, _ in items),
+                error=error is not None, sizes=sizes)
+    row[IDX["shape"]] = h64(set_layout(items))  # every tensor's shape and dtype, in order
+    row[IDX["ndim"]] = len(items)
+    return row
+
+
+def verify_set(table: torch.Tensor, items: List[Any], specs: list, error) -> None:
+    """Every rank's set header row (``table``) checked against this rank's: the same call, the
+    same tensors, compressors and keys; ValueError on every rank otherwise."""
+    def same(name: str) -> bool:
+        return len(set(table[:, IDX[name]].tolist())) == 1
+
+    check_same_call(table, op="allreduce")  # a rank in allreduce instead: say so, not "different tensors"
+    if not (same("shape") and same("ndim") and same("numel")):
+        per_rank = ", ".join(f"rank {r}: {row[IDX['ndim']]} tensors of {row[IDX['numel']]} elements"
+                             for r, row in enumerate(table.tolist()))
+        raise ValueError(f"allreduce_fused: ranks passed different tensors ({per_rank}, layouts compared by hash); "
+                         f"every rank must pass the same shapes and dtypes in the same order")
+    descs = sorted({s.desc for s in specs})
+    keys = f"{items[0][0]}..{items[-1][0]}" if items else ""
+    verify(table, op="allreduce", error=error, local={"compressor": ", ".join(descs), "key": keys})
