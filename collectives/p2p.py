@@ -1,7 +1,8 @@
 """Point-to-point ``send``/``recv`` of compressed tensors (for pipeline-parallel training).
 
-Two messages per tensor: a 5-number header (magic, kind, payload length, compressor hash,
-dtype), then the payload in the wire format, which carries shape and metadata, so the
+Two messages per tensor: the point-to-point header (``wire/message.py``: magic, code, payload
+length, compressor hash, dtype; the pipeline's stage boundaries frame their messages with the
+same), then the payload in the wire format, which carries shape and metadata, so the
 receiver needs no prior knowledge of the tensor. With an error-feedback wrapper the sender
 keeps the residual per key; the receiver finishes with ``combine`` (EF21's estimate).
 Ranks are global ranks, as in ``torch.distributed.send``.
@@ -18,11 +19,11 @@ from gradcomp.compress.payload import max_wire_bytes, memory_bytes
 
 from . import _telemetry as telemetry
 from ._comm import Comm
-from .wire.header import MAGIC, code_dtype, dtype_code, h64
 from .wire.frame import decode, encode
+from .wire.message import FIELDS, SEND, code_dtype, compressor_hash, dtype_code, header_tensor, read_header
 from .reduction import check_input, label, make_spec
 
-_KIND = 3
+_KIND = SEND
 
 
 def _comm(op: str, peer: Any, group, spec, key: str, device: Optional[torch.device]) -> Comm:
@@ -59,8 +60,7 @@ def send(tensor: torch.Tensor, dst: int, compressor: Any = "none", *, key: Optio
         spec.feedback.update(key, acc, sent)
     with rec.timing("compress"):
         buf = encode(payload, comm.device)
-    head = torch.tensor([MAGIC, _KIND, buf.numel(), h64(repr(spec.base)), dtype_code(tensor.dtype)],
-                        dtype=torch.int64, device=comm.device)
+    head = header_tensor(_KIND, buf.numel(), compressor_hash(spec.base), dtype_code(tensor.dtype), comm.device)
     comm.send(head, dst, tag)
     comm.send(buf, dst, tag)
     rec.dense_bytes = tensor.numel() * tensor.element_size()
@@ -82,23 +82,24 @@ def recv(src: int, compressor: Any = "none", *, key: Optional[str] = None, group
     key = "" if key is None else str(key)
     comm = _comm("recv", src, group, spec, key, None if device is None else torch.device(device))
     rec = comm.record
-    head = comm.recv(torch.empty(5, dtype=torch.int64, device=comm.device), src, tag).tolist()
-    if head[0] != MAGIC or head[2] < 0:
-        raise ValueError(f"recv: the message from rank {src} is not a gradcomp send (header {head[:3]}): it announces "
+    head = read_header(comm.recv(torch.empty(len(FIELDS), dtype=torch.int64, device=comm.device), src, tag).tolist())
+    if not head.ours or head.length < 0:
+        raise ValueError(f"recv: the message from rank {src} is not a gradcomp send (header {list(head[:3])}): it "
+                         f"announces "
                          f"no payload this rank could drain, so the channel between the two is out of step (an "
                          f"earlier message was not received as sent, or that rank sends something else)")
     # A refused message is still received in full before raising: an NCCL send does not fail
     # when the receiver gives up, it waits for the receive, and the next header would pair
     # with this payload. Only a length no receive could take is refused unreceived.
-    too_long = _too_long(head[2], src, max_numel)
-    _check_drainable(head[2], src, comm.device, too_long)
-    buf = comm.recv(torch.empty(head[2], dtype=torch.uint8, device=comm.device), src, tag)
-    if head[1] != _KIND:
-        raise ValueError(f"recv: the message from rank {src} is a gradcomp message of kind {head[1]}, not a send "
+    too_long = _too_long(head.length, src, max_numel)
+    _check_drainable(head.length, src, comm.device, too_long)
+    buf = comm.recv(torch.empty(head.length, dtype=torch.uint8, device=comm.device), src, tag)
+    if head.code != _KIND:
+        raise ValueError(f"recv: the message from rank {src} is a gradcomp message of kind {head.code}, not a send "
                          f"(kind {_KIND}); its payload was received and dropped")
     if too_long is not None:
         raise ValueError(f"{too_long}; it was received and dropped, so the channel stays in step")
-    if head[3] != h64(repr(spec.base)):  # checked before decoding, after draining
+    if head.compressor != compressor_hash(spec.base):  # checked before decoding, after draining
         raise ValueError(f"recv: rank {src} sent with a different compressor or options than {spec.base!r}; its "
                          f"payload was received and dropped")
     with rec.timing("decompress"):
@@ -106,7 +107,7 @@ def recv(src: int, compressor: Any = "none", *, key: Optional[str] = None, group
         out = spec.base.decompress(payload)
         if spec.feedback is not None:
             out = spec.feedback.combine(key, out)
-        out = out.to(code_dtype(head[4]))
+        out = out.to(code_dtype(head.dtype))
     rec.dense_bytes = out.numel() * out.element_size()
     rec.payload_bytes = payload.nbytes
     telemetry.commit(rec)

@@ -34,13 +34,14 @@ from gradcomp.compress import Compressor, as_codec, get_compressor
 from gradcomp.compress.transaction import Transaction
 from gradcomp.training import CompressedOptimizer
 from gradcomp.collectives.identity import Identity, agree, describe_params, fingerprint, refuse_on_every_rank
+from gradcomp.collectives.wire.message import h63
 
 from .delta import DeltaFeedback
 from .grid import Grid
 from .stages import StagesOverBudget, over_budget_message, split
 from .backward import WeightGrad, input_grad
 from .schedule import PASSES, Action, build, check_plan, check_shape, produced, received
-from .transport import Message, Parts, Transport, h63, message_order
+from .transport import Message, Parts, Transport, message_order
 
 CHECKPOINTS = (None, "never", "except_last", "always")
 _MISSING, _NOT_A_BATCH, _UNEVEN, _OTHER_SIZE = 1, 2, 3, 4  # what a rank found wrong with its batch

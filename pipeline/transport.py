@@ -13,8 +13,9 @@ Invariants (why, and what was measured: docs/pipeline.md, "No deadlock" and "Sha
   is posted; posting stops at a send not yet produced and at a receive whose header is not read
   (it may announce a tail). Each post is one ``batch_isend_irecv`` from the calling thread;
   operations are waited in issue order.
-- **One message per stage output.** A uint8 device tensor: a 64-byte header (magic, message
-  code, payload length, the boundary compressor's hash, dtype, parts table length), then the
+- **One message per stage output.** A uint8 device tensor: gradcomp's 64-byte point-to-point
+  header (``collectives/wire/message.py``, as ``collectives.send``'s: magic, message code,
+  payload length, the boundary compressor's hash, dtype, parts table length), then the
   payload in the wire format (self-describing, so shapes may change at any step), built in one
   buffer on the device and parsed where it arrived. An output that is not one floating-point
   tensor (a tuple or list of tensors, None among them, or a tensor of another dtype: masks,
@@ -60,7 +61,9 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tu
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import CommunicationError, fingerprint
+from gradcomp.collectives import CommunicationError
+from gradcomp.collectives.wire.message import (HEADER_BYTES, MAGIC, code_dtype, compressor_hash, dtype_code,
+                                               header_bytes)
 from gradcomp.compress import Compressor, Payload
 from gradcomp.compress.payload import DTYPES, dtype_name, memory_bytes
 from gradcomp.compress import transaction
@@ -71,9 +74,7 @@ from .schedule import Action, timeline
 
 MESSAGES = ("act", "grad")  # the message kinds of schedule.PASSES' sends
 
-MAGIC = 0x67706970650001  # "gpipe" + version 1
-HEADER = 8  # int64 fields: magic, message code, payload length, compressor hash, dtype, 3 spare
-HEADER_BYTES = HEADER * 8
+# a message's header: gradcomp's point-to-point header (collectives/wire/message.py), 64 bytes
 HEAD_GUESS = 512  # payload bytes read with the header: a payload's own JSON header is a few hundred
 # What a message costs in the timeline that orders a step's messages, in forwards; a link from
 # one rank to another carries one message at a time there. Free messages (0) tie a message
@@ -88,12 +89,12 @@ HEAD_GUESS = 512  # payload bytes read with the header: a payload's own JSON hea
 # message is 8 ms there, a forward 2-3 ms). 1F1B's, GPipe's and ZB-H1's orders on 2 ranks are
 # the same at 1 and at 3.
 MESSAGE_COST = 3.0
-# a plain message's dtype code (its header) indexes the first four; a value of another dtype
-# travels as its exact bytes in a message of parts (a mask, token ids)
+# a plain message carries one of the first four (its header's dtype code); a value of another
+# dtype travels as its exact bytes in a message of parts (a mask, token ids)
 WIRE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16,
                torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
-_DTYPES = WIRE_DTYPES[:4]
-FLOAT_DTYPES = frozenset(_DTYPES)
+FLOAT_DTYPES = frozenset(WIRE_DTYPES[:4])
+_PLAIN_CODES = frozenset(dtype_code(d) for d in FLOAT_DTYPES)
 MAX_PARTS = 64  # values in one message
 MAX_STRUCTURE = 1 << 16  # bytes of a message's parts table (JSON); a few dozen per value
 
@@ -132,11 +133,6 @@ def message_order(plans: Sequence[Sequence[Action]], p: int) -> List[Message]:
     done = timeline(plans, p, message=MESSAGE_COST)
     out = [(t, kind == "grad", b, mb, Message(kind, b, mb)) for (kind, b, mb), t in done.items() if kind in MESSAGES]
     return [m for *_, m in sorted(out)]
-
-
-def h63(text: str) -> int:
-    """A non-negative 63-bit hash of ``text``, the same on every rank and run."""
-    return int.from_bytes(bytes.fromhex(fingerprint(text)), "little") >> 1
 
 
 class _Slot:
@@ -373,12 +369,11 @@ class Transport:
         heads = [e.payload.wire_head() if e.payload is not None else b"" for e in encs]
         sizes = [len(h) + sum(t.numel() * t.element_size() for t in e.tensors) for h, e in zip(heads, encs)]
         if form == "plain":
-            table, code, length = b"", _DTYPES.index(encs[0].part.wire_dtype), sizes[0]
+            table, code, length = b"", dtype_code(encs[0].part.wire_dtype), sizes[0]
         else:
             table, code = _parts_table(form, encs, sizes), 0
             length = len(table) + sum(_up8(n) for n in sizes)
-        ours = torch.tensor([MAGIC, msg.code, length, h63(repr(base)), code, len(table), 0, 0],
-                            dtype=torch.int64).view(torch.uint8).numpy().tobytes()
+        ours = header_bytes(msg.code, length, compressor_hash(base), code, len(table))
         cap = self._capacity(msg)
         whole = HEADER_BYTES + length
         buf = self._pool(msg, True).take(max(whole, cap))
@@ -456,14 +451,14 @@ class Transport:
         data = slot.buf[HEADER_BYTES:] if slot.tail is None else torch.cat([slot.buf[HEADER_BYTES:], slot.tail])
         data = data[:slot.length]
         base, feedback = _split(compressor)
-        if slot.hdr[3] != h63(repr(base)):
+        if slot.hdr[3] != compressor_hash(base):
             raise ValueError(f"pipeline: {msg.key} from rank {slot.peer} was sent with another boundary compressor "
                              f"than {base!r}; every rank must be built with the same activation_codec and "
                              f"grad_codec")
         try:  # the bytes are this rank's own: the payload may view them where they lie, on the device
             entries: List[_Entry]
             if slot.hdr[5] == 0:
-                form, entries = "plain", [("t", _DTYPES[slot.hdr[4]], (), True, slot.length)]
+                form, entries = "plain", [("t", code_dtype(slot.hdr[4]), (), True, slot.length)]
             else:
                 form, entries = _read_table(self._table_bytes(slot, data))
                 if sum(_up8(e[4]) for e in entries) != slot.length - slot.hdr[5]:
@@ -639,8 +634,8 @@ class Transport:
                              f"expected {slot.msg.key} ({slot.msg.code:#x}): the ranks run different schedules")
         length, dtype, table = hdr[2], hdr[4], hdr[5]
         limit = memory_bytes()
-        if length < 0 or not 0 <= dtype < len(_DTYPES) or (limit is not None and length > limit) \
-                or not 0 <= table <= min(length, MAX_STRUCTURE) or table % 8:
+        if length < 0 or not (dtype in _PLAIN_CODES if table == 0 else dtype == 0) \
+                or (limit is not None and length > limit) or not 0 <= table <= min(length, MAX_STRUCTURE) or table % 8:
             raise ValueError(f"pipeline: the header of {slot.msg.key} from rank {slot.peer} is invalid ({hdr[:6]})")
         whole = HEADER_BYTES + length
         cap = slot.buf.numel()

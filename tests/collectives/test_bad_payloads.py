@@ -64,14 +64,14 @@ def _p2p_liar(rank, world):
     import torch.distributed as dist
 
     from gradcomp.collectives import p2p, recv, send
-    from gradcomp.collectives.wire.header import MAGIC, dtype_code, h64
+    from gradcomp.collectives.wire.message import compressor_hash, dtype_code, header_tensor
     from gradcomp.compress import get_compressor
 
     out = {}
     if rank == 0:  # announce payloads of 2**40 and 2**60 bytes, send neither, then an honest one
         for claim in (2**40, 2**60):
-            head = [MAGIC, p2p._KIND, claim, h64(repr(get_compressor("topk"))), dtype_code(torch.float32)]
-            dist.send(torch.tensor(head, dtype=torch.int64), 1)
+            dist.send(header_tensor(p2p._KIND, claim, compressor_hash(get_compressor("topk")), dtype_code(torch.float32),
+                                    torch.device("cpu")), 1)
         send(torch.arange(10.0), 1, "topk")
         return out
     for what, bound in (("bounded", 1000), ("unbounded", None)):
@@ -98,7 +98,7 @@ def _p2p_refused_then_good(rank, world):
     import torch.distributed as dist
 
     from gradcomp.collectives import p2p, recv, send
-    from gradcomp.collectives.wire.header import MAGIC, dtype_code, h64
+    from gradcomp.collectives.wire.message import compressor_hash, dtype_code, header_tensor
     from gradcomp.compress import get_compressor
 
     x = torch.arange(20000.0)
@@ -108,8 +108,8 @@ def _p2p_refused_then_good(rank, world):
         send(x, 1, "int8")  # another compressor than the receiver's
         send(x[:6], 1, "none")
         buf = torch.arange(7, dtype=torch.uint8)  # a gradcomp message of another kind, with its payload
-        dist.send(torch.tensor([MAGIC, p2p._KIND + 1, 7, h64(repr(get_compressor("none"))),
-                                dtype_code(torch.float32)], dtype=torch.int64), 1)
+        dist.send(header_tensor(p2p._KIND + 1, 7, compressor_hash(get_compressor("none")), dtype_code(torch.float32),
+                                torch.device("cpu")), 1)
         dist.send(buf, 1)
         send(x[:7], 1, "none")
         return None
@@ -134,5 +134,5 @@ def test_a_refused_p2p_message_is_drained_so_the_next_one_arrives(tmp_path):
     assert first == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert "different compressor or options" in other and "received and dropped" in other, other
     assert second == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-    assert f"of kind {4}, not a send" in kind and "received and dropped" in kind, kind
+    assert "of kind 0, not a send" in kind and "received and dropped" in kind, kind
     assert third == [float(i) for i in range(7)]
