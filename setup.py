@@ -14,7 +14,7 @@ from setuptools import setup
 # behind the links. A checkout needs symlinks (git on Windows: core.symlinks=true).
 # tests/test_layout.py keeps the links, this list and the folders in step. tools/ (the GPU check,
 # one-off measurements, the pytest-benchmark file) is no package: it stays out of wheels and sdists.
-_PACKAGES = ["compress", "kernels", "collectives", "training", "memory", "optim", "pipeline", "bench"]
+_PACKAGES = ["compress", "kernels", "collectives", "training", "sharded", "memory", "optim", "pipeline", "bench"]
 
 
 def _subpackages(roots):

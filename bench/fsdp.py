@@ -128,7 +128,7 @@ class _Run:
     """One method's model, optimizer and measurements, trained an epoch at a time."""
 
     def __init__(self, spec: Dict[str, Any], rank: int, world: int, cfg: Dict[str, Any]) -> None:
-        from gradcomp.training import compress_fsdp
+        from gradcomp.sharded import compress_fsdp
 
         self.spec, self.rank, self.world, self.cfg = spec, rank, world, cfg
         reduce = getattr(torch, spec["reduce_dtype"]) if spec.get("reduce_dtype") else None

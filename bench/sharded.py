@@ -105,7 +105,7 @@ def _build(spec: Dict[str, Any], model: torch.nn.Module, lr: float,
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from gradcomp.memory import ShardedOptimizer
+    from gradcomp.sharded import ShardedOptimizer
 
     if spec["kind"] == "ours":
         ours = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=lr, model=model, bucket_mb=bucket_mb,
@@ -162,7 +162,7 @@ class _Run:
             self.sent += allreduce.nbytes + broadcast.nbytes
 
     def result(self, xte: torch.Tensor, yte: torch.Tensor) -> Dict[str, Any]:
-        from gradcomp.memory import state_nbytes
+        from gradcomp.sharded import state_nbytes
 
         steps = max(len(self.times), 1)
         with torch.no_grad():

@@ -6,16 +6,16 @@
 - :func:`offload_activations`: what autograd saves, in host memory, prefetched for backward
   (``memory/offload.py``);
 - :class:`MemoryMeter`: the peak bytes of saved activations, measured (``memory/meter.py``);
-- :class:`ShardedOptimizer`: sharded data parallel (ZeRO-1/2) on compressed collectives
-  (``memory/sharded.py``); :class:`LowBitState`: optimizer state in 8 bits (``memory/lowbit.py``).
+- :class:`ShardedOptimizer`, :class:`LowBitState`, :func:`state_nbytes`: kept importable here;
+  sharded data parallelism (ZeRO, FSDP2, packed low-bit state) is :mod:`gradcomp.sharded`.
 """
 from .codecs import available_codecs, get_codec
 from .meter import MemoryMeter
 from .offload import offload_activations
 from .planner import BudgetTooSmall, Plan, plan_memory
 from .saved import compressed_activations
-from .lowbit import LowBitState, state_nbytes
-from .sharded import ShardedOptimizer
+# sharded data parallelism lives in gradcomp.sharded; its names stay importable here
+from gradcomp.sharded import LowBitState, ShardedOptimizer, state_nbytes
 
 __all__ = ["plan_memory", "Plan", "BudgetTooSmall", "compressed_activations", "offload_activations", "MemoryMeter",
            "available_codecs", "get_codec", "ShardedOptimizer", "LowBitState", "state_nbytes"]

@@ -50,7 +50,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-_PACKAGES = ("compress", "collectives", "training", "memory", "optim", "pipeline", "kernels")
+_PACKAGES = ("compress", "collectives", "training", "sharded", "memory", "optim", "pipeline", "kernels")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 _COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",

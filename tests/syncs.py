@@ -28,7 +28,7 @@ from typing import Any, Callable, Counter, Dict, List, Tuple
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-_PACKAGES = ("compress", "kernels", "collectives", "training", "memory", "optim", "pipeline")
+_PACKAGES = ("compress", "kernels", "collectives", "training", "sharded", "memory", "optim", "pipeline")
 _OURS = tuple(str(ROOT / p) + "/" for p in _PACKAGES) + tuple(str(ROOT / "gradcomp" / p) + "/" for p in _PACKAGES)
 
 _METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero",

@@ -99,7 +99,7 @@ def check_pipeline(device: torch.device, rank: int) -> str:
 
 
 def check_sharded(device: torch.device, rank: int) -> str:
-    from gradcomp.memory import ShardedOptimizer
+    from gradcomp.sharded import ShardedOptimizer
 
     flats = []
     for prefetch in (False, True):  # with prefetch the weights' gathers run into the next forward pass

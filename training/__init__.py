@@ -18,5 +18,14 @@ from .reshard import reshard_states
 
 __all__ = ["agree", "ddp_comm_hook", "CompressedOptimizer", "HookState", "cast_wrapper", "compressed_hook",
            "Runtime", "Policy", "Rule", "reshard_states", "shutdown", "wait_all"]
-from .fsdp import FSDPCompression, compress_fsdp  # noqa: E402  (FSDP2; needs torch >= 2.9 only when called)
 __all__ += ["compress_fsdp", "FSDPCompression"]
+
+
+def __getattr__(name: str):
+    """``compress_fsdp`` and ``FSDPCompression`` live in :mod:`gradcomp.sharded` (a layer above
+    this one, with the rest of sharded data parallelism); they stay importable from here, loaded
+    when first asked for."""
+    if name in ("compress_fsdp", "FSDPCompression"):
+        from gradcomp.sharded import fsdp
+        return getattr(fsdp, name)
+    raise AttributeError(f"module 'gradcomp.training' has no attribute {name!r}")

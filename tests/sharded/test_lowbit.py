@@ -15,8 +15,8 @@ import math
 import pytest
 import torch
 
-from gradcomp.memory import LowBitState, state_nbytes
-from gradcomp.memory.lowbit import _TABLES, _TOP, BLOCK, FORMATS, PackedState, pack, unpack
+from gradcomp.sharded import LowBitState, state_nbytes
+from gradcomp.sharded.lowbit import _TABLES, _TOP, BLOCK, FORMATS, PackedState, pack, unpack
 
 
 def _max_gap(fmt):

@@ -76,7 +76,7 @@ def _dense_identical(rank, kind, reshard, mp):
     """FSDP2's own gradients and the dense custom comm's, step by step: bit-identical."""
     from models import data
 
-    from gradcomp.training import compress_fsdp
+    from gradcomp.sharded import compress_fsdp
 
     x, y = data(kind, 32, seed=1)
     ref, ours, halved = _build(kind, reshard=reshard, mp=mp), _build(kind, reshard=reshard, mp=mp), \
@@ -152,7 +152,7 @@ def _compressed_run(rank, world):
     from syncs import HostSyncs
 
     from gradcomp.collectives.shards import piece_key
-    from gradcomp.training import compress_fsdp
+    from gradcomp.sharded import compress_fsdp
 
     x, y = data("transformer", 64, seed=2)
     model = _build("transformer")
@@ -247,7 +247,7 @@ def _scaler_run(rank):
     """onebit RS under a GradScaler on the conv net: an overflow on rank 1 is skipped everywhere."""
     from models import data
 
-    from gradcomp.training import compress_fsdp
+    from gradcomp.sharded import compress_fsdp
 
     x, y = data("cnn1d", 32, seed=3)
     model = _build("cnn1d", reshard=False)
@@ -270,7 +270,7 @@ def _scaler_run(rank):
 
 
 def _refusals(rank):
-    from gradcomp.training import compress_fsdp
+    from gradcomp.sharded import compress_fsdp
 
     said = {}
     for case, spec in (("disagree", "int8" if rank == 0 else "onebit"), ("multi_round", "powersgd"),
@@ -350,7 +350,7 @@ def _optimizer_paths(rank, path):
     from models import data
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from gradcomp.training import compress_fsdp
+    from gradcomp.sharded import compress_fsdp
 
     x, y = data("transformer", 8 * TRAIN_STEPS, seed=6)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -392,7 +392,7 @@ def _weight_writes(rank, path):
     import torch.distributed.checkpoint as dcp
     from models import data
 
-    from gradcomp.training import compress_fsdp
+    from gradcomp.sharded import compress_fsdp
 
     x, y = data("transformer", 16, seed=7)
     first, second, third = (_build("transformer", seed=s) for s in (9, 11, 13))
@@ -441,7 +441,7 @@ def _frozen_resume(rank):
     running the same 3: the same losses and parameters, bit for bit."""
     from models import data
 
-    from gradcomp.training import compress_fsdp
+    from gradcomp.sharded import compress_fsdp
 
     x, y = data("transformer", 48, seed=8)
     frozen = ("embed.", "norm1.", "head.bias")
@@ -525,7 +525,7 @@ def _open_decisions(rank):
 
     from models import data
 
-    from gradcomp.training import compress_fsdp
+    from gradcomp.sharded import compress_fsdp
 
     out = {}
     x, y = data("transformer", 48, seed=10)
@@ -581,7 +581,7 @@ def _open_decisions(rank):
             torch.nn.functional.cross_entropy(model(xs[rank::2]), ys[rank::2]).backward()
             h.step(opt)
         opt.zero_grad()
-    out["shared_layer_syncs"] = sum(n for site, n in syncs.sites.items() if "training/fsdp.py" in site)
+    out["shared_layer_syncs"] = sum(n for site, n in syncs.sites.items() if "sharded/fsdp.py" in site)
     return out
 
 
@@ -591,7 +591,7 @@ def _invalid_payload(rank):
     same ValueError naming rank 0."""
     from models import data
 
-    from gradcomp.training import compress_fsdp
+    from gradcomp.sharded import compress_fsdp
 
     x, y = data("cnn1d", 16, seed=12)
     model = _build("cnn1d")
@@ -648,7 +648,7 @@ def test_compress_fsdp_on_two_ranks(ranks):
         assert c["ef_calls"] > 0 and c["ef_worst"] < 1e-5, f"error feedback lost mass: {c['ef_worst']}"
         assert c["regathers"][0] > 0 and c["regathers"][1], "a re-gather of unchanged weights gave other bits"
         assert c["resume_identical"], "resuming from the checkpoint did not continue bit for bit"
-        ours = {site: n for site, n in c["syncs"].items() if "training/fsdp.py" in site}
+        ours = {site: n for site, n in c["syncs"].items() if "sharded/fsdp.py" in site}
         assert sum(ours.values()) == 1, f"compress_fsdp's own host syncs per step (the decision only): {ours}"
         # every exchange of a step after the first travels on its agreed layout: no size round, no parsing
         wire = {site: n for site, n in c["syncs"].items() if "collectives/" in site}
@@ -730,7 +730,7 @@ def test_refusals_without_ranks():
     """torch < 2.9 and an HSDP mesh are refused with errors naming the fix."""
     from unittest import mock
 
-    from gradcomp.training import fsdp
+    from gradcomp.sharded import fsdp
 
     with mock.patch.object(torch, "__version__", "2.8.0"):
         assert "torch >= 2.9" in fsdp._torch_problem() and "2.8.0" in fsdp._torch_problem()
@@ -762,7 +762,7 @@ def _cuda_one(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from gradcomp.training import compress_fsdp
+    from gradcomp.sharded import compress_fsdp
 
     torch.cuda.set_device(0)
     dist.init_process_group("nccl")

@@ -1,4 +1,4 @@
-"""Checkpoints of a :class:`~gradcomp.memory.ShardedOptimizer`: per rank, or consolidated.
+"""Checkpoints of a :class:`~gradcomp.sharded.ShardedOptimizer`: per rank, or consolidated.
 
 - **sharded** (``state_dict()``): this rank's inner optimizer state (its shard tensors'),
   its master shards and its error-feedback state, under its identity (rank, world size,
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from gradcomp.collectives import Identity, check_device_set, fingerprint, refuse_on_every_rank, worker
 from gradcomp.collectives.shards import piece_key
 
-from ._shards import GroupLayout, bucket_key, parse_weight_key, weight_key
+from .layout import GroupLayout, bucket_key, parse_weight_key, weight_key
 from .lowbit import PackedState, as_packed, is_packed, saved
 
 FORMAT = "gradcomp.sharded/1"
@@ -37,7 +37,7 @@ FORMAT = "gradcomp.sharded/1"
 
 @dataclass(frozen=True)
 class ShardView:
-    """What a checkpoint reads and writes of one rank's :class:`~gradcomp.memory.ShardedOptimizer`
+    """What a checkpoint reads and writes of one rank's :class:`~gradcomp.sharded.ShardedOptimizer`
     (it builds one per call): the tensors are its own, so loading writes them in place."""
 
     rank: int
@@ -123,7 +123,7 @@ def _weight_residuals(view: ShardView, saved: Optional[Mapping[str, torch.Tensor
     """This rank's weight residuals laid out on each group's master shard (zeros where none):
     independent of how the gathers were cut. ``saved``: a saved error feedback's ``key ->
     tensor`` (default: this run's); each key says where its residual lies
-    (``_shards.weight_key``)."""
+    (``layout.weight_key``)."""
     ef = view.weight_feedback
     if ef is None:
         return None

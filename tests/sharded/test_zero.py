@@ -103,7 +103,7 @@ def _load(data: bytes):
 
 
 def _sharded(model, cls=torch.optim.AdamW, **kw):
-    from gradcomp.memory import ShardedOptimizer
+    from gradcomp.sharded import ShardedOptimizer
 
     kw.setdefault("lr", 0.01)
     kw.setdefault("bucket_mb", 0.0005)  # several buckets on a small model
@@ -156,7 +156,7 @@ def case_zero(rank, world):
 
 
 def _state_bytes(opt):
-    from gradcomp.memory import state_nbytes
+    from gradcomp.sharded import state_nbytes
 
     return state_nbytes(getattr(opt, "optimizer", opt))
 
@@ -184,7 +184,7 @@ def case_groups(rank, world):
                 {"params": [m.a.bias, m.b.weight, m.b.bias], "lr": 0.005, "betas": (0.8, 0.99)},
                 {"params": list(m.frozen.parameters())}]
 
-    from gradcomp.memory import ShardedOptimizer
+    from gradcomp.sharded import ShardedOptimizer
 
     opt = ShardedOptimizer(groups(ours), torch.optim.AdamW, lr=0.01, bucket_mb=0.0002)
     plain = torch.optim.AdamW(groups(ref), lr=0.01)
@@ -387,8 +387,8 @@ def case_prefetch(rank, world):
     mode's checkpoint loads into the other: the weight residual keyed by the whole shard
     (without prefetch, and in checkpoints from before it) or by the pieces' slices, re-cut."""
     import models
-    from gradcomp.memory import ShardedOptimizer
-    from gradcomp.memory._shardckpt import _weight_residuals
+    from gradcomp.sharded import ShardedOptimizer
+    from gradcomp.sharded.checkpoint import _weight_residuals
 
     out = {}
     for kind in ("conv_bn", "transformer", "many_small"):
@@ -447,7 +447,7 @@ def _catch(out, key, fn):
 
 def _frozen_on_rank_one(rank, all_params):
     """Issue 28: ``gain`` frozen on rank 1 only, given with every parameter (or left out there)."""
-    from gradcomp.memory import ShardedOptimizer
+    from gradcomp.sharded import ShardedOptimizer
 
     model = Net()
     model.gain.requires_grad_(rank != 1)
@@ -799,7 +799,7 @@ def case_models(rank, world):
 
 
 def ShardedOptimizer_(model, bits, lr):  # noqa: N802 - the issue's exact construction
-    from gradcomp.memory import ShardedOptimizer
+    from gradcomp.sharded import ShardedOptimizer
 
     return ShardedOptimizer(model.parameters(), torch.optim.Adam, lr=lr, model=model, state_bits=bits)
 
@@ -807,7 +807,7 @@ def ShardedOptimizer_(model, bits, lr):  # noqa: N802 - the issue's exact constr
 def case_layout(rank, world):
     """bucket_mb differing across ranks and a compressed-momentum inner optimizer are refused
     on every rank; a checkpoint saved with another bucket_mb loads (its residuals re-keyed)."""
-    from gradcomp.memory import _shardckpt
+    from gradcomp.sharded import checkpoint as _shardckpt
 
     out: dict = {}
     catch = functools.partial(_catch, out)

@@ -2,7 +2,7 @@
 
 Every rank keeps the full parameters (for forward and backward) but only its *shard* of the
 optimizer: each parameter group's trainable parameters are laid end to end into one flat
-vector, cut into balanced contiguous shards (``memory/_shards.py``), and rank ``r`` holds,
+vector, cut into balanced contiguous shards (``sharded/layout.py``), and rank ``r`` holds,
 per group, one flat tensor of its shard — the **master copy** of those elements, in fp32
 (fp64 for fp64 parameters) — and the inner optimizer's state for it alone. One step:
 
@@ -30,7 +30,7 @@ per group, one flat tensor of its shard — the **master copy** of those element
    prefetch).
 
 ``state_bits=8`` stores the inner optimizer's moment tensors in 8 bits between steps
-(:class:`~gradcomp.memory.lowbit.LowBitState`; the small-tensor rule is decided on the whole
+(:class:`~gradcomp.sharded.LowBitState`; the small-tensor rule is decided on the whole
 group, not on the shard). Optimizer classes with ``layerwise = True`` are told which slices of
 their shard belong to which parameter (``inner.shard_layout(layout, num_layers, group)``).
 
@@ -62,8 +62,8 @@ from gradcomp.training.buckets import BucketLauncher
 from gradcomp.training.wrapper import Wrapper, broadcast_params
 from gradcomp.collectives.identity import agree, describe_params, fingerprint, names_of
 
-from . import _shardckpt
-from ._shards import (Bucket, GatherPiece, GroupLayout, bucket_key, flat_of, gather_pieces, group_buckets,
+from . import checkpoint
+from .layout import (Bucket, GatherPiece, GroupLayout, bucket_key, flat_of, gather_pieces, group_buckets,
                       group_layout, layer_slices, weight_key)
 from .lowbit import _COMPENSATIONS, BITS, MIN_NUMEL, LowBitState, bits_problem
 
@@ -117,7 +117,7 @@ class ShardedOptimizer(Wrapper):
     all-gather run into the next forward pass (see the module docstring); ``process_group``
     defaults to every rank. The remaining
     keywords are the inner optimizer's defaults (``lr=...``). ``state_compensation``: how
-    8-bit state compensates its rounding (:class:`~gradcomp.memory.LowBitState`). ``param_groups`` and ``state`` are
+    8-bit state compensates its rounding (:class:`~gradcomp.sharded.LowBitState`). ``param_groups`` and ``state`` are
     the inner optimizer's (its tensors are the shards), so LR schedulers work as usual.
     """
 
@@ -593,8 +593,8 @@ class ShardedOptimizer(Wrapper):
                 "trainable": [bool(p.requires_grad) for p in self._all],
                 "config": fingerprint(repr(sorted(cfg.items())))}
 
-    def _checkpoint_view(self) -> _shardckpt.ShardView:
-        return _shardckpt.ShardView(self.rank, self.world, self.group, self.layouts,
+    def _checkpoint_view(self) -> checkpoint.ShardView:
+        return checkpoint.ShardView(self.rank, self.world, self.group, self.layouts,
                                     [(b.group, b.start, b.stop) for b in self._buckets], self.masters,
                                     self.optimizer, self.grad_feedback, self.weight_feedback, self.identity(),
                                     self.skipped, [(gp.group, self._slice_of(gp)) for gp in self._pieces
@@ -604,14 +604,14 @@ class ShardedOptimizer(Wrapper):
         """This rank's shard: inner optimizer state, master shards, error feedback."""
         self.synchronize()
         self._drain()
-        return _shardckpt.shard_state(self._checkpoint_view())
+        return checkpoint.shard_state(self._checkpoint_view())
 
     def consolidated_state_dict(self, to: int = 0) -> Optional[Dict[str, Any]]:
         """The whole optimizer, gathered on rank ``to`` (None on the others; every rank must
         call it): loads at any world size."""
         self.synchronize()
         self._drain()
-        return _shardckpt.consolidated(self._checkpoint_view(), to)
+        return checkpoint.consolidated(self._checkpoint_view(), to)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Load this rank's ``state_dict()`` or a ``consolidated_state_dict()`` of any world
@@ -622,4 +622,4 @@ class ShardedOptimizer(Wrapper):
         if self._gathered is not None:  # the last gather's undo would restore what the checkpoint replaces
             self._gathered.commit()
             self._gathered = None
-        self.skipped = _shardckpt.load(self._checkpoint_view(), state_dict)
+        self.skipped = checkpoint.load(self._checkpoint_view(), state_dict)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from gradcomp.memory import ShardedOptimizer
+from gradcomp.sharded import ShardedOptimizer
 
 
 def _pair(seed=0):
@@ -112,7 +112,7 @@ def test_bad_parameters():
 def test_buckets_are_cut_last_parameter_first_under_the_cap():
     """The bucket plan (gradcomp's one ``plan_buckets``, elements counted as 4 bytes) is the
     layout every rank agrees on and every checkpoint's residual keys name: it must not move."""
-    from gradcomp.memory._shards import group_buckets, group_layout
+    from gradcomp.sharded.layout import group_buckets, group_layout
 
     def plan(numels, cap_elements):
         params = [torch.zeros(n) for n in numels]

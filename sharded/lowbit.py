@@ -37,7 +37,7 @@ count), so a resumed run draws what the original drew. Measured figures: docs/sh
 **Small tensors.** A state tensor is stored in low bits only when its parameter has at least
 ``min_numel`` (default 4096, as bitsandbytes) elements; smaller ones, scalars (``step``) and
 anything that is not per element stay as the optimizer made them. The decision is per
-parameter, never per piece of one: :class:`~gradcomp.memory.ShardedOptimizer` decides on the
+parameter, never per piece of one: :class:`~gradcomp.sharded.ShardedOptimizer` decides on the
 whole parameter group, so precision does not change with the number of ranks.
 
 **Step.** ``step()`` decodes one tensor's state (in the dtype the inner optimizer made it),
@@ -288,7 +288,7 @@ class PackedState:
     tensor's ``shape`` and ``dtype``, and optionally the ``residual`` of its encoding (error
     feedback, itself a pack). Blocks are ``block`` elements from element 0, or, with
     ``starts`` (ascending block starts, from 0), cut at every multiple of ``block`` *and* at
-    each extra start given — :class:`~gradcomp.memory.ShardedOptimizer` starts a block at each
+    each extra start given — :class:`~gradcomp.sharded.ShardedOptimizer` starts a block at each
     parameter, so one block never spans two parameters. Packs of consecutive pieces cut on
     block boundaries :meth:`join` into the pack of the whole. ``to_saved``/``from_saved``
     convert to and from a plain dict (checkpoints)."""
