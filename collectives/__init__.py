@@ -8,14 +8,15 @@ scatter-reduce's exchanges on three or more), ``send``/``recv``
 (compressed point-to-point), and per-rank telemetry (``telemetry()``,
 ``reset_telemetry()``). ``exchange_bucket`` / ``exchange_bucket_by_owners`` are the bucket
 exchanges the training runtime (DDP hook, ``CompressedOptimizer``) is built on
-(``prepare_bucket``: a bucket's local phase, run ahead while the one before it is on the wire).
+(``BucketExchange``: one bucket's exchange in phases, its local phase run ahead while the one
+before it is on the wire; ``prepare_bucket`` makes one with that phase done).
 :mod:`~gradcomp.collectives.identity`: checkpoint identity and agreement between ranks
 (``Identity``, ``agree``, ``refuse_on_every_rank``) for every layer.
 """
 from .worker import shutdown, wait_all
 from ._comm import CommunicationError, backend_for, check_device_set, group_timeout, on_device, rank_of, world_of
 from .allreduce import ALGORITHMS, allreduce, choose_algorithm
-from .bucket import allreduce_buckets, exchange_bucket, plan_buckets, prepare_bucket, sum_counts
+from .bucket import BucketExchange, allreduce_buckets, exchange_bucket, plan_buckets, prepare_bucket, sum_counts
 from .fused import allreduce_fused
 from .hierarchical import Hierarchy, NodeGroups, exchange_bucket_by_owners, make_node_groups
 from .identity import Identity, agree, describe_params, fingerprint, names_of, refuse_on_every_rank
@@ -24,7 +25,7 @@ from .scatter_reduce import key_of, server_feedback, server_key
 from ._telemetry import reset_telemetry, set_measure_error, telemetry
 
 __all__ = [
-    "allreduce", "choose_algorithm", "ALGORITHMS", "allreduce_buckets", "plan_buckets",
+    "allreduce", "choose_algorithm", "ALGORITHMS", "allreduce_buckets", "plan_buckets", "BucketExchange",
     "allreduce_fused", "exchange_bucket", "prepare_bucket", "sum_counts", "key_of", "exchange_bucket_by_owners", "Hierarchy",
     "make_node_groups", "NodeGroups", "world_of", "rank_of", "send", "recv", "server_feedback", "server_key",
     "telemetry", "reset_telemetry", "set_measure_error", "CommunicationError", "group_timeout", "shutdown",

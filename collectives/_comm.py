@@ -19,7 +19,7 @@ import contextlib
 import os
 import threading
 from datetime import timedelta
-from typing import Any, Callable, ContextManager, Iterator, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -132,46 +132,24 @@ def on_device(device) -> Iterator[None]:
         _thread.device = before
 
 
-# ---- work ahead: the next job's local phase while this one's bytes are on the wire ----------
-# The worker offers the local phase of its next queued job (``ahead``) while it runs a job; a
-# job that has a wire wait worth filling says so (``may_overlap``), and the first collective
-# issued inside that block runs the offered work after issuing (asynchronously) and before
-# waiting. The work runs at most once, on this thread, and communicates nothing.
+# ---- work beside the wire: local work while a collective's bytes are in flight ---------------
+class Beside:
+    """Local work (no collective, no host read) that a :class:`Comm` runs once, on the calling
+    thread, while one of its collectives is on the wire: the first one that hands the backend
+    at least ``min_bytes`` per rank issues asynchronously, runs the work (after its own
+    ``while_sending``) and then waits. What a bucket exchange hands its collectives for the
+    next bucket's local phase (:meth:`gradcomp.collectives.bucket.BucketExchange.start`)."""
 
-@contextlib.contextmanager
-def _thread_value(name: str, value: Any) -> Iterator[None]:
-    """This thread's attribute ``name`` set to ``value`` while the block runs."""
-    before = getattr(_thread, name, None)
-    setattr(_thread, name, value)
-    try:
-        yield
-    finally:
-        setattr(_thread, name, before)
+    def __init__(self, work: Optional[Callable[[], None]], min_bytes: int = 0) -> None:
+        self.work, self.min_bytes = work, min_bytes
 
-
-def ahead(work: Optional[Callable[[], None]]) -> ContextManager[None]:
-    """Offer ``work`` (local only: no collective, no host read) to the collectives this thread
-    issues inside the block; see :func:`may_overlap`."""
-    return _thread_value("ahead", work)
-
-
-def may_overlap(min_bytes: int = 0) -> ContextManager[None]:
-    """Collectives issued inside the block may run the offered work (:func:`ahead`) while they
-    are on the wire: the first one that hands the backend at least ``min_bytes`` per rank does,
-    after its own ``while_sending`` work."""
-    return _thread_value("overlap", min_bytes)
-
-
-def _take_ahead(nbytes: int) -> Optional[Callable[[], None]]:
-    """The offered work, taken (it runs once), when the block allows it for a collective of
-    ``nbytes``; else None."""
-    least = getattr(_thread, "overlap", None)
-    if least is None or nbytes < least:
-        return None
-    work = getattr(_thread, "ahead", None)
-    if work is not None:
-        _thread.ahead = None
-    return work
+    def take(self, nbytes: int) -> Optional[Callable[[], None]]:
+        """The work, taken (it runs once), for a collective of ``nbytes`` per rank; else None."""
+        work = self.work
+        if work is None or nbytes < self.min_bytes:
+            return None
+        self.work = None
+        return work
 
 
 def device_is_set() -> bool:
@@ -227,11 +205,13 @@ class Comm:
     ``device``: the device the caller's tensors are on. Under NCCL a CUDA ``device`` is the
     group's device; without one it is the device :func:`on_device` set for this thread, or on
     the main thread only, the current CUDA device (another thread's is GPU 0, whatever the
-    rank uses: refused). Other backends: the CPU."""
+    rank uses: refused). Other backends: the CPU. ``beside``: see :class:`Beside`."""
 
-    def __init__(self, group, record: Record, op: str, device: Optional[torch.device] = None) -> None:
+    def __init__(self, group, record: Record, op: str, device: Optional[torch.device] = None, *,
+                 beside: Optional[Beside] = None) -> None:
         self.record = record
         self.op = op
+        self.beside = beside  # work for the wire time of a collective (see Beside)
         self.group = resolve(group)
         if self.group is None:
             self.rank, self.size = 0, 1
@@ -371,10 +351,10 @@ class Comm:
                     nbytes: int = 0) -> None:
         """``issue(False)`` (a blocking collective), or with ``while_sending`` the collective
         issued asynchronously, the work run, and then waited for, also when the work raises (the
-        collective completes on every rank either way). The work's time is not comm time. The work
-        offered ahead (:func:`ahead`, inside :func:`may_overlap`, for a collective of at least its
-        ``nbytes``) runs after ``while_sending``."""
-        extra = _take_ahead(nbytes)
+        collective completes on every rank either way). The work's time is not comm time. This
+        Comm's :class:`Beside` work, when this collective of ``nbytes`` per rank takes it, runs
+        after ``while_sending``."""
+        extra = self.beside.take(nbytes) if self.beside is not None else None
         if while_sending is None and extra is None:
             self._run(what, lambda: issue(False))
             return

@@ -20,7 +20,8 @@ from contextlib import nullcontext
 from dataclasses import replace
 from functools import partial
 import time
-from typing import Any, Dict, Generator, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import (Any, Callable, Dict, Generator, Iterable, List, Mapping, NamedTuple, Optional, Sequence, Tuple,
+                    Union)
 
 import torch
 
@@ -28,11 +29,11 @@ from gradcomp.compress import EF21, Compressor, Payload, transaction
 from gradcomp.compress.cast import CastCompressor
 
 from . import worker
-from ._comm import Comm, may_overlap
+from ._comm import Beside, Comm
 from .reduction import flat_job, make_spec
 from .wire.header import h64
 from ._telemetry import Record, commit, measure_error_default
-from .fused import allreduce_fused, exchange_prepared
+from .fused import exchange_prepared
 from .fused import prepare as prepare_fused
 
 Tensors = Union[Mapping[str, torch.Tensor], Iterable[Tuple[str, torch.Tensor]]]
@@ -153,8 +154,7 @@ Rounds = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optional[torch.Tensor] = None,
-                    label: str = "?", observe: bool = True, layouts: Optional[dict] = None,
-                    prepared: Optional["PreparedBucket"] = None) -> List[torch.Tensor]:
+                    label: str = "?", observe: bool = True, layouts: Optional[dict] = None) -> List[torch.Tensor]:
     """The mean over ``group`` of every tensor in ``items`` (``(key, tensor, codec)``, the same
     order on every rank), in order (new tensors, or views of ``buffer``).
 
@@ -183,65 +183,130 @@ def exchange_bucket(items: Sequence[Item], group, world: int, *, buffer: Optiona
     (``gradcomp.compress.transaction``) whether every mean is finite, from the cheapest
     tensors that decide it (the same on every rank of ``group``). ``layouts``: the caller's
     agreed layouts (see ``allreduce_fused``), for a caller that has made the ranks agree on
-    the bucket. ``prepared``: what :func:`prepare_bucket` did ahead for these same arguments
-    (the local phase; the exchange continues from there, the same bits).
+    the bucket. It is :class:`BucketExchange`'s ``prepare()``, ``start()`` and ``finish()``
+    in a row, under the transaction open here.
     """
-    txn = transaction.current() if observe else None
-    if prepared is None:
-        whole = _exchange_whole(items, buffer, group, world, txn)
-        if whole is not None:
-            return whole
-        prepared = PreparedBucket(items, group, world, label, buffer, ahead=False)
-    out: List[Optional[torch.Tensor]] = [None] * len(items)
-    # The next bucket's local phase may run while this one's largest exchange is on the wire:
-    # the compressed payloads' when there are any, else the lockstep's (PowerSGD's factors).
-    fused = not measure_error_default() and any(c is not None and not _summable(c) for _, _, c in items)
-    with may_overlap(_OVERLAP_MIN_BYTES) if not fused else nullcontext():
-        _exchange_summable(items, out, group, world, label, txn, prepared)
-    rest = [i for i in range(len(items)) if out[i] is None]
-    # the others share each exchange (allgather on two ranks, scatter-reduce on more), unless
-    # errors are measured, which allreduce does per tensor
-    if rest and fused:
-        with may_overlap(_OVERLAP_MIN_BYTES):
-            _exchange_fused(items, rest, out, group, layouts, into=buffer is not None, prepared=prepared.fused)
-    _exchange_each(items, [i for i in rest if out[i] is None], out, group)
-    if txn is not None:
-        txn.observe([out[i] for i in rest])
-    return out  # type: ignore[return-value]
+    exchange = BucketExchange(items, group, world, buffer=buffer, label=label, layouts=layouts,
+                              txn=transaction.current(), observe=observe)
+    exchange.prepare()
+    return exchange.finish(exchange.start())
 
 
-class PreparedBucket:
-    """A bucket's local phase, done ahead (see :func:`prepare_bucket`): the summable items'
-    round generators advanced to their first average (:class:`Lockstep`) and the other
-    compressed items compressed (``fused.Prepared``)."""
+class Work(NamedTuple):
+    """A started :class:`BucketExchange`: every mean in order (``out``), and the compressed
+    items' indices (``rest``), whose finiteness :meth:`BucketExchange.finish` reports."""
 
-    def __init__(self, items: Sequence[Item], group, world: int, label: str, buffer: Optional[torch.Tensor],
-                 ahead: bool, layouts: Optional[dict] = None) -> None:
-        self.summable: Optional[Lockstep] = None
-        self.fused: Any = None
-        self.ahead = ahead
-        if not ahead:  # made by exchange_bucket itself: each part runs its local phase when it comes
+    out: List[torch.Tensor]
+    rest: List[int]
+
+
+class BucketExchange:
+    """One bucket's exchange (:func:`exchange_bucket`) as an object a caller drives in phases:
+
+    - :meth:`prepare`: the local phase (no communication, no host read): error feedback
+      accumulates, every compressed gradient is compressed, PowerSGD computes its first
+      factors. It may run early — the training runtime's worker runs it while the bucket
+      before this one is on the wire — and runs once: a failure is kept and raised again by
+      every later call, so it is raised where the local phase would have raised;
+    - :meth:`start`: every collective, in the same order on every rank whether or not the
+      bucket was prepared early (so the ranks need not prepare alike); ``beside``, the caller's
+      local work (the next bucket's :meth:`prepare`), runs once while its largest exchange is
+      on the wire;
+    - :meth:`finish`: the means, in order (their finiteness told to the transaction).
+
+    The bucket is split once, here: the dense and summable items go in lockstep
+    (:class:`Lockstep`), the other compressed ones in one fused exchange (one allreduce each
+    when errors are measured); a bucket averaged whole (:func:`_whole_applies`) has no local
+    phase. ``txn``: the transaction the bucket belongs to (each phase runs with it open: the
+    codecs record their state changes in the open one); ``observe``: tell it whether every mean
+    is finite. The other arguments are :func:`exchange_bucket`'s; the results are its bits."""
+
+    def __init__(self, items: Sequence[Item], group, world: int, *, buffer: Optional[torch.Tensor] = None,
+                 label: str = "?", layouts: Optional[dict] = None, txn: Optional[Any] = None,
+                 observe: bool = True) -> None:
+        self.items = list(items)
+        self.group, self.world, self.buffer, self.label, self.layouts = group, world, buffer, label, layouts
+        self.txn, self.observe = txn, observe
+        self.whole = _whole_applies(self.items, buffer)
+        # the compressed payloads share one exchange, unless errors are measured (allreduce does that per tensor)
+        self.fused = not measure_error_default() and any(c is not None and not _summable(c) for _, _, c in self.items)
+        self.lockstep: Optional[Lockstep] = None
+        self.prepared: Any = None  # the fused items after their local phase (fused.Prepared)
+        self.ahead = False  # whether the local phase ran ahead (prepare(ahead=True): the worker's look-ahead)
+        self.on_wire = False  # whether start() is running (what the bucket after it sees)
+        self._done = False
+        self._error: Optional[BaseException] = None
+
+    def _open(self):
+        return self.txn.active() if self.txn is not None else nullcontext()
+
+    def prepare(self, *, ahead: bool = False) -> None:
+        """The local phase (see the class docstring); a no-op once done. ``ahead``: it runs
+        early, beside the bucket before this one (the worker's look-ahead; kept in ``ahead``)."""
+        if self._done:
+            if self._error is not None:
+                raise self._error
             return
-        self.summable = Lockstep.start(items, world, label)
-        rest = [items[i] for i in range(len(items)) if self.summable is None or i not in self.summable.gens]
-        if rest and not measure_error_default():
-            self.fused = prepare_fused(rest, group, into=buffer is not None, layouts=layouts)
-        # the same split as exchange_bucket's: what the lockstep did not take goes fused
+        self._done = True
+        if self.whole:
+            return
+        self.ahead = ahead
+        try:
+            with self._open():
+                lock = self.lockstep = Lockstep.start(self.items, self.world, self.label)
+                rest = [item for i, item in enumerate(self.items) if lock is None or i not in lock.gens]
+                if rest and self.fused:
+                    self.prepared = prepare_fused(rest, self.group, into=self.buffer is not None,
+                                                  layouts=self.layouts)
+        except Exception as exc:
+            self._error = exc
+            raise
+
+    def start(self, beside: Optional[Callable[[], None]] = None) -> Work:
+        """Every collective (after :meth:`prepare`, when it has not run); ``beside`` runs once
+        while the largest exchange is on the wire: the compressed payloads' when there are any,
+        else the lockstep's (PowerSGD's factors, the dense part), from ``_OVERLAP_MIN_BYTES``
+        per rank (not a header, a status word or a size vector, which take a round trip and no
+        bandwidth). A bucket averaged whole runs it not."""
+        self.prepare()
+        txn = self.txn if self.observe else None
+        items, n = self.items, len(self.items)
+        self.on_wire = True
+        try:
+            with self._open():
+                if self.whole:
+                    whole = _exchange_whole(items, self.buffer, self.group, self.world, txn)
+                    assert whole is not None
+                    return Work(whole, [])
+                out: List[Optional[torch.Tensor]] = [None] * n
+                slot = Beside(beside, _OVERLAP_MIN_BYTES)
+                _exchange_summable(items, out, self.group, self.world, txn, self.lockstep,
+                                   beside=None if self.fused else slot)
+                rest = [i for i in range(n) if out[i] is None]
+                if self.prepared is not None:
+                    for i, value in zip(rest, exchange_prepared(self.prepared, self.layouts, slot)):
+                        out[i] = value
+                _exchange_each(items, [i for i in rest if out[i] is None], out, self.group)
+                return Work(out, rest)  # type: ignore[arg-type]
+        finally:
+            self.on_wire = False
+
+    def finish(self, work: Work) -> List[torch.Tensor]:
+        """The means of a :meth:`start`ed exchange, in order; the compressed ones' finiteness
+        told to the transaction."""
+        if self.observe and self.txn is not None and not self.whole:
+            self.txn.observe([work.out[i] for i in work.rest])
+        return work.out
 
 
 def prepare_bucket(items: Sequence[Item], group, world: int, *, buffer: Optional[torch.Tensor] = None,
-                   label: str = "?", layouts: Optional[dict] = None) -> Optional[PreparedBucket]:
-    """The local phase of ``exchange_bucket`` with the same arguments, done ahead on the calling
-    thread (no communication, no host read): error feedback accumulates, every compressed
-    gradient is compressed, PowerSGD computes its first factors. The training runtime runs it
-    for the next bucket while the current one's payloads are on the wire (the worker's
-    look-ahead); ``exchange_bucket(..., prepared=)`` continues from it, with the same bits and
-    the same collectives in the same order, so the ranks need not prepare alike. None when
-    there is nothing to do ahead (a bucket averaged whole: dense or one 16-bit cast).
-    Call both inside the same open transaction, with the same ``layouts``."""
-    if world == 1 or _whole_applies(items, buffer):
-        return None
-    return PreparedBucket(items, group, world, label, buffer, ahead=True, layouts=layouts)
+                   label: str = "?", layouts: Optional[dict] = None) -> BucketExchange:
+    """A :class:`BucketExchange` of these arguments with its local phase done on the calling
+    thread, inside the open transaction (its ``start()`` and ``finish()`` continue it)."""
+    exchange = BucketExchange(items, group, world, buffer=buffer, label=label, layouts=layouts,
+                              txn=transaction.current())
+    exchange.prepare()
+    return exchange
 
 
 def _exchange_whole(items: Sequence[Item], buffer: Optional[torch.Tensor], group, world: int,
@@ -281,15 +346,14 @@ def _whole_applies(items: Sequence[Item], buffer: Optional[torch.Tensor]) -> boo
     return sum(items[i][1].numel() for i in dense) * 20 <= buffer.numel()
 
 
-def _exchange_summable(items: Sequence[Item], out: List[Optional[torch.Tensor]], group, world: int, label: str,
-                       txn: Optional[Any], prepared: Optional["PreparedBucket"] = None) -> None:
-    """Dense gradients and summable codecs (native, multi-round) in lockstep (:class:`Lockstep`):
-    their results into ``out``; the other items are left None. ``prepared``: the bucket's
-    local phase done ahead (its lockstep already started, or None when it has none)."""
-    lock = prepared.summable if prepared is not None and prepared.ahead else Lockstep.start(items, world, label)
+def _exchange_summable(items: Sequence[Item], out: List[Optional[torch.Tensor]], group, world: int,
+                       txn: Optional[Any], lock: Optional["Lockstep"], beside: Optional[Beside] = None) -> None:
+    """Dense gradients and summable codecs (native, multi-round) in lockstep (``lock``, started
+    by the local phase; None when the bucket has none): their results into ``out``; the other
+    items are left None. ``beside``: work for the wire time of the lockstep's collectives."""
     if lock is None:
         return
-    results, last = lock.run(group, world)
+    results, last = lock.run(group, world, beside)
     for i, value in results.items():
         out[i] = value
     commit(lock.rec)
@@ -333,8 +397,10 @@ class Lockstep:
                      dense_bytes=sum(_nbytes(items[i][1]) for i in gens))
         return cls(gens, rec)
 
-    def run(self, group, world: int) -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:
-        """Every round; each generator's result and the last average it was sent."""
+    def run(self, group, world: int, beside: Optional[Beside] = None
+            ) -> Tuple[Dict[int, torch.Tensor], Dict[int, torch.Tensor]]:
+        """Every round; each generator's result and the last average it was sent. ``beside``:
+        work for the wire time of its allreduces."""
         gens, rec, results, pending = self.gens, self.rec, self.results, self.pending
         last: Dict[int, torch.Tensor] = {}
         while pending:
@@ -345,24 +411,11 @@ class Lockstep:
             for idx in kinds.values():
                 flat = torch.cat([sent[i].reshape(-1) for i in idx])
                 rec.payload_bytes += _nbytes(flat)
-                _mean_(flat, group, world, rec)
+                _mean_(flat, group, world, rec, beside)
                 for i, avg in zip(idx, flat.split([sent[i].numel() for i in idx])):
                     last[i] = avg
                     _advance(i, gens[i], avg.view(sent[i].shape), pending, results, rec)
         return results, last
-
-
-def _exchange_fused(items: Sequence[Item], rest: Sequence[int], out: List[Optional[torch.Tensor]], group,
-                    layouts: Optional[dict] = None, into: bool = False, prepared: Any = None) -> None:
-    """Items ``rest`` in one ``allreduce_fused``: each exchange made once for all of them
-    (``into``: the means written into the gradients where the algorithm can; ``prepared``:
-    their local phase, done ahead by :func:`prepare_bucket` for these same items)."""
-    if prepared is not None:
-        means = exchange_prepared(prepared, layouts)
-    else:
-        means = allreduce_fused([items[i] for i in rest], group=group, layouts=layouts, into=into)
-    for i, value in zip(rest, means):
-        out[i] = value
 
 
 def _exchange_each(items: Sequence[Item], rest: Sequence[int], out: List[Optional[torch.Tensor]], group) -> None:
@@ -434,10 +487,10 @@ def sum_counts(counts: torch.Tensor, group, world: int, label: str = "?") -> tor
     return counts
 
 
-def _mean_(flat: torch.Tensor, group, world: int, rec: Record) -> torch.Tensor:
+def _mean_(flat: torch.Tensor, group, world: int, rec: Record, beside: Optional[Beside] = None) -> torch.Tensor:
     """Average ``flat`` over the group in place by the collectives' one rule (``Comm.mean_``),
     so the ``none`` and 16-bit cast hooks give the bits of DDP and of PyTorch's hooks."""
-    return flat if world == 1 else Comm(group, rec, "training exchange", flat.device).mean_(flat)
+    return flat if world == 1 else Comm(group, rec, "training exchange", flat.device, beside=beside).mean_(flat)
 
 
 def _dense(grad: torch.Tensor) -> Rounds:

@@ -28,7 +28,7 @@ from gradcomp.compress import transaction
 from . import _telemetry as telemetry
 from . import worker
 from ._algorithm import ALGORITHMS
-from ._comm import Comm
+from ._comm import Beside, Comm
 from .reduction import exchange_started, label, make_spec, start_many
 from .wire.bounds import local_bounds
 from .wire.layouts import Item
@@ -114,9 +114,14 @@ class Prepared:
         self.started, self.error = start_many(self.cls, items, specs, comm, self.feedbacks, into,
                                               bounds=local_bounds(layouts, name, comm.size, items, specs))
 
-    def exchange(self, layouts: Optional[dict] = None) -> List[torch.Tensor]:
-        out = exchange_started(self.cls, self.items, self.specs, self.comm, self.feedbacks, self.started, self.error,
-                               shared=True, layouts=layouts)
+    def exchange(self, layouts: Optional[dict] = None, beside: Optional[Beside] = None) -> List[torch.Tensor]:
+        """The exchange and finish; ``beside``: work for the wire time of its collectives."""
+        self.comm.beside = beside
+        try:
+            out = exchange_started(self.cls, self.items, self.specs, self.comm, self.feedbacks, self.started,
+                                   self.error, shared=True, layouts=layouts)
+        finally:
+            self.comm.beside = None
         telemetry.commit(self.rec)
         return out
 
@@ -134,11 +139,13 @@ def prepare(items: Sequence[Item], group, *, algorithm: Optional[str] = None, in
     return Prepared(items, specs, group, algorithm, into, layouts)
 
 
-def exchange_prepared(prepared: Prepared, layouts: Optional[dict] = None) -> List[torch.Tensor]:
+def exchange_prepared(prepared: Prepared, layouts: Optional[dict] = None,
+                      beside: Optional[Beside] = None) -> List[torch.Tensor]:
     """The exchange of a :func:`prepare`d set: the bits ``allreduce_fused`` gives, on the
-    calling thread (under the transaction the local phase ran in)."""
+    calling thread (under the transaction the local phase ran in). ``beside``: local work run
+    while one of its collectives is on the wire (see :class:`~gradcomp.collectives._comm.Beside`)."""
     with transaction.step() as txn:
-        out = prepared.exchange(layouts)
+        out = prepared.exchange(layouts, beside)
         txn.observe(out)
     return out
 

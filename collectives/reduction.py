@@ -132,7 +132,7 @@ def start_many(cls: Type[Algorithm], items: List[Tuple[str, Any, Any]], specs: L
     tensor's :func:`start` and this rank's local failure (None, the exception, or the
     :class:`~gradcomp.compress.transaction.Deferred` refusals found on the device), which the
     exchange reports to every rank. It may run early, while an earlier exchange is on the wire
-    (the worker's look-ahead, see :func:`gradcomp.collectives.bucket.prepare_bucket`).
+    (the worker's look-ahead, see :class:`gradcomp.collectives.bucket.BucketExchange`).
     ``bounds``: the capacities agreed for variable-size payloads (``wire.bounds.local_bounds``)."""
     started: List[Started] = []
     error: Optional[BaseException] = None

@@ -42,17 +42,19 @@ threads):
   right after the same job, so the order stays the same everywhere;
 - ``inline=True`` runs the job on the caller's thread once the queue is empty (the last bucket
   of a backward pass: nothing is left to overlap with, two thread hand-offs are saved), unless
-  the job can be prepared ahead and the worker is busy: it is queued then, so its local phase
-  can run beside the wire time of the job before it.
+  the job has an exchange to prepare ahead and the worker is busy: it is queued then, so its
+  local phase can run beside the wire time of the job before it.
 
-Work ahead. A job may carry a ``prepare(twin)`` attribute: its local phase (compression, error
-feedback; no collective, no host read, and it raises nothing: a failure is kept for the job to
-report as its local phase would). While the worker runs a job, it offers the next queued job's
-``prepare`` to that job's collectives (``_comm.ahead``); the job's largest exchange runs it
-after issuing its bytes and before waiting for them (``_comm.may_overlap``), in the next job's
-context, on the same device and stream. So a bucket is compressed while the one before it is on
-the wire. Nothing else changes: the jobs' collectives are issued in the same order, by the same
-thread, and whether a job was prepared ahead changes no bits (the training runtime's buckets).
+Work ahead. A job may carry an exchange (``Job.exchange``, e.g. a
+:class:`~gradcomp.collectives.bucket.BucketExchange`): an object whose ``prepare(ahead=)`` is its
+local phase (compression, error feedback; no collective, no host read; a failure is kept by the
+exchange and raised again where the job runs its local phase). A job submitted with
+``beside=True`` is called ``job(twin, beside)``: ``beside()`` runs the next queued job's
+``prepare(ahead=True)`` when that job has an exchange and works on the same device (in its context, on
+the same device and stream, after its inputs are ready), and the job calls it while its
+largest exchange is on the wire (``BucketExchange.start(beside)``). So a bucket is compressed
+while the one before it is on the wire. Nothing else changes: the jobs' collectives are issued
+in the same order, by the same thread, and whether a job was prepared ahead changes no bits.
 
 What users must not do: issue their own collective (on any group: the default group's
 twin runs on another communicator) while gradcomp jobs are in flight — between ``backward()``
@@ -72,18 +74,20 @@ from __future__ import annotations
 import atexit
 import collections
 import contextvars
+from dataclasses import dataclass
 import queue
 import threading
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 # on_device: torch.cuda.device on CUDA; also marks the thread as having set its device (the strict
 # test mode refuses object collectives elsewhere)
-from ._comm import CommunicationError, ahead, group_timeout, initialized, on_device, resolve
+from ._comm import CommunicationError, group_timeout, initialized, on_device, resolve
 
-Job = Callable[[Callable[[Any], Any]], Any]  # job(twin): twin maps a caller's group to the one to use
+Twin = Callable[[Any], Any]  # maps a caller's group to the one a job uses
+Fn = Callable[..., Any]  # fn(twin), or fn(twin, beside) for a job submitted with beside=True
 Then = Optional[Callable[[torch.futures.Future], Any]]
 Device = Any  # a torch.device or what torch.device() accepts
 
@@ -92,6 +96,30 @@ _CPU = torch.device("cpu")
 _lock = threading.Lock()
 _twins: Dict[int, Tuple[Any, Any, Any]] = {}  # id(group) -> (group, twin, default group); keeps them alive
 _workers: Dict[int, "Worker"] = {}  # id(default group) -> its worker (at most one live)
+
+
+class Exchange(Protocol):
+    """What a job may carry for the worker to run early (see the module docstring)."""
+
+    def prepare(self, *, ahead: bool = False) -> None: ...
+
+
+@dataclass
+class Job:
+    """One queued job: ``fn`` run on ``device`` after the jobs before it, its value or error
+    into ``future``, in ``context`` (the submitter's). ``exchange``: its local phase, which the
+    worker may run early (beside the job before it); ``beside``: ``fn`` takes a second argument,
+    the work to run while its largest exchange is on the wire. ``ready``: on CUDA, the event
+    after the work the caller's stream had queued; ``inputs``: the tensors made there."""
+
+    fn: Fn
+    device: torch.device
+    future: torch.futures.Future
+    context: Optional[contextvars.Context] = None  # set when queued
+    exchange: Optional[Exchange] = None
+    beside: bool = False
+    ready: Optional[Any] = None
+    inputs: Tuple[torch.Tensor, ...] = ()
 
 
 def device_of(*values: Any) -> torch.device:
@@ -185,31 +213,34 @@ class Worker:
         g = resolve(group)
         return self._map.get(id(g), g)
 
-    def submit(self, job: Job, *, device: Device, then: Then = None, inline: bool = False,
-               inputs: Sequence[torch.Tensor] = ()) -> torch.futures.Future:
-        """A future of ``job(twin)`` (chained with ``.then(then)``), run after every job submitted
-        before it, under ``on_device(device)`` — ``device`` is where the job's tensors are.
-        ``inputs``: the tensors made on the caller's stream that the job reads (see the module
-        docstring); ``inline``: run it on this thread once the queue is empty."""
+    def submit(self, fn: Fn, *, device: Device, then: Then = None, inline: bool = False,
+               inputs: Sequence[torch.Tensor] = (), exchange: Optional[Exchange] = None,
+               beside: bool = False) -> torch.futures.Future:
+        """A future of ``fn(twin)`` (``fn(twin, beside)`` with ``beside``; chained with
+        ``.then(then)``), run after every job submitted before it, under ``on_device(device)`` —
+        ``device`` is where the job's tensors are. ``inputs``: the tensors made on the caller's
+        stream that the job reads (see the module docstring); ``inline``: run it on this thread
+        once the queue is empty; ``exchange``: its local phase, which may run early."""
         device = _device(device)
         fut = _future([device])
         out = fut if then is None else fut.then(then)
+        job = Job(fn, device, fut, exchange=exchange, beside=beside)
         if threading.current_thread() is self.thread:  # from a callback on this worker
-            _complete(fut, job, self.twin, device)
+            _complete(fut, _with(job, None), self.twin, device)
             return out
-        if inline and not (getattr(job, "prepare", None) is not None and self._busy()):
+        if inline and not (exchange is not None and self._busy()):
             self.wait_queued()  # on CUDA this orders the caller's stream after the worker's too
-            _complete(fut, job, self.twin, device)
+            _complete(fut, _with(job, None), self.twin, device)
             return out
         self._last = out
-        ready = None
         if device.type == "cuda":  # the inputs were written on the caller's stream
             self._last_on[device] = out
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(device))
+            job.ready = torch.cuda.Event()
+            job.ready.record(torch.cuda.current_stream(device))
+        job.inputs, job.context = tuple(inputs), contextvars.copy_context()
         # Enqueue last: once the worker runs, the caller competes with it for the GIL, so
         # the caller should have nothing left to do but return.
-        self._queue.put((job, fut, contextvars.copy_context(), device, ready, tuple(inputs)))
+        self._queue.put(job)
         return out
 
     def _busy(self) -> bool:
@@ -241,18 +272,18 @@ class Worker:
         streams: Dict[Any, Any] = {}
         while True:
             try:
-                item = self._ahead.popleft() if self._ahead else self._queue.get(timeout=_POLL_S)
+                job = self._ahead.popleft() if self._ahead else self._queue.get(timeout=_POLL_S)
             except queue.Empty:
                 if self.world is not dist.group.WORLD:  # destroyed without shutdown(): free the twins
                     _drop_stale()
                     return
                 continue
-            if item is None:
+            if job is None:
                 return
-            self._run(streams, *item)  # its own frame: nothing of the job stays referenced while idle
+            self._run(streams, job)  # its own frame: nothing of the job stays referenced while idle
 
-    def _peek(self) -> Optional[tuple]:
-        """The next queued item, taken off the queue into the look-ahead (None: nothing queued)."""
+    def _peek(self) -> Optional[Job]:
+        """The next queued job, taken off the queue into the look-ahead (None: nothing queued)."""
         if not self._ahead:
             try:
                 self._ahead.append(self._queue.get_nowait())
@@ -260,49 +291,60 @@ class Worker:
                 return None
         return self._ahead[0]
 
-    def _offer(self, device: torch.device) -> Callable[[], None]:
-        """The work ahead offered while a job on ``device`` runs: the next queued job's local
-        phase, when it has one and works on the same device (see the module docstring)."""
+    def _beside(self, device: torch.device) -> Callable[[], None]:
+        """The work a job on ``device`` runs while its bytes are on the wire: the next queued
+        job's ``exchange.prepare()``, when it has one and works on the same device."""
         def work() -> None:
-            item = self._peek()
-            if item is None:  # nothing queued, or the stop mark
+            nxt = self._peek()
+            if nxt is None or nxt.exchange is None or nxt.device != device:  # nothing queued, or the stop mark
                 return
-            job, _, context, nxt, ready, inputs = item
-            prepare = getattr(job, "prepare", None)
-            if prepare is None or nxt != device:
-                return
-            if ready is not None:  # the next job's inputs were written on its caller's stream
-                stream = torch.cuda.current_stream(nxt)
-                stream.wait_event(ready)
-                for t in inputs:
-                    if isinstance(t, torch.Tensor) and t.device == nxt:
+            exchange = nxt.exchange
+            if nxt.ready is not None:  # the next job's inputs were written on its caller's stream
+                stream = torch.cuda.current_stream(nxt.device)
+                stream.wait_event(nxt.ready)
+                for t in nxt.inputs:
+                    if isinstance(t, torch.Tensor) and t.device == nxt.device:
                         t.record_stream(stream)
 
             def run() -> None:
-                with on_device(nxt):
-                    prepare(self.twin)
-            context.run(run)
+                with on_device(device):
+                    try:
+                        exchange.prepare(ahead=True)
+                    except Exception:  # noqa: BLE001 (kept by the exchange, raised where its job prepares)
+                        pass
+            assert nxt.context is not None
+            nxt.context.run(run)
         return work
 
-    def _run(self, streams: Dict[Any, Any], job: Job, fut: torch.futures.Future, context: contextvars.Context,
-             device: torch.device, ready: Optional[Any], inputs: Tuple[torch.Tensor, ...]) -> None:
-        if ready is None:
-            with ahead(self._offer(device)):
-                context.run(_complete, fut, job, self.twin, device)
+    def _complete(self, job: Job, beside: Optional[Callable[[], None]]) -> None:
+        """Run a queued ``job`` here, in its context (``beside``: the work its wire time may run)."""
+        assert job.context is not None
+        job.context.run(_complete, job.future, _with(job, beside), self.twin, job.device)
+
+    def _run(self, streams: Dict[Any, Any], job: Job) -> None:
+        device = job.device
+        if job.ready is None:
+            self._complete(job, self._beside(device))
             return
         stream = streams.get(device.index)
         if stream is None:
             stream = streams[device.index] = torch.cuda.Stream(device=device)
         with torch.cuda.device(device), torch.cuda.stream(stream):
-            stream.wait_event(ready)
-            for t in inputs:  # made on the caller's stream, read on this one until its work is done
+            stream.wait_event(job.ready)
+            for t in job.inputs:  # made on the caller's stream, read on this one until its work is done
                 if isinstance(t, torch.Tensor) and t.device == device:
                     t.record_stream(stream)
-            with ahead(self._offer(device)):
-                context.run(_complete, fut, job, self.twin, device)  # set_result records the stream's work
+            self._complete(job, self._beside(device))  # set_result records the stream's work
 
 
-def _complete(fut: torch.futures.Future, job: Job, twin: Callable[[Any], Any], device: torch.device) -> None:
+def _with(job: Job, beside: Optional[Callable[[], None]]) -> Fn:
+    """``job.fn`` as a function of the twin alone (given ``beside`` when it takes it)."""
+    if not job.beside:
+        return job.fn
+    return lambda twin: job.fn(twin, beside)
+
+
+def _complete(fut: torch.futures.Future, job: Fn, twin: Twin, device: torch.device) -> None:
     try:
         with on_device(device):  # inside the job's context: the strict mode's mark lives there
             value = job(twin)
@@ -343,7 +385,7 @@ def worker_for(groups: Tuple[Any, ...]) -> Worker:
     return worker
 
 
-def submit(job: Job, groups: Tuple[Any, ...], async_op: bool, *, device: Device,
+def submit(job: Fn, groups: Tuple[Any, ...], async_op: bool, *, device: Device,
            inputs: Sequence[torch.Tensor] = ()):
     """Run ``job`` now (sync) or on the worker (async), under ``on_device(device)`` — the
     device of the job's tensors; see the module docstring. ``inputs``: the tensors the job
@@ -361,12 +403,12 @@ def submit(job: Job, groups: Tuple[Any, ...], async_op: bool, *, device: Device,
     return _now(job, _direct, device)
 
 
-def _now(job: Job, twin: Callable[[Any], Any], device: torch.device) -> Any:
+def _now(job: Fn, twin: Callable[[Any], Any], device: torch.device) -> Any:
     with on_device(device):
         return job(twin)
 
 
-def completed(job: Job, then: Then = None, *, twin: Callable[[Any], Any] = _direct,
+def completed(job: Fn, then: Then = None, *, twin: Callable[[Any], Any] = _direct,
               device: Device = _CPU) -> torch.futures.Future:
     """Run ``job(twin)`` now under ``on_device(device)``; its finished future (a CUDA future for
     a CUDA device; chained with ``.then(then)``)."""

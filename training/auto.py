@@ -258,6 +258,8 @@ def make_runtime(compressor: Any, options: Mapping[str, Any], group=None,
 class AutoRuntime(Runtime):
     """The training runtime of ``compressor="auto"`` (see the module docstring)."""
 
+    prepares_ahead = False  # each bucket's exchange is timed or chosen in its job (exchange)
+
     def __init__(self, group=None, local_size: Optional[int] = None, *, candidates: Sequence[Any] = CANDIDATES,
                  trial_steps: int = 3, trial_memory_mb: float = 25.0, verify_steps: int = 2, margin: float = 0.1,
                  tolerance: float = 0.02, recheck_every: Optional[int] = 200, accordion: bool = False,

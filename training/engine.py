@@ -14,8 +14,8 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, 
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import (Hierarchy, Identity, agree, choose_algorithm, describe_params, exchange_bucket,
-                                  exchange_bucket_by_owners, fingerprint, key_of, make_node_groups, prepare_bucket,
+from gradcomp.collectives import (BucketExchange, Hierarchy, Identity, agree, choose_algorithm, describe_params, exchange_bucket,
+                                  exchange_bucket_by_owners, fingerprint, key_of, make_node_groups,
                                   rank_of, refuse_on_every_rank, server_feedback, sum_counts, world_of, worker)
 from gradcomp.compress.transaction import Transaction
 from .policy import Policy
@@ -205,9 +205,13 @@ class Runtime:
             self._txn = Transaction()
         txn = self._txn
 
-        ahead: List[Any] = []  # the bucket's local phase when the worker ran it ahead: [prepared or error]
+        # a flat bucket of a layout every rank agreed on is an exchange object, so that the worker
+        # may run its local phase ahead, while the bucket before it is on the wire
+        bucket = BucketExchange(items, self._worker.twin(self.group), world, buffer=buffer, label=label,
+                                layouts=self._layouts, txn=txn) \
+            if nodes is None and self._ahead_ok(items) and self._worker is not None else None
 
-        def job(twin):
+        def job(twin, beside):
             group = twin(self.group)
             with txn.active():  # every state change of the iteration, kept or undone together
                 try:
@@ -216,11 +220,9 @@ class Runtime:
                         hier = Hierarchy(twin(nodes.intra), twin(nodes.inter), local_size, nodes.local_rank,
                                          world // local_size)
                         out = exchange_bucket_by_owners(items, hier, owners, label=label)
-                    elif ahead:
-                        if isinstance(ahead[0], BaseException):  # raised where the local phase would have
-                            raise ahead[0]
-                        out = exchange_bucket(items, group, world, buffer=buffer, label=label, layouts=self._layouts,
-                                              prepared=ahead[0])
+                    elif bucket is not None:  # its local phase raises here if it failed ahead
+                        bucket.prepare()
+                        out = bucket.finish(bucket.start(beside))
                     else:
                         out = self.exchange(items, group, world, buffer, label)
                     if tally is not None:
@@ -235,35 +237,25 @@ class Runtime:
                 self.end_iteration()
             return out
 
-        if nodes is None and self._ahead_ok(items):
-            def prepare(twin) -> None:
-                """The local phase, run by the worker while the bucket before this one is on the
-                wire (see ``worker``): only on a layout every rank has agreed on (its first
-                sight is checked by a collective inside the job)."""
-                with txn.active():
-                    try:
-                        prepared = prepare_bucket(items, twin(self.group), world, buffer=buffer, label=label,
-                                                  layouts=self._layouts)
-                    except Exception as exc:  # noqa: BLE001 (kept, and raised by the job at the same point)
-                        ahead.append(exc)
-                    else:
-                        if prepared is not None:
-                            ahead.append(prepared)
-            job.prepare = prepare  # type: ignore[attr-defined]
-
         # the gradients' device, never the thread's: a worker thread's current device is GPU 0
         device = worker.device_of(buffer, grads)
         if world == 1:
-            return worker.completed(job, then, twin=lambda g: None, device=device)
+            return worker.completed(lambda twin: job(twin, None), then, twin=lambda g: None, device=device)
+        assert self._worker is not None
         inputs = [buffer, *grads] if buffer is not None else list(grads)  # made on the caller's stream
         inputs += [tally] if tally is not None else []
-        return self._worker.submit(job, device=device, then=then, inline=inline, inputs=inputs)
+        return self._worker.submit(job, device=device, then=then, inline=inline, inputs=inputs, exchange=bucket,
+                                   beside=True)
+
+    #: whether a flat bucket's local phase may run ahead, on the worker, beside the wire time of
+    #: the bucket before it (then the bucket is a ``BucketExchange`` and :meth:`exchange` is not
+    #: called): false for a runtime whose :meth:`exchange` times or chooses per bucket
+    prepares_ahead = True
 
     def _ahead_ok(self, items: Sequence[Any]) -> bool:
-        """Whether a bucket's local phase may run ahead, on the worker, beside the wire time of
-        the bucket before it: a flat exchange (this class's, not a subclass's that times or
-        chooses per bucket) of a layout every rank has already agreed on."""
-        if type(self).exchange is not Runtime.exchange or self.world == 1:
+        """Whether a bucket's local phase may run ahead (:attr:`prepares_ahead`): a flat exchange
+        of a layout every rank has already agreed on, over more than one rank."""
+        if not self.prepares_ahead or self.world == 1:
             return False
         return tuple((n, tuple(g.shape), g.dtype, id(c)) for n, g, c in items) in self._checked
 

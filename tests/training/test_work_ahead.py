@@ -1,7 +1,7 @@
 """The worker's look-ahead: a bucket's local phase runs while the bucket before it is on the wire.
 
-Invariant protected: whether a bucket was compressed ahead (``prepare_bucket``, run by the
-worker inside the previous bucket's largest exchange) changes nothing: through real DDP on
+Invariant protected: whether a bucket was compressed ahead (``BucketExchange.prepare``, run by
+the worker inside the previous bucket's largest exchange) changes nothing: through real DDP on
 2 gloo ranks, with several buckets per iteration, on every model kind of ``tests/models.py``
 and on a model with large layers (where the default size threshold lets it run), every
 compressor route gives the same parameters bit for bit with the look-ahead as without it,
@@ -38,7 +38,6 @@ def _wide() -> nn.Module:
 
 def _train(kind, name, options, rank, world, ahead, *, nan_at=None, threshold=None, steps=STEPS, device="cpu"):
     import gradcomp.collectives.bucket as bucket_mod
-    import gradcomp.training.engine as engine
     from torch.nn.parallel import DistributedDataParallel as DDP
     from gradcomp.training import ddp_comm_hook
 
@@ -52,17 +51,16 @@ def _train(kind, name, options, rank, world, ahead, *, nan_at=None, threshold=No
     ddp.register_comm_hook(state, _all_at_once(hook))
     runtime = state.compression
     if not ahead:
-        runtime._ahead_ok = lambda items: False
+        runtime.prepares_ahead = False
     opt = torch.optim.SGD(net.parameters(), lr=0.05)
     prepared = [0]
-    original = engine.prepare_bucket
+    original = bucket_mod.BucketExchange.finish
 
-    def counted(*args, **kwargs):
-        out = original(*args, **kwargs)
-        prepared[0] += out is not None
-        return out
+    def counted(self, work):  # the buckets whose local phase the worker ran ahead
+        prepared[0] += self.ahead
+        return original(self, work)
 
-    engine.prepare_bucket = counted
+    bucket_mod.BucketExchange.finish = counted
     before = bucket_mod._OVERLAP_MIN_BYTES
     if threshold is not None:
         bucket_mod._OVERLAP_MIN_BYTES = threshold
@@ -80,7 +78,7 @@ def _train(kind, name, options, rank, world, ahead, *, nan_at=None, threshold=No
             snapshots.append([p.detach().cpu().clone() for p in net.parameters()])
             iterations.append(runtime.iteration)
     finally:
-        engine.prepare_bucket = original
+        bucket_mod.BucketExchange.finish = original
         bucket_mod._OVERLAP_MIN_BYTES = before
     state_now = state.state_dict()["codecs"]
     return snapshots, iterations, prepared[0], state_now
