@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gradcomp.kernels import pack_codes, unpack_codes
 from gradcomp.kernels.quant import (block_absmax, dequantize_levels, fp32_scales, num_blocks, quantize_levels,
                                    tiny_safe_div, unit_multipliers)
 
@@ -48,22 +49,11 @@ class _LowBit(Compressor):
         return Encoded([scale, self._pack(q)], {})
 
     def _pack(self, q):
-        k, n = self._per_byte(), q.numel()
-        u = (q.to(torch.int16) + self.levels).to(torch.uint8)
-        pad = (-n) % k
-        if pad:
-            u = torch.cat([u, u.new_zeros(pad)])
-        u = u.view(-1, k)
-        out = torch.zeros(u.shape[0], dtype=torch.uint8, device=q.device)
-        for i in range(k):
-            out |= u[:, i] << (self.bits * i)
-        return out
+        """Levels ``[-L, L]`` as codes ``q + L``, packed by :func:`~gradcomp.kernels.pack_codes`."""
+        return pack_codes((q.to(torch.int16) + self.levels).to(torch.uint8), self.bits)
 
     def _unpack(self, packed, n):
-        k, mask = self._per_byte(), (1 << self.bits) - 1
-        cols = [((packed >> (self.bits * i)) & mask) for i in range(k)]
-        u = torch.stack(cols, dim=1).reshape(-1)[:n]
-        return (u.to(torch.int16) - self.levels).to(torch.int8)
+        return (unpack_codes(packed, n, self.bits).to(torch.int16) - self.levels).to(torch.int8)
 
     def _decompress(self, payload):
         scale, packed = payload.tensors
