@@ -17,7 +17,7 @@ import json
 import os
 import sys
 import tempfile
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,20 @@ def _mlp() -> nn.Module:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
 
 
+def _train(rank: int, forward: Callable, opt: Any, step: Optional[Callable[[], None]] = None) -> List[float]:
+    """STEPS steps of cross-entropy on this rank's data: gradients cleared, backward, then
+    ``step()`` (default ``opt.step()``); the losses."""
+    losses = []
+    for i in range(STEPS):
+        x, y = _data(rank, i)
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(forward(x), y)
+        loss.backward()
+        (step or opt.step)()
+        losses.append(loss.item())
+    return losses
+
+
 def _hook(r: int, spec: str, **options: Any) -> str:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from gradcomp.training import ddp_comm_hook
@@ -57,14 +71,7 @@ def _hook(r: int, spec: str, **options: Any) -> str:
     state, hook = ddp_comm_hook(spec, model=model, **options)
     ddp.register_comm_hook(state, hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(r, step)
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(r, ddp, opt)
     return _digest(list(model.parameters()), losses)
 
 
@@ -73,14 +80,7 @@ def _wrapper(rank: int, spec: str, **options: Any) -> str:
     model = _mlp()
     opt = CompressedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True), spec, model=model,
                               **options)
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(rank, step)
-        loss = nn.functional.cross_entropy(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(rank, model, opt)
     return _digest(list(model.parameters()), losses)
 
 
@@ -89,14 +89,7 @@ def _sharded(rank: int) -> str:
     model = _mlp()
     opt = ShardedOptimizer(model.parameters(), torch.optim.AdamW, lr=1e-2, model=model, compressor="int8",
                            weight_compressor="bf16", state_bits=8)
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(rank, step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(rank, model, opt)
     return _digest(list(model.parameters()), losses)
 
 
@@ -110,14 +103,7 @@ def _fsdp(rank: int) -> str:
     fully_shard(model)
     fsdp = compress_fsdp(model, "int8", all_gather="bf16")
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(rank, step)
-        loss = nn.functional.cross_entropy(model(x), y)
-        loss.backward()
-        fsdp.step(opt)
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _train(rank, model, opt, lambda: fsdp.step(opt))
     return _digest([p.to_local() for p in model.parameters()], losses)
 
 
@@ -128,14 +114,7 @@ def _onebit(rank: int) -> str:
     ddp = DDP(model)
     opt = OneBitAdam(ddp.parameters(), lr=1e-2, freeze_step=2)
     ddp.register_comm_hook(*opt.comm_hook())
-    losses = []
-    for step in range(STEPS):
-        x, y = _data(rank, step)
-        opt.zero_grad()
-        loss = nn.functional.cross_entropy(ddp(x), y)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
+    losses = _train(rank, ddp, opt)
     return _digest(list(model.parameters()), losses)
 
 
