@@ -1,4 +1,5 @@
 """gradcomp.optim: communication-efficient optimizers (1-bit Adam, 0/1 Adam, 1-bit LAMB) and
+``DiLoCo`` (local steps, rare compressed outer steps), and
 large-batch optimizers (LAMB, LARS) whose norms are right under data parallel.
 
 ``OneBitAdam``, ``ZeroOneAdam`` and ``OneBitLamb`` are data-parallel themselves: dense steps
@@ -8,6 +9,7 @@ compressor, error feedback on both sides) elsewhere; under DDP register ``opt.co
 update, summed over shards under ``shard_layout``. ``linear_scaling`` scales a learning rate
 with the batch. Reference: docs/optimizers.md.
 """
+from .diloco import DiLoCo
 from .lamb import Lamb
 from .lars import Lars
 from .layerwise import LayerNorms
@@ -17,5 +19,5 @@ from .onebit_lamb import OneBitLamb
 from .scaling import linear_scaling
 from .zero_one_adam import ZeroOneAdam
 
-__all__ = ["OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "Lars", "linear_scaling", "LayerNorms",
+__all__ = ["DiLoCo", "OneBitAdam", "ZeroOneAdam", "OneBitLamb", "Lamb", "Lars", "linear_scaling", "LayerNorms",
            "MomentumExchange"]

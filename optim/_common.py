@@ -132,8 +132,14 @@ def check_identity(problem: Optional[str], mine: Identity, saved: Any, group, wh
     if not problem:
         problem = mine.mismatch(saved, fixes={
             "world": "error-feedback residuals belong to one world size: resume on as many ranks as it was saved on",
-            "config": f"resume with the same options (this run's: {config})"})
+            # the fix is a format string ({rank}, {world}): the configuration's own braces are text
+            "config": f"resume with the same options (this run's: {_literal(config)})"})
     refuse_on_every_rank(problem, group if is_distributed(group) else None, f"{what}.load_state_dict")
+
+
+def _literal(text: str) -> str:
+    """``text`` inside a ``str.format`` template, as it is."""
+    return text.replace("{", "{{").replace("}", "}}")
 
 
 def run_closure(closure: Optional[Callable[[], Any]]) -> Any:
