@@ -247,8 +247,22 @@ def _refusals(rank, world):
     return out
 
 
+def _host_reads(rank, world):
+    """Host syncs per inner step (delay 0: a fragment's exchange starts and ends in its sync step,
+    so the steps between syncs run nothing of DiLoCo's but the inner step)."""
+    from syncs import HostSyncs
+    model = _model()
+    opt = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 8, compressor="int8", fragments=2)
+    counts = []
+    for s in range(12):
+        with HostSyncs() as syncs:
+            _inner_step(model, opt, rank, s, torch.float32)
+        counts.append((opt.local_step, syncs.count))
+    return counts
+
+
 def _everything(rank, world):
-    res = {"sync_sgd": _sync_sgd(rank, world), "compressed": _compressed(rank, world), "skip": _skip(rank, world),
+    res = {"host_reads": _host_reads(rank, world), "sync_sgd": _sync_sgd(rank, world), "compressed": _compressed(rank, world), "skip": _skip(rank, world),
            "refusals": _refusals(rank, world)}
     if HAVE_TORCHFT:
         res["oracle"] = _oracle(rank, world)
@@ -305,6 +319,14 @@ def test_resume_is_bit_identical(runs, codec, save_at):
         assert torch.equal(straight, r[("ref", codec)])  # saving changes nothing
 
 
+def test_no_host_read_between_syncs(runs):
+    for r in runs:
+        between = [n for local, n in r["host_reads"] if local != 0]
+        at_sync = [n for local, n in r["host_reads"] if local == 0]
+        assert between and all(n == 0 for n in between)
+        assert at_sync and all(n >= 1 for n in at_sync)  # the decision's one read, and the exchange's own
+
+
 def test_every_rank_refuses_together(runs):
     for r in runs:
         assert "DiLoCo" in r["refusals"]["agree"]
@@ -336,3 +358,52 @@ def test_fragments_cut_by_size_in_order():
     opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 4, fragments=4)
     assert [f.names for f in opt.fragments] == [["0.weight", "0.bias"], ["1.weight", "1.bias"],
                                                ["2.weight", "2.bias"], ["3.weight", "3.bias"]]
+
+
+# ---- two levels: a 2-D mesh ("outer", "inner"), DDP or FSDP2 inside each worker --------------
+def _two_level(rank, world, inner):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
+    model = _model(torch.float64)
+    if inner == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh.get_group("inner"))
+    else:
+        fully_shard(model, mesh=mesh["inner"])
+        net = model
+    opt = DiLoCo(net, torch.optim.AdamW(net.parameters(), lr=1e-2), 4, outer_group=mesh, compressor=None)
+    full = []
+    for s in range(8):
+        # every rank its own half of its worker's batch: worker w = rank // 2
+        _inner_step(net, opt, rank, s, torch.float64)
+        full.append(torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).reshape(-1)
+                               for p in net.parameters()]))
+    return {"params": full, "syncs": opt.syncs, "outer_size": dist.get_world_size(opt.outer_group)}
+
+
+def _two_levels(rank, world):
+    return {inner: _two_level(rank, world, inner) for inner in ("ddp", "fsdp")}
+
+
+@pytest.fixture(scope="module")
+def mesh_runs(tmp_path_factory):
+    return run_ranks(_two_levels, 4, tmp_path_factory.mktemp("diloco4"), timeout_s=120)
+
+
+@pytest.mark.parametrize("inner", ["ddp", "fsdp"])
+def test_two_levels_from_a_2d_mesh(mesh_runs, inner):
+    runs = [r[inner] for r in mesh_runs]
+    assert all(r["syncs"] == 2 and r["outer_size"] == 2 for r in runs)
+    for s in range(8):
+        # the two ranks of a worker hold the same model at every step
+        assert torch.equal(runs[0]["params"][s], runs[1]["params"][s])
+        assert torch.equal(runs[2]["params"][s], runs[3]["params"][s])
+    for s in (3, 7):  # after a sync every worker holds the global copy
+        assert torch.equal(runs[0]["params"][s], runs[2]["params"][s])
+    assert not torch.equal(runs[0]["params"][2], runs[2]["params"][2])  # between syncs the workers differ
+
+
+def test_fsdp2_inside_a_worker_is_ddp_inside_to_rounding(mesh_runs):
+    for r in mesh_runs:
+        for a, b in zip(r["ddp"]["params"], r["fsdp"]["params"]):
+            assert (a - b).abs().max().item() < 1e-12
