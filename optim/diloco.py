@@ -54,6 +54,13 @@ from . import _common as common
 __all__ = ["DiLoCo", "default_outer_optimizer"]
 
 
+AUTO_CANDIDATES = ("none", "int8", "int4", "int2")
+#: auto moves to a smaller codec when the caller waited more than this share of its compute
+#: between syncs, and back to a larger one when that one's exchange would still be hidden
+WAIT_SHARE = 0.05
+
+
+
 def default_outer_optimizer(params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
     """DiLoCo's outer optimizer: SGD with lr 0.7 and Nesterov momentum 0.9."""
     return torch.optim.SGD(params, lr=0.7, momentum=0.9, nesterov=True)
@@ -83,6 +90,8 @@ class _InFlight:
     txn: Transaction
     futures: Dict[torch.dtype, Any]
     started: float
+    codec: str = "none"  # the codec it was sent with
+    done: List[float] = field(default_factory=list)  # when each exchange completed (on the worker)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -118,7 +127,8 @@ class DiLoCo:
                  outer_optimizer: Optional[Callable[[Sequence[torch.Tensor]], torch.optim.Optimizer]] = None,
                  compressor: Any = None, fragments: Any = 1, delay: int = 0, alpha: float = 0.0,
                  outer_group: Any = None, error_feedback: Any = "auto",
-                 compressor_options: Optional[Mapping[str, Any]] = None, broadcast: bool = True) -> None:
+                 compressor_options: Optional[Mapping[str, Any]] = None, broadcast: bool = True,
+                 auto_candidates: Sequence[Any] = AUTO_CANDIDATES) -> None:
         if not isinstance(model, torch.nn.Module):
             raise ValueError(f"DiLoCo: model must be a torch.nn.Module, got {type(model).__name__}")
         if not isinstance(optimizer, torch.optim.Optimizer):
@@ -144,13 +154,21 @@ class DiLoCo:
         if delay >= self.period:
             raise ValueError(f"DiLoCo: delay ({delay}) must be smaller than sync_every / fragments ({self.period}): "
                              f"a fragment's exchange must end before the next one starts")
-        if compressor is None or (isinstance(compressor, str) and compressor == "none"):
-            self.codec: Any = None
-            self.compressor_name = "none"
+        self.auto = isinstance(compressor, str) and compressor == "auto"
+        if self.auto:
+            if compressor_options:
+                raise ValueError("DiLoCo: compressor='auto' takes no compressor_options; choose its candidates "
+                                 "with auto_candidates")
+            names = list(auto_candidates)
+            if not names or any(not isinstance(n, str) or n == "auto" for n in names):
+                raise ValueError(f"DiLoCo: auto_candidates must be compressor names, least lossy first, got {names!r}")
         else:
-            self.codec = as_codec(compressor, compressor_options, error_feedback=error_feedback, what="DiLoCo compressor")
-            self.compressor_name = getattr(self.codec, "name", type(self.codec).__name__)
-        self._codec_config = "none" if self.codec is None else repr(getattr(self.codec, "config", self.codec))
+            names = [compressor]
+        #: the codecs this DiLoCo may send with (one, or auto's ladder, least lossy first); None: dense
+        self.codecs: List[Any] = [self._make_codec(c, compressor_options, error_feedback) for c in names]
+        self.codec = self.codecs[0]
+        self.compressor_name = "auto" if self.auto else _name(self.codec)
+        self._codec_config = repr([_name(c) if c is None else repr(getattr(c, "config", c)) for c in self.codecs])
         make_outer = default_outer_optimizer if outer_optimizer is None else outer_optimizer
         if not callable(make_outer):
             raise ValueError("DiLoCo: outer_optimizer must be a callable params -> torch.optim.Optimizer "
@@ -170,6 +188,10 @@ class DiLoCo:
         self.local_step = 0  # inner steps since the last sync
         self.syncs = 0  # outer steps kept (the fragment of the next sync is syncs mod F)
         self._flight: Optional[_InFlight] = None
+        #: per fragment: the index in :attr:`codecs` of the codec its next exchange uses
+        self.choice = [0] * len(self.fragments)
+        self._compute = 0.0  # seconds of inner steps since the last sync (auto's window)
+        self._last_sync = time.perf_counter()
         #: per sync: fragment, kept, the pseudo-gradient's dense bytes (the wire's are in gradcomp's telemetry), seconds waited at the sync, seconds in flight
         self.history: List[Dict[str, Any]] = []
         self._warned = False
@@ -206,6 +228,11 @@ class DiLoCo:
             self.local_step = 0
         return loss
 
+    def _make_codec(self, compressor: Any, options: Optional[Mapping[str, Any]], error_feedback: Any) -> Any:
+        if compressor is None or (isinstance(compressor, str) and compressor == "none"):
+            return None
+        return as_codec(compressor, options, error_feedback=error_feedback, what="DiLoCo compressor")
+
     # ---- one outer step ---------------------------------------------------------------------
     def _start(self, index: int) -> None:
         """The fragment's pseudo-gradient (global − local), a non-finite one zeroed and flagged,
@@ -221,6 +248,19 @@ class DiLoCo:
                 d.masked_fill_(bad, 0.0)  # the exchange carries finite values; the flag decides
         self._send(index, deltas, bad)
 
+    def _owed_elsewhere(self, index: int, txn: Transaction, deltas: Dict[torch.dtype, torch.Tensor]) -> None:
+        """auto: what the other codecs' error feedback still owes this fragment joins its
+        pseudo-gradient (taken inside the exchange's transaction: a skipped step gives it back),
+        so a change of codec loses nothing."""
+        for j, codec in enumerate(self.codecs):
+            if j == self.choice[index] or codec is None or not hasattr(codec, "take"):
+                continue
+            with txn.active():
+                for dt, d in deltas.items():
+                    owed = codec.take(_key(index, dt))
+                    if owed is not None:
+                        d.add_(owed.reshape(-1).to(d.dtype))
+
     def _sync(self) -> None:
         flight, self._flight = self._flight, None
         assert flight is not None, "a sync always follows its start"
@@ -231,9 +271,16 @@ class DiLoCo:
         except BaseException:
             flight.txn.rollback()
             raise
-        waited = time.perf_counter() - waited
+        now = time.perf_counter()
+        waited, exchange = now - waited, max(flight.done, default=now) - flight.started
+        compute, self._last_sync = (now - self._last_sync) - waited, now
         verdict = self.decision.reduce({"nonfinite": flight.bad, "invalid": flight.txn.flagged()},
+                                       {"wait": waited, "compute": compute, "exchange": exchange} if self.auto else None,
                                        device=flight.bad.device)
+        if self.auto:  # the same sums on every rank: the same choice
+            self.choice[flight.fragment] = next_choice(
+                self.choice[flight.fragment], [_bits(c) for c in self.codecs], verdict.sums["wait"] / self.world,
+                verdict.sums["compute"] / self.world, verdict.sums["exchange"] / self.world, self.delay / self.period)
         problems = flight.txn.problems if verdict["invalid"] else []
         kept = self.decision.settle(verdict.clean, flight.txn)
         with torch.no_grad():
@@ -251,6 +298,7 @@ class DiLoCo:
                 else:  # the new global copy, or (skipped) the last one
                     local.copy_(view)
         self.history.append({"fragment": flight.fragment, "inner_step": self.inner_steps, "kept": kept,
+                             "codec": flight.codec, "exchange_s": exchange,
                              "dense_bytes": sum(d.numel() * d.element_size() for d in flight.deltas.values()),
                              "wait_s": waited, "flight_s": time.perf_counter() - flight.started})
         if problems:
@@ -308,7 +356,7 @@ class DiLoCo:
             "syncs": self.syncs, "skipped": self.skipped,
             "globals": [{str(dt): flat.clone() for dt, flat in f.flats.items()} for f in self.fragments],
             "outer": [f.outer.state_dict() for f in self.fragments if f.outer is not None],
-            "codec": self._codec_state(),
+            "codec": [self._codec_state(c) for c in self.codecs], "choice": list(self.choice),
             "in_flight": None if flight is None else {
                 "fragment": flight.fragment, "bad": flight.bad.clone(),
                 "deltas": {str(dt): d.clone() for dt, d in flight.deltas.items()}},
@@ -342,7 +390,9 @@ class DiLoCo:
         for f, outer in zip(self.fragments, ours["outer"]):
             assert f.outer is not None
             f.outer.load_state_dict(outer)
-        self._load_codec_state(ours["codec"])
+        for codec, state in zip(self.codecs, ours["codec"]):
+            self._load_codec_state(codec, state)
+        self.choice = [int(c) for c in ours["choice"]]
         self.inner_steps, self.local_step = int(ours["inner_steps"]), int(ours["local_step"])
         self.syncs, self.decision.skipped = int(ours["syncs"]), int(ours["skipped"])
         flight = ours.get("in_flight")
@@ -356,33 +406,77 @@ class DiLoCo:
         the exchange's state changes (residuals) wait in its transaction for the decision."""
         txn = Transaction()
         futures: Dict[torch.dtype, Any] = {}
+        if self.auto:
+            self._owed_elsewhere(index, txn, deltas)
+        codec = self.codecs[self.choice[index]]
+        flight = _InFlight(index, deltas, bad, txn, futures, time.perf_counter(), _name(codec))
         with txn.active():
             for dt, d in deltas.items():
-                key = f"diloco/{index}/{str(dt).replace('torch.', '')}"
-                futures[dt] = allreduce(d, "none" if self.codec is None else self.codec, key=key,
+                futures[dt] = allreduce(d, "none" if codec is None else codec, key=_key(index, dt),
                                         group=self.outer_group, async_op=True)
-        self._flight = _InFlight(index, deltas, bad, txn, futures, time.perf_counter())
+                futures[dt].add_done_callback(lambda _f, fl=flight: fl.done.append(time.perf_counter()))
+        self._flight = flight
 
-    def _codec_state(self) -> Any:
-        if self.codec is None or not hasattr(self.codec, "state_dict"):
+    @staticmethod
+    def _codec_state(codec: Any) -> Any:
+        if codec is None or not hasattr(codec, "state_dict"):
             return None
-        state = {"codec": self.codec.state_dict()}
+        state = {"codec": codec.state_dict()}
         try:
-            state["server"] = server_feedback(self.codec).state_dict()
+            state["server"] = server_feedback(codec).state_dict()
         except ValueError:  # not an error-feedback wrapper: no server side
             pass
         return state
 
-    def _load_codec_state(self, state: Any) -> None:
-        if state is None or self.codec is None:
+    @staticmethod
+    def _load_codec_state(codec: Any, state: Any) -> None:
+        if state is None or codec is None:
             return
-        self.codec.load_state_dict(state["codec"])
+        codec.load_state_dict(state["codec"])
         if "server" in state:
-            server_feedback(self.codec).load_state_dict(state["server"])
+            server_feedback(codec).load_state_dict(state["server"])
 
     def __repr__(self) -> str:
         return (f"DiLoCo(H={self.sync_every}, fragments={len(self.fragments)}, delay={self.delay}, alpha={self.alpha}, "
                 f"compressor={self.compressor_name}, world={self.world}, syncs={self.syncs}, skipped={self.skipped})")
+
+
+def next_choice(current: int, bits: Sequence[float], wait: float, compute: float, exchange: float,
+                share: float) -> int:
+    """auto's next codec for a fragment (an index into ``bits``, the candidates' bits per element,
+    least lossy first), a pure function of what the last sync measured (means over the ranks):
+    ``wait`` (seconds the caller waited for the exchange), ``compute`` (seconds of inner steps
+    since the sync before) and ``exchange`` (seconds from the start of the exchange to its end);
+    ``share``: the part of those inner steps the exchange may run beside (delay / steps between
+    syncs; 0 without a delay).
+
+    The exchange should be hidden: when the caller waited more than ``WAIT_SHARE`` of its
+    compute, the next smaller codec; when the next larger codec's exchange (this one's time
+    scaled by its bytes) would take less than half the time it may hide in (``share`` of the
+    compute, or ``WAIT_SHARE`` of it without a delay), the larger one."""
+    if wait > WAIT_SHARE * compute and current + 1 < len(bits):
+        return current + 1
+    if current > 0:
+        window = compute * share if share > 0 else WAIT_SHARE * compute
+        larger = exchange * bits[current - 1] / max(bits[current], 1e-9)
+        if larger < 0.5 * window:  # with a margin: timings are noisy
+            return current - 1
+    return current
+
+
+def _bits(codec: Any) -> float:
+    """Bits per element a codec sends (32 for the dense mean)."""
+    base = getattr(codec, "compressor", codec)
+    return 32.0 if codec is None else float(base.bits_per_element()) if getattr(base, "fixed_size", False) else 32.0
+
+
+def _name(codec: Any) -> str:
+    return "none" if codec is None else str(getattr(codec, "name", type(codec).__name__))
+
+
+def _key(index: int, dtype: torch.dtype) -> str:
+    """The exchange's key (its error feedback's) for a fragment's flat of one dtype."""
+    return f"diloco/{index}/{str(dtype).replace('torch.', '')}"
 
 
 def _outer_group(group: Any) -> Any:

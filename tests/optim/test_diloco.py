@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from gradcomp.optim import DiLoCo
+from gradcomp.optim.diloco import WAIT_SHARE, next_choice
 from ranks import run_ranks
 
 STEPS = 12
@@ -261,8 +262,18 @@ def _host_reads(rank, world):
     return counts
 
 
+def _auto(rank, world):
+    model = _model()
+    opt = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2), 4, compressor="auto", fragments=2, delay=1)
+    for s in range(24):
+        _inner_step(model, opt, rank, s, torch.float32)
+    state = opt.state_dict()["diloco"]
+    return {"globals": torch.cat([flat for f in opt.fragments for flat in f.flats.values()]),
+            "codecs": [h["codec"] for h in opt.history], "choice": state["choice"], "syncs": opt.syncs}
+
+
 def _everything(rank, world):
-    res = {"host_reads": _host_reads(rank, world), "sync_sgd": _sync_sgd(rank, world), "compressed": _compressed(rank, world), "skip": _skip(rank, world),
+    res = {"auto": _auto(rank, world), "host_reads": _host_reads(rank, world), "sync_sgd": _sync_sgd(rank, world), "compressed": _compressed(rank, world), "skip": _skip(rank, world),
            "refusals": _refusals(rank, world)}
     if HAVE_TORCHFT:
         res["oracle"] = _oracle(rank, world)
@@ -325,6 +336,40 @@ def test_no_host_read_between_syncs(runs):
         at_sync = [n for local, n in r["host_reads"] if local == 0]
         assert between and all(n == 0 for n in between)
         assert at_sync and all(n >= 1 for n in at_sync)  # the decision's one read, and the exchange's own
+
+
+def test_auto_chooses_the_same_codec_on_every_rank(runs):
+    assert runs[0]["auto"]["codecs"] == runs[1]["auto"]["codecs"]
+    assert runs[0]["auto"]["choice"] == runs[1]["auto"]["choice"]
+    assert torch.equal(runs[0]["auto"]["globals"], runs[1]["auto"]["globals"])
+    assert runs[0]["auto"]["syncs"] == 12 and set(runs[0]["auto"]["codecs"]) <= {"none", "int8", "int4", "int2"}
+
+
+def test_auto_plan_is_a_function_of_the_measurements():
+    bits = [32.0, 8.125, 5.0, 3.0]
+    assert next_choice(0, bits, wait=1.0, compute=10.0, exchange=1.2, share=0.25) == 1  # waited: smaller
+    assert next_choice(3, bits, wait=1.0, compute=10.0, exchange=1.2, share=0.25) == 3  # nothing smaller
+    assert next_choice(2, bits, wait=0.0, compute=10.0, exchange=0.1, share=0.25) == 1  # int8 would hide too
+    assert next_choice(1, bits, wait=0.0, compute=10.0, exchange=0.5, share=0.25) == 1  # dense would not
+    assert next_choice(0, bits, wait=WAIT_SHARE * 10.0, compute=10.0, exchange=0.5, share=0.0) == 0
+    assert next_choice(1, bits, wait=0.0, compute=10.0, exchange=0.001, share=0.0) == 0
+
+
+def test_auto_moves_what_a_codec_owes_when_it_changes_codec():
+    model = _model()
+    opt = DiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1), 2, compressor="auto",
+                 auto_candidates=("int4", "none"))
+    opt.choice = [0]
+    for s in range(2):
+        _inner_step(model, opt, 0, s, torch.float32)
+    key = "diloco/0/float32"
+    assert opt.codecs[0].owed(key).abs().sum() > 0  # int4 left a residual
+    opt.choice = [1]  # as if it had measured a fast link
+    for s in range(2, 4):
+        _inner_step(model, opt, 0, s, torch.float32)
+    owed = opt.codecs[0].owed(key)
+    assert owed is None or owed.abs().sum() == 0  # sent with the dense exchange
+    assert opt.history[-1]["codec"] == "none"
 
 
 def test_every_rank_refuses_together(runs):
