@@ -24,12 +24,13 @@
 **The step decision** (where a non-finite step is caught): call ``fsdp.step(optimizer)`` (or
 ``fsdp.step(optimizer, scaler=scaler)`` with a ``torch.amp.GradScaler``) instead of
 ``optimizer.step()``. The gradient exchanges since the last decision run inside one
-:class:`~gradcomp.compress.transaction.Transaction`; ``step`` reads its device flags (every
-rank's reduced shards finite, every received payload valid), all-reduced together: the
-iteration's one host sync. Finite everywhere:
-the residuals are committed and the optimizer steps (through the scaler, if given). Otherwise
-every rank rolls the gradient residuals back, skips the step (``skipped`` counts it) and, with
-a scaler, backs its scale off. (The weight residuals move with each forward's gather and owe no
+:class:`~gradcomp.compress.transaction.Transaction`; ``step`` makes the decision with the
+handle's :class:`~gradcomp.training.step.StepDecision` (``fsdp.decision``): its device flags
+(every rank's reduced shards finite, every received payload valid), all-reduced together: the
+iteration's one host sync. Finite everywhere: the residuals are committed and the optimizer
+steps (through the scaler, if given). Otherwise every rank rolls the gradient residuals back,
+skips the step (``skipped``, the decision's counter, counts it) and, with a scaler, backs its
+scale off. (The weight residuals move with each forward's gather and owe no
 gradient: they are not part of the decision.) An exchange that starts while the previous
 backward's decision is still open (``optimizer.step()`` or ``GradScaler.step`` called without
 ``fsdp.step``, or a second synced backward before the step) reads it then, on every rank: a new
@@ -62,6 +63,7 @@ from gradcomp.collectives.identity import Identity, agree, describe_params, fing
 from gradcomp.collectives.shards import all_gather, reduce_scatter
 from gradcomp.compress import as_codec
 from gradcomp.compress.transaction import Transaction
+from gradcomp.training.step import StepDecision, Verdict
 
 __all__ = ["compress_fsdp", "FSDPCompression", "MIN_TORCH"]
 
@@ -242,7 +244,7 @@ class FSDPCompression:
         agree(self._config, self.group, _WHEN)  # one error on every rank when they differ
         if problem:
             raise ValueError(problem)
-        self.skipped = 0
+        self.decision = StepDecision(self.group, "compress_fsdp")  # the step decision, and its skipped counter
         self._txn = Transaction()
         # each module's pieces are the same at every step: after the first, checked reduce-scatter
         # and all-gather, its payloads travel on their agreed layouts (no size exchange, no parsing)
@@ -269,6 +271,16 @@ class FSDPCompression:
             if self.weight_codec is not None:
                 self.all_gathers[key] = _AllGather(self, key)
                 module.set_custom_all_gather(self.all_gathers[key])
+
+    @property
+    def skipped(self) -> int:
+        """Steps skipped on every rank because a reduced gradient was not finite on some rank
+        (the step decision's counter)."""
+        return self.decision.skipped
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        self.decision.skipped = value
 
     def _hooks(self, modules: List[Tuple[str, Any, List[torch.nn.Parameter]]]) -> None:
         """Learn of an optimizer step of these parameters outside step() (torch's global pre-hook,
@@ -361,8 +373,8 @@ class FSDPCompression:
         of those exchanges, skip the step on every rank (backing the scaler off) and return
         False (and raise the same ``ValueError`` on every rank when a received payload was
         invalid). One small all-reduce and one host read."""
-        nonfinite, invalid, _ = self._agree(self._device(), False)
-        if not self._decide(nonfinite or self._doomed, invalid):
+        verdict = self._agree(self._device(), False)
+        if not self._decide(verdict["nonfinite"] or self._doomed, verdict["invalid"]):
             if scaler is not None:  # what GradScaler.update does after an overflow: back off, no step
                 scaler.update(scaler.get_scale() * scaler.get_backoff_factor())
             return False
@@ -380,18 +392,13 @@ class FSDPCompression:
     def _device(self) -> torch.device:
         return self._bad.device if self._bad is not None else next(iter(self._params.values()))[0].device
 
-    def _agree(self, device: torch.device, new: bool) -> Tuple[bool, bool, bool]:
-        """Over every rank: (a reduced shard since the last decision was not finite, a received
-        payload was invalid, ``new`` on some rank). One small all-reduce and one host read."""
-        flags = torch.zeros(3, dtype=torch.float32, device=device)
-        if new:
-            flags[2] = 1.0
-        for i, flag in enumerate((self._bad, self._txn.flagged())):
-            if flag is not None:  # device flags of the group's device, copied there without a read
-                flags[i].copy_(flag.reshape(()))
-        dist.all_reduce(flags, group=self.group)
-        nonfinite, invalid, anywhere = (v > 0 for v in flags.tolist())  # the one host read
-        return nonfinite, invalid, anywhere
+    def _agree(self, device: torch.device, new: bool) -> Verdict:
+        """Over every rank (the decision's flags): ``nonfinite``, a reduced shard since the last
+        decision was not finite; ``invalid``, a received payload was invalid; ``new``, ``new``
+        on some rank. One small all-reduce and one host read; the device flags stay on the
+        device until then."""
+        return self.decision.reduce({"nonfinite": self._bad, "invalid": self._txn.flagged(), "new": new},
+                                    device=device)
 
     def _decide(self, bad: bool, invalid: bool) -> bool:
         """End the open decision (the same arguments on every rank): keep its compression state,
@@ -399,20 +406,18 @@ class FSDPCompression:
         same ``ValueError`` on every rank). True when kept."""
         txn, self._txn = self._txn, Transaction()
         problems = txn.problems if invalid else []  # read only when some rank flagged a payload
-        undo = bad or invalid
-        if undo:
+        keep = not (bad or invalid)
+        if self._doomed:  # a micro-batch of this step was undone and counted it (_reopen): undo the rest
             txn.rollback()
-            if not self._doomed:  # a micro-batch of this step already counted it (_reopen)
-                self.skipped += 1
         else:
-            txn.commit()
+            self.decision.settle(keep, txn)
         self._bad, self._doomed, self._outside = None, False, False
         self._reduced.clear()
         self._sent.clear()
         if invalid:  # the same ValueError on every rank, naming the rank that found it
             agree({}, self.group, "at compress_fsdp's step decision",
                   problem=f"compress_fsdp: {'; '.join(problems)}; the iteration was undone" if problems else None)
-        return not undo
+        return keep
 
     def _grads_cleared(self) -> bool:
         """Whether some module reduce-scattered since the last decision has had its gradients
@@ -434,7 +439,8 @@ class FSDPCompression:
         - The next micro-batch of the same step (accumulation with a synced backward each): the
           decision stays open for step(); a non-finite micro-batch is undone now and step() will
           skip, so no residual ever holds a non-finite value."""
-        nonfinite, invalid, new = self._agree(device, self._outside or self._grads_cleared())
+        verdict = self._agree(device, self._outside or self._grads_cleared())
+        nonfinite, invalid, new = verdict["nonfinite"], verdict["invalid"], verdict["new"]
         if new or invalid:
             if new and not self._warned:
                 self._warned = True
@@ -451,9 +457,10 @@ class FSDPCompression:
         self._reduced.clear()
         self._bad = None  # read: finite so far, or undone below
         if nonfinite:
-            self._txn.rollback()
-            if not self._doomed:
-                self.skipped += 1
+            if self._doomed:  # counted already, by the micro-batch that doomed the step
+                self._txn.rollback()
+            else:  # the step is skipped: counted now, its residuals undone
+                self.decision.settle(False, self._txn)
                 self._doomed = True
 
     # ---- checkpoints -------------------------------------------------------------------------

@@ -43,7 +43,9 @@ whole parameter group, so precision does not change with the number of ranks.
 **Step.** ``step()`` decodes one tensor's state (in the dtype the inner optimizer made it),
 runs the inner optimizer on that tensor alone, re-encodes it, then goes to the next tensor:
 at most one tensor's state is decoded at any time. A step whose gradients are not all finite
-changes nothing (no state, no parameter) and is counted in :attr:`LowBitState.skipped`.
+changes nothing (no state, no parameter) and is counted in :attr:`LowBitState.skipped`, the
+counter of its :class:`~gradcomp.training.step.StepDecision` (``decision``; this rank's
+gradients alone: nothing is reduced, the caller's are the same on every rank or its own).
 
 **Checkpoints.** ``state_dict()`` holds each pack as a plain dict (``PackedState.to_saved``:
 tensors, ints, strings; loads with ``weights_only=True``); ``load_state_dict`` puts packs back
@@ -59,6 +61,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional,
 import torch
 
 from gradcomp.compress.transaction import all_finite
+from gradcomp.training.step import StepDecision
 from gradcomp.kernels import rng
 
 from gradcomp.training.wrapper import Wrapper
@@ -538,9 +541,18 @@ class LowBitState(Wrapper):
         self._quantize = quantize if quantize is not None else (lambda t: t.numel() >= self.min_numel)
         self._breaks = breaks
         self._starts: Dict[int, Optional[torch.Tensor]] = {}  # tensor position -> its blocks' starts
-        self.skipped = 0  # steps refused because a gradient was not finite
+        self.decision = StepDecision(None, "LowBitState")  # skipped: steps refused, a gradient not finite
         self._draws: Dict[int, int] = {}  # tensor position -> encodes so far (the rounding stream's step)
         self._residuals: Dict[Tuple[int, str], torch.Tensor] = {}  # feedback residuals between decode and encode
+
+    @property
+    def skipped(self) -> int:
+        """Steps refused because a gradient was not finite (the step decision's counter)."""
+        return self.decision.skipped
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        self.decision.skipped = value
 
     def __repr__(self) -> str:
         return f"LowBitState({self.optimizer!r}, bits={self.bits}, compensation={self.compensation})"
@@ -597,8 +609,7 @@ class LowBitState(Wrapper):
                 loss = closure()
         tensors = [(i, p) for i, p in enumerate(p for g in self.param_groups for p in g["params"])
                    if p.grad is not None]
-        if not all_finite([p.grad for _, p in tensors]):
-            self.skipped += 1
+        if not self.decision.settle(all_finite([p.grad for _, p in tensors])):  # nothing changed: skipped
             return loss
         for index, p in tensors:
             self._decode(index, p)

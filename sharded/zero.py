@@ -12,9 +12,10 @@ per group, one flat tensor of its shard — the **master copy** of those element
    dense (gradcomp's one rounding rule) or compressed with error feedback on the sender
    (``collectives/shards.py``). With ``stage=2`` the bucket's ``.grad`` tensors are freed as it
    leaves; with ``stage=1`` they stay;
-2. ``step()``: every rank checks its reduced shard; one flag all-reduce lets every rank skip
-   a non-finite step together (nothing changes: error feedback undone, no inner step) or
-   raise together when one rank's exchange failed. Otherwise the inner optimizer — any
+2. ``step()``: every rank checks its reduced shard; one flag all-reduce (the optimizer's
+   :class:`~gradcomp.training.step.StepDecision`, ``opt.decision``) lets every rank skip a
+   non-finite step together (nothing changes: error feedback undone, no inner step; counted in
+   ``skipped``) or raise together when one rank's exchange failed. Otherwise the inner optimizer — any
    ``torch.optim`` class, built on the shard tensors with the groups' hyper-parameters — steps
    the master shard;
 3. an **all-gather** of the master shards writes the parameters of every rank: exact (fp32),
@@ -55,10 +56,11 @@ import torch
 
 from gradcomp.collectives import rank_of, world_of
 from gradcomp.collectives import worker
-from gradcomp.collectives.shards import all_gather, any_rank, reduce_scatter
+from gradcomp.collectives.shards import all_gather, reduce_scatter
 from gradcomp.compress import ErrorFeedback, as_codec
 from gradcomp.compress.transaction import Transaction, nonfinite
 from gradcomp.training.buckets import BucketLauncher
+from gradcomp.training.step import StepDecision
 from gradcomp.training.wrapper import Wrapper, broadcast_params
 from gradcomp.collectives.identity import agree, describe_params, fingerprint, names_of
 
@@ -160,7 +162,9 @@ class ShardedOptimizer(Wrapper):
         self.grad_feedback = _feedback(compressor, compressor_options or {}, "compressor")
         self.weight_feedback = _feedback(weight_compressor, weight_options or {}, "weight_compressor")
         self.optimizer_class = optimizer_class
-        self.skipped = 0  # steps skipped together because a reduced gradient was not finite
+        # the step decision (its skipped counter: steps skipped together because a reduced gradient
+        # or the last weight gather was not finite)
+        self.decision = StepDecision(process_group, "ShardedOptimizer")
         groups = _groups(params)
         self._all = [p for g in groups for p in g["params"]]  # layer numbers: positions here, frozen included
         self.names = names_of(self._all, model)
@@ -206,6 +210,16 @@ class ShardedOptimizer(Wrapper):
         self._pending: Dict[int, torch.futures.Future] = {}  # piece -> its all-gather, in flight
         self._hooks = self._hook(model) if prefetch and model is not None else []  # prefetch needs model (checked)
         self._reset()
+
+    @property
+    def skipped(self) -> int:
+        """Steps skipped on every rank together (a reduced gradient or the last weight gather not
+        finite on some rank): the step decision's counter."""
+        return self.decision.skipped
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        self.decision.skipped = value
 
     # ---- construction -----------------------------------------------------------------------
     def _check_dtypes(self) -> None:
@@ -337,28 +351,26 @@ class ShardedOptimizer(Wrapper):
         device = self.masters[0].device
         g_flag = None if gathered is None else gathered.flagged()
         g_bad = False if gathered is None else gathered.nonfinite(device)
-        failed, infinite, g_failed, g_infinite = any_rank(
-            [failure, witness if error is None else True, False if g_flag is None else g_flag, g_bad], self.group)
-        bad = failed or infinite or g_failed or g_infinite
+        verdict = self.decision.reduce({"failed": failure, "nonfinite": witness if error is None else True,
+                                        "gather failed": False if g_flag is None else g_flag,
+                                        "gather nonfinite": g_bad})
+        failed, g_failed = verdict["failed"], verdict["gather failed"]
         problems = txn.problems if failed and local is not None else []  # read only when something failed
         g_problems = gathered.problems if gathered is not None and g_failed and g_flag is not None else []
         self._reset()
         if gathered is not None:
-            gathered.rollback() if g_failed or g_infinite else gathered.commit()
-        if bad:
+            gathered.rollback() if g_failed or verdict["gather nonfinite"] else gathered.commit()
+        if failed or g_failed:  # undone and raised on every rank (not a skipped step)
             txn.rollback()
             if error is not None:
                 raise error
             if problems or g_problems:
                 said = "; ".join(problems + [f"the last step's weight all-gather: {p}" for p in g_problems])
                 raise ValueError(f"ShardedOptimizer: {said}; this step changed nothing")
-            if failed or g_failed:
-                raise ValueError("ShardedOptimizer: the gradient exchange or the last weight all-gather failed on "
-                                 "another rank (the error is raised there); this step changed nothing")
-            self.skipped += 1
-            return None
-        txn.commit()
-        return pieces
+            raise ValueError("ShardedOptimizer: the gradient exchange or the last weight all-gather failed on "
+                             "another rank (the error is raised there); this step changed nothing")
+        # not finite on some rank: undone and skipped on every rank (the decision counts it)
+        return pieces if self.decision.settle(verdict.clean, txn) else None
 
     def _shard_grads(self, pieces: List[Optional[torch.Tensor]]) -> List[torch.Tensor]:
         grads = [torch.zeros_like(m) for m in self.masters]

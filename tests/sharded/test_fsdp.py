@@ -188,6 +188,7 @@ def _compressed_run(rank, world):
             out["skip_kept_weights"] = all(torch.equal(a, b) for a, b in zip(before[1], _locals(model)))
     final = _locals(model)
     out["skipped"] = h.skipped
+    out["decision"] = type(h.decision).__name__ == "StepDecision" and h.decision.skipped == h.skipped
     # error feedback per shard: sum_t out_t + (1/w) sum_{r != me} e_{r->me} == sum_t mean_r(piece_me of input_r)
     residuals = h.state_dict()["reduce_scatter"]["state"]
     gathered = [None] * world
@@ -581,7 +582,8 @@ def _open_decisions(rank):
             torch.nn.functional.cross_entropy(model(xs[rank::2]), ys[rank::2]).backward()
             h.step(opt)
         opt.zero_grad()
-    out["shared_layer_syncs"] = sum(n for site, n in syncs.sites.items() if "sharded/fsdp.py" in site)
+    out["shared_layer_syncs"] = sum(n for site, n in syncs.sites.items()
+                                    if "sharded/fsdp.py" in site or "training/step.py" in site)
     return out
 
 
@@ -644,11 +646,13 @@ def test_compress_fsdp_on_two_ranks(ranks):
         assert r["dense_bf16"] == (True, True), "dense custom reduce-scatter differs from FSDP2's (bf16 reduce)"
         c = r["compressed"]
         assert c["stepped"] == [True, False, True, True, True, True] and c["skipped"] == 1
+        assert c["decision"], "skipped is not the counter of the handle's StepDecision"
         assert c["skip_kept_state"] and c["skip_kept_weights"], "a skipped step changed the state or weights"
         assert c["ef_calls"] > 0 and c["ef_worst"] < 1e-5, f"error feedback lost mass: {c['ef_worst']}"
         assert c["regathers"][0] > 0 and c["regathers"][1], "a re-gather of unchanged weights gave other bits"
         assert c["resume_identical"], "resuming from the checkpoint did not continue bit for bit"
-        ours = {site: n for site, n in c["syncs"].items() if "sharded/fsdp.py" in site}
+        # compress_fsdp's own reads and its step decision's (gradcomp.training.step)
+        ours = {site: n for site, n in c["syncs"].items() if "sharded/fsdp.py" in site or "training/step.py" in site}
         assert sum(ours.values()) == 1, f"compress_fsdp's own host syncs per step (the decision only): {ours}"
         # every exchange of a step after the first travels on its agreed layout: no size round, no parsing
         wire = {site: n for site, n in c["syncs"].items() if "collectives/" in site}

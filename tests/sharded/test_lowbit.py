@@ -230,7 +230,7 @@ def test_scheduler_and_nonfinite_step():
     before, state = p.detach().clone(), copy.deepcopy(opt.state_dict())
     p.grad = torch.full_like(p, float("inf"))
     opt.step()
-    assert torch.equal(p, before) and opt.skipped == 1
+    assert torch.equal(p, before) and opt.skipped == 1 and opt.decision.skipped == 1
     after = opt.state_dict()
     assert torch.equal(after["state"][0]["exp_avg"]["codes"], state["state"][0]["exp_avg"]["codes"])
     assert after["state"][0]["exp_avg"]["packed_state"] == PackedState.VERSION  # saved as a plain dict

@@ -327,6 +327,7 @@ def case_nonfinite(rank, world):
     unchanged = torch.equal(before_params, _flat(model)) and all(
         _equal(after_opt[k], before_opt[k]) for k in before_opt if k != "skipped")
     return {"unchanged": unchanged, "skipped": opt.skipped,
+            "decision": (type(opt.decision).__name__, opt.decision.skipped, opt.optimizer.skipped),
             "goes_on": _run(model, opt, rank, world, 1, start=10)}
 
 
@@ -662,6 +663,8 @@ def test_nonfinite_step_changes_nothing_anywhere(results):
     for r in results[2]:
         n = r["nonfinite"]
         assert n["unchanged"] and n["skipped"] == 1 and n["goes_on"]
+        # skipped is the step decision's counter; the inner 8-bit state never saw the step
+        assert n["decision"] == ("StepDecision", 1, 0), n["decision"]
 
 
 def test_a_refused_gradient_raises_everywhere_and_changes_nothing(results):
