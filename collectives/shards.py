@@ -58,9 +58,13 @@ def _label(compressor: Any) -> str:
 
 
 def reduce_scatter(flat: torch.Tensor, splits: Sequence[int], *, compressor: Any = None, key: str = "rs",
-                   group=None, layouts: Optional[dict] = None) -> torch.Tensor:
+                   group=None, layouts: Optional[dict] = None, out: Optional[torch.Tensor] = None,
+                   consume: bool = False) -> torch.Tensor:
     """The mean over ranks of this rank's piece of ``flat`` (1-D, ``sum(splits)`` elements), a
-    new tensor of ``splits[rank]`` elements in ``flat``'s dtype. ``flat`` is left unchanged.
+    new tensor of ``splits[rank]`` elements in ``flat``'s dtype (or ``out``, written and
+    returned: a tensor of that size and dtype, e.g. the buffer a caller's framework reduces
+    into). ``flat`` is left unchanged unless ``consume`` (the caller drops it after the call: the
+    dense exchange then scales it in place instead of copying it).
 
     ``layouts``: a dict the caller keeps across calls when every rank makes the same calls
     with the same splits and compressor (a sharded optimizer's buckets): after the first
@@ -69,29 +73,38 @@ def reduce_scatter(flat: torch.Tensor, splits: Sequence[int], *, compressor: Any
     rec, comm, sizes = _begin("reduce_scatter", compressor, key, group, splits, flat)
     if flat.dim() != 1 or flat.numel() != sum(sizes):
         raise ValueError(f"reduce_scatter: expected a 1-D tensor of {sum(sizes)} elements, got shape {tuple(flat.shape)}")
+    if out is not None and (out.numel() != sizes[comm.rank] or out.dtype != flat.dtype or out.device != flat.device):
+        raise ValueError(f"reduce_scatter: out must hold {sizes[comm.rank]} elements of {flat.dtype} on {flat.device}, "
+                         f"got {out.numel()} of {out.dtype} on {out.device}")
     pieces = list(flat.split(sizes))
     if comm.size == 1:
-        out = pieces[0].clone()
+        out = pieces[0].clone() if out is None else out.view(-1).copy_(pieces[0]).view_as(out)
     elif compressor is None:
-        out = _dense_reduce(comm, flat, sizes)
+        out = _dense_reduce(comm, flat, sizes, out, consume)
     else:
-        out = _compressed_reduce(comm, pieces, sizes, compressor, key, rec, layouts)
+        out = _compressed_reduce(comm, pieces, sizes, compressor, key, rec, layouts, out)
     commit(rec)
     return out
 
 
-def _dense_reduce(comm: Comm, flat: torch.Tensor, sizes: List[int]) -> torch.Tensor:
-    scaled = scale_(flat.detach().clone(), comm.size)
+def _dense_reduce(comm: Comm, flat: torch.Tensor, sizes: List[int], out: Optional[torch.Tensor] = None,
+                  consume: bool = False) -> torch.Tensor:
+    scaled = scale_(flat.detach() if consume else flat.detach().clone(), comm.size)
     got = comm.all_to_all(scaled, sizes, [sizes[comm.rank]] * comm.size)
     blocks = got.split(sizes[comm.rank])
-    out = blocks[0].clone()
+    if out is None:
+        out = blocks[0].clone()
+    else:
+        out.view(-1).copy_(blocks[0])
+    acc = out.view(-1)
     for b in blocks[1:]:
-        out += b
+        acc += b
     return out
 
 
 def _compressed_reduce(comm: Comm, pieces: List[torch.Tensor], sizes: List[int], compressor: Any, key: str,
-                       rec: Record, layouts: Optional[dict] = None) -> torch.Tensor:
+                       rec: Record, layouts: Optional[dict] = None,
+                       into: Optional[torch.Tensor] = None) -> torch.Tensor:
     me, device = comm.rank, pieces[0].device
     sig = ("reduce_scatter", key, tuple(sizes), repr(compressor), comm.size)
     agreed = layouts.get(sig) if layouts is not None and getattr(compressor.base, "fixed_size", False) else None
@@ -122,16 +135,17 @@ def _compressed_reduce(comm: Comm, pieces: List[torch.Tensor], sizes: List[int],
             layouts[sig] = ([None if p is None else Template(p, 0) for p in payloads],
                             None if theirs is None else Template(theirs, 0))
     with rec.timing("decompress"):
-        out = torch.zeros(sizes[me], dtype=pieces[me].dtype, device=device)
+        out = torch.zeros(sizes[me], dtype=pieces[me].dtype, device=device) if into is None else \
+            into.view(-1).zero_()
         if not sizes[me]:
-            return out
+            return out if into is None else into
         for r, p in enumerate(received):
             if r == me:
                 out += pieces[me]
             else:
                 compressor.base.decompress_into(p, out, accumulate=True)
         scale_(out, comm.size)
-    return out
+    return out if into is None else into
 
 
 def _safe(compressor: Any, payload: Any, key: str, rank: int) -> Any:

@@ -337,12 +337,11 @@ class FSDPCompression:
         backward = _backward()
         if key in self._reduced and (backward == -1 or self._reduced[key] != backward):
             self._reopen(flat.device)  # a second backward since the last decision (one may reduce twice)
-        with self._txn.active():
-            out = reduce_scatter(flat, [output.numel()] * world, compressor=self.grad_codec, key=key, group=group,
-                                 layouts=self._layouts)
+        with self._txn.active():  # straight into FSDP's output; FSDP drops its input after the call
+            reduce_scatter(flat, [output.numel()] * world, compressor=self.grad_codec, key=key, group=group,
+                           layouts=self._layouts, out=output, consume=True)
         if scale != 1.0:
-            out.mul_(scale)
-        output.copy_(out)
+            output.mul_(scale)
         bad = torch.isfinite(output).logical_not().any()
         self._bad = bad if self._bad is None else self._bad.logical_or(bad)
         self._reduced[key] = backward
