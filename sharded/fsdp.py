@@ -45,7 +45,9 @@ on every rank. No payload outlives its step decision, so between steps nothing t
 uses lives outside it and the model's and optimizer's checkpoints: a resume continues bit for
 bit, frozen parameters included. Supported: ``MixedPrecisionPolicy`` (param and reduce dtypes),
 ``set_gradient_divide_factor``, ``set_requires_gradient_sync(False)`` accumulation,
-``reshard_after_forward`` True/False, ``unshard()``. Refused: HSDP (a 2-D mesh), torch < 2.9,
+``reshard_after_forward`` True/False, ``unshard()``, and HSDP with a compressed all-reduce between
+the replicas (``replicate=``, see :func:`compress_fsdp`). Refused: a model sharded on a 2-D mesh
+(FSDP2's own HSDP, whose dense all-reduce FSDP runs itself), torch < 2.9,
 multi-round compressors (PowerSGD), a compressed all-gather of mixed-dtype modules. See
 docs/fsdp.md.
 """
@@ -59,11 +61,13 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from gradcomp.collectives import allreduce_fused
 from gradcomp.collectives.identity import Identity, agree, describe_params, fingerprint, refuse_on_every_rank
 from gradcomp.collectives.shards import all_gather, reduce_scatter
 from gradcomp.compress import as_codec
 from gradcomp.compress.transaction import Transaction
 from gradcomp.training.step import StepDecision, Verdict
+from gradcomp.training.wrapper import broadcast_params
 
 __all__ = ["compress_fsdp", "FSDPCompression", "MIN_TORCH"]
 
@@ -192,11 +196,48 @@ def _mesh_problem(meshes: List[Any]) -> Optional[str]:
     if not meshes:
         return "the model has no parameter under fully_shard; call fully_shard on its modules first"
     if any(m.ndim != 1 for m in meshes):
-        return ("HSDP (a 2-D device mesh) is not supported: the replicas' all-reduce after the reduce-scatter would "
-                "stay dense and its divide factor spans both dimensions; shard on a 1-D mesh")
+        return ("the model is sharded on a 2-D device mesh (FSDP2's own HSDP), whose all-reduce between replicas "
+                "FSDP runs itself, dense; for HSDP with compression shard on the mesh's shard dimension "
+                "(fully_shard(m, mesh=mesh['shard'])) and pass compress_fsdp(model, replicate=mesh, "
+                "replicate_compressor=...)")
     if len({id(m) for m in meshes}) > 1 and len({tuple(m.mesh.flatten().tolist()) for m in meshes}) > 1:
         return "the FSDP modules shard over different device meshes; compress_fsdp needs one mesh for the model"
     return None
+
+
+def _replicate_groups(replicate: Any, shard_group: Any) -> Tuple[Any, Any, int]:
+    """(the replicas' group of this rank, the group of every rank of the model, the number of
+    replicas) from ``replicate``: None (plain FSDP), a 2-D ``DeviceMesh`` (replicate x shard:
+    its dimension named ``"replicate"``, else its first) whose other dimension is the shard
+    group, or the process group of this rank's replicas (then the model spans every rank)."""
+    if replicate is None:
+        return None, shard_group, 1
+    shard_ranks = sorted(dist.get_process_group_ranks(shard_group))
+    if hasattr(replicate, "get_group"):
+        if replicate.ndim != 2:
+            raise ValueError(f"compress_fsdp: replicate must be a 2-D DeviceMesh (replicate x shard), got a "
+                             f"{replicate.ndim}-D one")
+        names = list(getattr(replicate, "mesh_dim_names", None) or ())
+        dim = names.index("replicate") if "replicate" in names else 0
+        group = replicate.get_group(dim)
+        other = replicate.get_group(1 - dim)
+        if sorted(dist.get_process_group_ranks(other)) != shard_ranks:
+            raise ValueError("compress_fsdp: the model is not sharded on the replicate mesh's shard dimension; "
+                             "call fully_shard(m, mesh=mesh['shard']) (the mesh's other dimension)")
+        ranks = sorted(int(r) for r in replicate.mesh.flatten().tolist())
+        span = None if ranks == list(range(dist.get_world_size())) else dist.new_group(ranks)
+        return group, span, dist.get_world_size(group)
+    replicas = dist.get_world_size(replicate)
+    if replicas * len(shard_ranks) != dist.get_world_size():
+        raise ValueError(f"compress_fsdp: replicate is a process group of {replicas} ranks and the shard group has "
+                         f"{len(shard_ranks)}, but the world has {dist.get_world_size()}; pass the 2-D DeviceMesh")
+    return replicate, None, replicas
+
+
+def _broadcast_shards(params: Sequence[torch.nn.Parameter], group: Any) -> None:
+    """Every replica's shards from the group's first rank (the same shards: the same position)."""
+    with torch.no_grad():
+        broadcast_params([p.to_local() if hasattr(p, "to_local") else p for p in params], group)
 
 
 class FSDPCompression:
@@ -207,8 +248,9 @@ class FSDPCompression:
     hold this rank's residuals; ``describe()`` says what runs where."""
 
     def __init__(self, model: torch.nn.Module, compressor: Any, all_gather_spec: Any,
-                 compressor_options: Optional[Mapping[str, Any]], all_gather_options: Optional[Mapping[str, Any]]
-                 ) -> None:
+                 compressor_options: Optional[Mapping[str, Any]], all_gather_options: Optional[Mapping[str, Any]],
+                 replicate: Any = None, replicate_compressor: Any = None,
+                 replicate_options: Optional[Mapping[str, Any]] = None) -> None:
         problem = _torch_problem()
         if problem:
             raise RuntimeError(problem)
@@ -221,15 +263,23 @@ class FSDPCompression:
             raise ValueError(f"compress_fsdp: {problem}")
         self.group = meshes[0].get_group()
         self.world, self.rank = dist.get_world_size(self.group), dist.get_rank(self.group)
+        # HSDP: the replicas' all-reduce after the reduce-scatter (None: plain FSDP); ``span`` is
+        # every rank of the model (the step decision's group: the replicas decide together)
+        self.replicate, self.span, self.replicas = _replicate_groups(replicate, self.group)
         names = {id(p): n for n, p in model.named_parameters()}
         self.keys = [fqn or ROOT for fqn, _, _ in modules]
         self._params = {k: ps for k, (_, _, ps) in zip(self.keys, modules)}
         problem = ""
         self.grad_codec: Any = None
         self.weight_codec: Any = None
+        self.replica_codec: Any = None
         try:
             self.grad_codec = self._codec(compressor, compressor_options, "compressor")
             self.weight_codec = self._codec(all_gather_spec, all_gather_options, "all_gather")
+            self.replica_codec = self._codec(replicate_compressor, replicate_options, "replicate_compressor")
+            if self.replicate is None and (replicate_compressor is not None or replicate_options):
+                raise ValueError("replicate_compressor: it compresses HSDP's all-reduce between replicas; pass "
+                                 "replicate= (the 2-D DeviceMesh) too, or leave it out")
             if self.weight_codec is not None:
                 mixed = [k for k, ps in self._params.items() if len({p.dtype for p in ps}) > 1]
                 if mixed:
@@ -239,12 +289,16 @@ class FSDPCompression:
             problem = str(exc)
         self._config = {"torch": str(torch.__version__), "compressor": repr(self.grad_codec),
                         "all_gather": repr(self.weight_codec), "setup problem": problem or "none",
+                        "replicas": str(self.replicas), "replicate_compressor": repr(self.replica_codec),
                         "modules": describe_params([(f"{k}:{names.get(id(p), '?')}", p)
                                                     for k, ps in self._params.items() for p in ps])}
-        agree(self._config, self.group, _WHEN)  # one error on every rank when they differ
+        agree(self._config, self.span, _WHEN)  # one error on every rank when they differ
         if problem:
             raise ValueError(problem)
-        self.decision = StepDecision(self.group, "compress_fsdp")  # the step decision, and its skipped counter
+        if self.replicate is not None:  # the replicas start equal: every shard from the first replica's
+            _broadcast_shards([p for ps in self._params.values() for p in ps], self.replicate)
+        self.decision = StepDecision(self.span, "compress_fsdp")  # the step decision, and its skipped counter
+        self._replica_layouts: Dict[Any, Any] = {}  # the replicas' exchange per module, agreed after the first
         self._txn = Transaction()
         # each module's pieces are the same at every step: after the first, checked reduce-scatter
         # and all-gather, its payloads travel on their agreed layouts (no size exchange, no parsing)
@@ -340,6 +394,13 @@ class FSDPCompression:
         with self._txn.active():  # straight into FSDP's output; FSDP drops its input after the call
             reduce_scatter(flat, [output.numel()] * world, compressor=self.grad_codec, key=key, group=group,
                            layouts=self._layouts, out=output, consume=True)
+            if self.replicate is not None:  # HSDP: the mean over the replicas of this shard, in place
+                mean = allreduce_fused([(f"{key}/replicas", output, "none" if self.replica_codec is None
+                                         else self.replica_codec)], self.replicate, layouts=self._replica_layouts,
+                                       into=True)[0]
+                if mean is not output:
+                    output.copy_(mean)
+                scale = _op_scale(op, world * self.replicas)
         if scale != 1.0:
             output.mul_(scale)
         bad = torch.isfinite(output).logical_not().any()
@@ -414,7 +475,7 @@ class FSDPCompression:
         self._reduced.clear()
         self._sent.clear()
         if invalid:  # the same ValueError on every rank, naming the rank that found it
-            agree({}, self.group, "at compress_fsdp's step decision",
+            agree({}, self.span, "at compress_fsdp's step decision",
                   problem=f"compress_fsdp: {'; '.join(problems)}; the iteration was undone" if problems else None)
         return keep
 
@@ -464,7 +525,7 @@ class FSDPCompression:
 
     # ---- checkpoints -------------------------------------------------------------------------
     def _identity(self) -> Identity:
-        return Identity(owner="compress_fsdp", rank=self.rank, world=self.world,
+        return Identity(owner="compress_fsdp", rank=self.rank, world=self.world * self.replicas,
                         config=fingerprint(repr(sorted((k, v) for k, v in self._config.items()
                                                        if k != "modules"))),
                         params=fingerprint(self._config["modules"]))
@@ -474,7 +535,8 @@ class FSDPCompression:
         with whose they are. Save it between steps."""
         return {"identity": self._identity().to_dict(), "skipped": self.skipped,
                 "reduce_scatter": None if self.grad_codec is None else self.grad_codec.state_dict(),
-                "all_gather": None if self.weight_codec is None else self.weight_codec.state_dict()}
+                "all_gather": None if self.weight_codec is None else self.weight_codec.state_dict(),
+                "replicas": None if self.replica_codec is None else self.replica_codec.state_dict()}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Load this rank's :meth:`state_dict`; every rank raises the same ``ValueError``
@@ -490,8 +552,9 @@ class FSDPCompression:
                 problem = str(exc)
             if problem and "world" in problem:
                 problem += " (the residuals are owed to the pieces of that world size's shards; no resharding)"
-        refuse_on_every_rank(problem, self.group, "compress_fsdp.load_state_dict")
-        for codec, part in ((self.grad_codec, "reduce_scatter"), (self.weight_codec, "all_gather")):
+        refuse_on_every_rank(problem, self.span, "compress_fsdp.load_state_dict")
+        for codec, part in ((self.grad_codec, "reduce_scatter"), (self.weight_codec, "all_gather"),
+                            (self.replica_codec, "replicas")):
             if codec is not None:
                 codec.load_state_dict(state[part])
         self.skipped = int(state.get("skipped", 0))
@@ -500,12 +563,16 @@ class FSDPCompression:
         self._outside = self._doomed = False
         self._sent.clear()  # the next gather compresses the loaded weights with the loaded residual
         self._layouts.clear()  # and the next exchanges are checked again
+        self._replica_layouts.clear()
 
     def describe(self) -> str:
         """What runs on which module, one line each."""
         rs = "dense (gradcomp's mean)" if self.grad_codec is None else f"{self.grad_codec!r}, EF per piece"
         ag = "FSDP's own (exact)" if self.weight_codec is None else f"{self.weight_codec!r}, EF on the weights"
-        lines = [f"compress_fsdp: {len(self.keys)} FSDP modules on {self.world} ranks; reduce-scatter {rs}; "
+        hsdp = "" if self.replicate is None else (
+            f" x {self.replicas} replicas (their all-reduce "
+            f"{'dense' if self.replica_codec is None else repr(self.replica_codec) + ', EF per shard'})")
+        lines = [f"compress_fsdp: {len(self.keys)} FSDP modules on {self.world} ranks{hsdp}; reduce-scatter {rs}; "
                  f"all-gather {ag}; {self.skipped} steps skipped"]
         lines += [f"  {k}: {sum(p.numel() for p in self._params[k])} parameters" for k in self.keys]
         return "\n".join(lines)
@@ -513,11 +580,19 @@ class FSDPCompression:
 
 def compress_fsdp(model: torch.nn.Module, compressor: Any = "int8", *, all_gather: Any = None,
                   compressor_options: Optional[Mapping[str, Any]] = None,
-                  all_gather_options: Optional[Mapping[str, Any]] = None) -> FSDPCompression:
+                  all_gather_options: Optional[Mapping[str, Any]] = None, replicate: Any = None,
+                  replicate_compressor: Any = None,
+                  replicate_options: Optional[Mapping[str, Any]] = None) -> FSDPCompression:
     """Put gradcomp's reduce-scatter (``compressor``: a name, a ``Compressor``, or None for
     dense; error feedback per piece) and, with ``all_gather`` (e.g. ``"bf16"``, ``"int8"``), a
     compressed parameter all-gather (error feedback on the weights) on every FSDP module of
     ``model`` (after ``fully_shard``). Every rank must call it; ranks that disagree on the
     configuration or the model all raise the same ``ValueError``. Step with the returned
-    handle's ``step(optimizer)`` (module docstring)."""
-    return FSDPCompression(model, compressor, all_gather, compressor_options, all_gather_options)
+    handle's ``step(optimizer)`` (module docstring).
+
+    HSDP: shard with ``fully_shard(m, mesh=mesh["shard"])`` on a 2-D mesh (replicate x shard)
+    and pass ``replicate=mesh``: after each reduce-scatter the shard's mean over the replicas
+    (the slow links between nodes) goes through ``replicate_compressor`` (None: dense; any
+    single-round compressor, error feedback per shard), in FSDP's output, before FSDP reads it."""
+    return FSDPCompression(model, compressor, all_gather, compressor_options, all_gather_options,
+                           replicate, replicate_compressor, replicate_options)
