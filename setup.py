@@ -14,6 +14,8 @@ from setuptools import setup
 # behind the links. A checkout needs symlinks (git on Windows: core.symlinks=true).
 # tests/test_layout.py keeps the links, this list and the folders in step. tools/ (the GPU check,
 # one-off measurements, the pytest-benchmark file) is no package: it stays out of wheels and sdists.
+# The measured figures (bench/RESULTS.md and bench/results/: pages and plots) are documentation, not
+# package data: they stay out of wheels and sdists too (a checkout reaches them as gradcomp/bench/...).
 _PACKAGES = ["compress", "kernels", "collectives", "training", "sharded", "memory", "optim", "pipeline", "bench"]
 
 

@@ -490,7 +490,7 @@ def place_labels(fig: Any, labels: Sequence[Any]) -> None:
 
 # ---- command line ------------------------------------------------------------------------------
 DEFAULT_JSON, DEFAULT_PLOT = "gradcomp-bench-memory.json", "gradcomp-bench-memory.png"
-DEFAULT_SCALE = 0.25  # batch scale: the default run stays under 2 minutes on 2 cores; 1 is section 11's size
+DEFAULT_SCALE = 0.25  # batch scale: the default run stays under 2 minutes on 2 cores; 1: bench/results/memory.md
 
 
 def parser() -> argparse.ArgumentParser:
@@ -504,7 +504,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="all", choices=MODELS + ("all",), help="the chain (default: all three)")
     p.add_argument("--scale", type=float, default=DEFAULT_SCALE, metavar="F",
                    help=f"batch size as a multiple of the chain's full batch (default {DEFAULT_SCALE:g}: MLP 64, "
-                        "ResNet-like 8, transformer-like 2; 1 for bench/RESULTS.md section 11's sizes)")
+                        "ResNet-like 8, transformer-like 2; 1 for the sizes of bench/results/memory.md)")
     p.add_argument("--budgets", default="0.5,0.25", metavar="F,F",
                    help="planner budgets as fractions of the no-saving peak (default 0.5,0.25); the peak of each "
                         "checkpoint_sequential run is added")

@@ -16,8 +16,8 @@ each algorithm is in it: a ring allreduce sends ``2 (w - 1) / w`` of the tensor,
 ``w - 1`` payloads, scatter-reduce two partial payloads, PowerSGD its rounds of ``P`` and
 ``Q``). ``efficiency`` is the share of the nominal rate that TCP over the emulated link
 delivers to a large transfer (headers, the shaper's bursts): measured from the dense row of an
-emulated run, and ``EFFICIENCY`` otherwise (bench/RESULTS.md, section 12, where the model is
-checked against emulated runs). On a loopback run the "wire" is memory copies through the
+emulated run, and ``EFFICIENCY`` otherwise (bench/results/collectives.md, "The link model
+against emulated links", where the model is checked against emulated runs). On a loopback run the "wire" is memory copies through the
 kernel's TCP stack; they are taken out at the rate the run's own dense allreduce shows. Where it breaks down: latency measured on one link is kept
 on every other (a real network's round trip differs from the emulated one's), links whose
 rate the ranks cannot fill (a slow CPU compressing at under the link rate is in
@@ -56,7 +56,7 @@ import torch
 
 from . import spread
 
-EFFICIENCY = 0.94  # TCP payload rate over a tbf-shaped link, as a share of its nominal rate (section 12)
+EFFICIENCY = 0.94  # TCP payload rate over a tbf-shaped link, as a share of its nominal rate (bench/results/collectives.md)
 DEFAULT_LINKS = "1gbit,10gbit,25gbit,100gbit"
 _UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 

@@ -13,8 +13,9 @@ costs ~0.5 s and loading the compiled loops from the on-disk cache (``cache=True
 file or in numba's cache directory) a few tens of ms more; the first compile on a machine,
 ~0.5 s per loop and dtype, is paid once. From 2**14 elements up the fused loops were measured
 faster (ResNet-50's 23 tensors of 2**14 to 2**18 elements, one process: top-k+ef's compress
-9.9-10.0 -> 5.7-6.2 ms, onebit+ef's 8.0-9.9 -> 6.0-7.4 ms; ``python tools/cpu_paths.py
---fused-min``, RESULTS section 30); smaller tensors, where per-call costs dominate, keep the
+5.7-6.2 ms against 9.9-10.0 with the loops from 2**18 only, onebit+ef's 6.0-7.4 against 8.0-9.9;
+``python tools/cpu_paths.py --fused-min``, bench/results/kernels.md, "Fused CPU loops"); smaller
+tensors, where per-call costs dominate, keep the
 reference paths (not measured below 2**14).
 """
 from __future__ import annotations

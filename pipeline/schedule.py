@@ -151,7 +151,7 @@ def _zero_bubble(p: int, m: int, cap: Tuple[int, ...]) -> Tuple[Tuple[Action, ..
     ``W``, else its oldest ``W``; else it waits a unit. Rank 0 runs a forward it may run before
     an ``I``: its ``I`` sends no message, its forward sends the activation stage 1 waits for
     (with free links they cost the same; over a link the activation leaves a pass earlier:
-    bench/RESULTS.md 26b). Every pass is in micro-batch order."""
+    bench/results/pipeline.md#bubbles). Every pass is in micro-batch order."""
     plans: List[List[Action]] = [[] for _ in range(p)]
     f_done: Dict[Tuple[int, int], int] = {}  # (stage, mb) -> when its forward ended
     i_done: Dict[Tuple[int, int], int] = {}

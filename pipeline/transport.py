@@ -82,8 +82,9 @@ HEAD_GUESS = 512  # payload bytes read with the header: a payload's own JSON hea
 # tie by kind: in 1F1B's steady state stage 0's next activation then came before the gradient
 # the last stage had already sent, and stage 0 posted that gradient's receive only once its
 # forward was done, while gloo (whose sends move once the receive is posted) held the
-# gradient. Measured, 2 stages at 1 Gbit/s, three alternating runs each against torch's same
-# schedule (bench/RESULTS.md 26a, 26f): 1F1B 0.92-0.94x at 0 against 1.06-1.13x at 1 and 3;
+# gradient. Measured with the cost as a switch, 2 stages at 1 Gbit/s, three alternating runs each
+# against torch's same schedule (the kept order's figures: bench/results/pipeline.md,
+# "Every schedule against torch's, 1 Gbit/s"): 1F1B 0.92-0.94x at 0 against 1.06-1.13x at 1 and 3;
 # interleaved 0.77-0.78x at 0, 0.92-0.94x at 1 with links that carry any number at once,
 # 0.80-0.82x at 3 likewise, 1.01-1.02x at 3 with one message at a time per link (a 1 MB
 # message is 8 ms there, a forward 2-3 ms). 1F1B's, GPipe's and ZB-H1's orders on 2 ranks are

@@ -214,9 +214,12 @@ def test_readme_is_a_front_page():
     assert len(lines) <= 200, f"README.md has {len(lines)} lines: move the detail into docs/ (at most 200)"
 
 
-# The pages a user reads describe gradcomp as it is. How it got there (issues, commits, the
-# work's sessions and rounds, one release against another) is git's history and bench/RESULTS.md's.
-USER_PAGES = [*PAGES, ROOT / "CONTRIBUTING.md"]
+# The pages a user reads describe gradcomp as it is, the measured figures included (bench/RESULTS.md,
+# the index, and one current page per area in bench/results/). How it got there (issues, commits, the
+# work's sessions and rounds, one release against another, older measurements) is git's history.
+RESULTS = ROOT / "bench" / "RESULTS.md"
+RESULT_PAGES = sorted((ROOT / "bench" / "results").glob("*.md"))
+USER_PAGES = [*PAGES, ROOT / "CONTRIBUTING.md", RESULTS, *RESULT_PAGES]
 HISTORY = [
     ("an issue number", r"\bissues? #?\d+|(?<![\w&/#])#\d+\b|\b(pull request|PR) #?\d+"),
     ("a commit", r"`[0-9a-f]{7,40}`|\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*\d)[0-9a-f]{7,40}\b"
@@ -229,6 +232,8 @@ HISTORY = [
                                        r"|\d(x|ms|%) before\b|\d(x|ms|%)?\s*(→|->)\s*\d[\d.,–-]*\s?(x|ms|%)"
                                        r"|\b(took|cut|went|brought|dropped|rose)\b[^.]{0,60}\bfrom \d[\d.,–-]*\S* to \d"),
     ("a missed target", r"target [\d.]+x: missed"),
+    # the results are pages with headings, not a log of numbered sections: cite the page and heading
+    ("a numbered section", r"\bsections? \d+[a-z]?\b|\bRESULTS(\.md)?`?,? \d+[a-z]?\b"),
 ]
 
 
@@ -243,12 +248,13 @@ def history(text: str) -> List[Tuple[int, str, str]]:
 
 
 def test_user_pages_describe_gradcomp_as_it_is():
-    """README.md, docs/*.md and CONTRIBUTING.md cite no issue, commit, session or round of the
-    work, and compare no release with an earlier one: every offence, by file and line."""
+    """README.md, docs/*.md, CONTRIBUTING.md and the results pages cite no issue, commit, session or
+    round of the work nor a numbered section, and compare no release with an earlier one: every
+    offence, by file and line."""
     wrong = [f"{page.relative_to(ROOT)}:{n}: {what}: {words!r}"
              for page in USER_PAGES for n, what, words in history(page.read_text(encoding="utf-8"))]
-    assert not wrong, "history in pages users read (say what gradcomp does now; the history is in git " \
-                      "and bench/RESULTS.md):\n" + "\n".join(wrong)
+    assert not wrong, "history in pages users read (say what gradcomp does now; the history is in git):\n" \
+                      + "\n".join(wrong)
 
 
 def test_the_history_check_tells_history_from_technique():
@@ -263,6 +269,63 @@ def test_the_history_check_tells_history_from_technique():
     assert {w for _, w, _ in found} == {"an issue number", "a commit", "'session'", "'round' as history",
                                         "a comparison with earlier code"}
     assert len([f for f in found if f[0] == 1]) == 4 and len([f for f in found if f[0] == 2]) == 4, found
+
+
+_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+_CITE = re.compile(r"(?:\.\./)*bench/results/([\w-]+\.md)(?:#([\w-]+))?")
+
+
+def anchors(page: Path) -> set:
+    """The anchors of a page's headings as GitHub makes them (fenced code left out)."""
+    text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+    found = set()
+    for m in re.finditer(r"^#{1,6} (.+)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-")
+        found.add(slug)
+    return found
+
+
+def test_the_results_are_an_index_and_one_page_per_area():
+    """bench/RESULTS.md links every page of bench/results/; every image and page a results page
+    links exists; every plot in bench/results/ is on a page (a plot no page shows is a lost figure,
+    or history that belongs in git)."""
+    index = RESULTS.read_text(encoding="utf-8")
+    assert RESULT_PAGES, "bench/results/ has no pages"
+    for page in RESULT_PAGES:
+        assert f"(results/{page.name})" in index, f"bench/RESULTS.md does not link results/{page.name}"
+    shown = set()
+    for page in [RESULTS, *RESULT_PAGES]:
+        for target in _LINK.findall(page.read_text(encoding="utf-8")):
+            if "://" in target:
+                continue
+            path = (page.parent / target.split("#")[0]).resolve()
+            assert path.exists(), f"{page.relative_to(ROOT)} links {target}, which does not exist"
+            shown.add(path)
+    plots = {p.resolve() for p in (ROOT / "bench" / "results").glob("*.png")}
+    assert plots <= shown, f"plots on no results page: {sorted(p.name for p in plots - shown)}"
+
+
+def test_citations_of_the_results_name_a_page_and_heading_that_exist():
+    """Code, tests, tools and pages cite the results by page (and heading), never by a numbered
+    section of bench/RESULTS.md; each cited page and heading exists."""
+    files = [*USER_PAGES]
+    for folder in ("bench", "collectives", "compress", "kernels", "memory", "optim", "pipeline", "sharded",
+                   "training", "tests", "tools", "examples"):
+        files += sorted((ROOT / folder).rglob("*.py"))
+    wrong, cited = [], 0
+    for f in files:
+        text = f.read_text(encoding="utf-8")
+        for m in re.finditer(r"RESULTS(\.md)?['`\"]*,?\s+(sections?\s+)?\d+[a-z]?\b", text):
+            wrong.append(f"{f.relative_to(ROOT)}: {m.group(0)!r}")
+        for m in _CITE.finditer(text):
+            cited += 1
+            page = ROOT / "bench" / "results" / m.group(1)
+            if not page.exists():
+                wrong.append(f"{f.relative_to(ROOT)}: {m.group(0)!r}: no such page")
+            elif m.group(2) and m.group(2) not in anchors(page):
+                wrong.append(f"{f.relative_to(ROOT)}: {m.group(0)!r}: no such heading on {m.group(1)}")
+    assert not wrong, "citations of the results that do not resolve:\n" + "\n".join(wrong)
+    assert cited, "nothing cites bench/results/ (the check would pass on nothing)"
 
 
 @pytest.mark.parametrize("example, module, extra", [("train_lightning.py", "lightning", "lightning"),

@@ -71,6 +71,19 @@ def test_bench_holds_only_the_command_line():
     assert not (ROOT / "tools" / "__init__.py").exists() and (ROOT / "tools" / "gpu_check.py").is_file()
 
 
+def test_the_measured_figures_are_documentation_not_package_data():
+    """bench/RESULTS.md indexes one page per area in bench/results/ (with the plots); bench/ ships
+    as gradcomp.bench, so setup.py's package_data must not name them, and no .md or .png may sit
+    in a package folder that would make setuptools pick it up as a module."""
+    tree = ast.parse((ROOT / "setup.py").read_text(encoding="utf-8"))
+    data = next(kw.value for node in ast.walk(tree) if isinstance(node, ast.Call)
+                for kw in node.keywords if kw.arg == "package_data")
+    patterns = [p for v in ast.literal_eval(data).values() for p in v]
+    assert not [p for p in patterns if p.endswith((".md", ".png")) or "results" in p], patterns
+    assert (ROOT / "bench" / "RESULTS.md").is_file() and sorted((ROOT / "bench" / "results").glob("*.md"))
+    assert not (ROOT / "bench" / "results" / "__init__.py").exists(), "bench/results/ is pages, not a package"
+
+
 _CHECK_INSTALLED = """
 import sys
 from pathlib import Path
@@ -96,10 +109,12 @@ print("installed ok")
 def test_wheel_and_pip_install_outside_the_checkout(tmp_path):
     """``pip wheel .`` builds from a copy of the tree (the build writes build/ and *.egg-info
     where it runs); the wheel holds every module of every package folder, the kernels' CUDA
-    sources and py.typed, nothing else (tools/ not); installed with pip into a folder of its own,
-    gradcomp imports and compresses from there, not from the checkout."""
+    sources and py.typed, nothing else (tools/ not, nor the measured figures: bench/RESULTS.md and
+    bench/results/, pages and plots, are documentation that travels with the repository); installed
+    with pip into a folder of its own, gradcomp imports and compresses from there, not from the
+    checkout."""
     tree = tmp_path / "tree"
-    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "results", "build", "*.egg-info")
+    skip = shutil.ignore_patterns("__pycache__", "*.pyc", "build", "*.egg-info")  # bench/results/ too: it must not ship
     for name in ("setup.py", "pyproject.toml", "README.md", "LICENSE"):
         tree.mkdir(exist_ok=True)
         shutil.copy2(ROOT / name, tree / name)

@@ -4,7 +4,7 @@ wrapper, and per step of ShardedOptimizer and gradcomp.optim (tests/syncs.py cou
 Issue 24's target is at most one per iteration for every compressor. Until each path reaches
 it, ``BUDGET`` holds the counts measured on a transformer block with tensors of 16 to 4096
 elements (2 ranks): a path that adds a sync fails here, and a path that loses some lowers its
-row. The table the test prints is bench/RESULTS.md's sync table.
+row. The table the test prints is bench/results/training.md's (#host-syncs-per-iteration).
 """
 from __future__ import annotations
 

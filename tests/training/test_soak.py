@@ -10,7 +10,7 @@ Invariants protected:
   with a message naming the difference, and the job goes on with the right one;
 - the final parameters are bit-identical to an undisturbed run with the skipped steps removed.
 
-The counts (steps, faults injected, faults survived) are printed for bench/RESULTS.md.
+The counts (steps, faults injected, faults survived) are printed for bench/results/suite.md ("Faults survived").
 """
 from __future__ import annotations
 
