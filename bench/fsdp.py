@@ -48,10 +48,23 @@ METHODS: Dict[str, Dict[str, Any]] = {
     "gc-topk-bf16ag": {"kind": "ours", "compressor": "topk", "all_gather": "bf16"},
     "gc-int8-int8ag": {"kind": "ours", "compressor": "int8", "all_gather": "int8"},
 }
+# HSDP (--hsdp R: R replicas, one per emulated node, each sharded over its node's ranks): FSDP2's
+# own HSDP (a 2-D mesh; its all-reduce between replicas dense) against compress_fsdp(replicate=...)
+HSDP_METHODS: Dict[str, Dict[str, Any]] = {
+    "hsdp-fp32": {"kind": "fsdp", "hsdp": True},
+    "hsdp-bf16rs": {"kind": "fsdp", "reduce_dtype": "bfloat16", "hsdp": True},
+    "gc-hsdp-dense": {"kind": "ours", "compressor": None, "replicate": None, "hsdp": True},
+    "gc-hsdp-int8": {"kind": "ours", "compressor": None, "replicate": "int8", "hsdp": True},
+    "gc-hsdp-int4": {"kind": "ours", "compressor": None, "replicate": "int4", "hsdp": True},
+    "gc-hsdp-int8-bf16ag": {"kind": "ours", "compressor": None, "replicate": "int8", "all_gather": "bf16",
+                            "hsdp": True},
+}
+METHODS.update(HSDP_METHODS)
+HSDP_DEFAULT = ("hsdp-fp32", "hsdp-bf16rs", "gc-hsdp-dense", "gc-hsdp-int8", "gc-hsdp-int4")
 DEFAULT_METHODS = ("fsdp-fp32", "fsdp-bf16rs", "gc-dense", "gc-int8", "gc-int8-bf16ag", "gc-onebit-bf16ag",
                    "gc-topk-bf16ag", "gc-int8-int8ag")
 REFERENCE = "fsdp-fp32"
-SPEED_REFERENCES = ("fsdp-fp32", "fsdp-bf16rs")
+SPEED_REFERENCES = ("fsdp-fp32", "fsdp-bf16rs", "hsdp-fp32", "hsdp-bf16rs")
 WARMUP = 3  # steps not timed: FSDP's lazy init and gradcomp's first exchanges
 
 
@@ -77,13 +90,14 @@ class Encoder(torch.nn.Module):
 
 
 def build(width: int, layers: int, tokens: int, seed: int, reshard: bool,
-          reduce_dtype: Optional[torch.dtype] = None) -> Encoder:
-    """The model, the same weights on every rank and for every method, under ``fully_shard``."""
+          reduce_dtype: Optional[torch.dtype] = None, mesh: Any = None) -> Encoder:
+    """The model, the same weights on every rank and for every method, under ``fully_shard``
+    (on ``mesh`` when given: a 2-D mesh is FSDP2's own HSDP)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)
     model = Encoder(width, layers, tokens)
-    kw: Dict[str, Any] = {"reshard_after_forward": reshard}
+    kw: Dict[str, Any] = {"reshard_after_forward": reshard, **({"mesh": mesh} if mesh is not None else {})}
     if reduce_dtype is not None:
         kw["mp_policy"] = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for part in (model.embed, *model.blocks, model.head):
@@ -97,31 +111,56 @@ class CountingFSDP:
     (FSDP keeps no telemetry) with the collectives' convention: a reduce-scatter of ``n`` bytes
     sends the ``w-1`` pieces of the others, an all-gather sends this rank's block to ``w-1``."""
 
-    NAMES = ("reduce_scatter_single", "all_gather_single")
+    NAMES = ("reduce_scatter_single", "all_gather_single", "all_reduce")
 
-    def __init__(self, world: int) -> None:
-        self.nbytes, self.world = 0, world
+    def __init__(self, world: int, all_reduce: bool = False) -> None:
+        self.nbytes, self.world, self.all_reduce = 0, world, all_reduce
         self._orig = {n: getattr(dist, n) for n in self.NAMES}
 
     def __enter__(self) -> "CountingFSDP":
-        rs, ag = self._orig["reduce_scatter_single"], self._orig["all_gather_single"]
+        rs, ag, ar = (self._orig[n] for n in self.NAMES)
 
         def counted_rs(output, input, *args, **kwargs):
-            self.nbytes += input.numel() * input.element_size() * (self.world - 1) // self.world
+            w = _size(kwargs.get("group"), self.world)
+            self.nbytes += input.numel() * input.element_size() * (w - 1) // w
             return rs(output, input, *args, **kwargs)
 
         def counted_ag(output, input, *args, **kwargs):
-            self.nbytes += input.numel() * input.element_size() * (self.world - 1)
+            self.nbytes += input.numel() * input.element_size() * (_size(kwargs.get("group"), self.world) - 1)
             return ag(output, input, *args, **kwargs)
+
+        def counted_ar(tensor, *args, **kwargs):  # FSDP2's HSDP: the replicas' all-reduce (a ring's bytes)
+            w = _size(kwargs.get("group"), self.world)
+            self.nbytes += tensor.numel() * tensor.element_size() * 2 * (w - 1) // w
+            return ar(tensor, *args, **kwargs)
 
         # FSDP calls them through the module
         setattr(dist, "reduce_scatter_single", counted_rs)
         setattr(dist, "all_gather_single", counted_ag)
+        if self.all_reduce:  # FSDP's own runs only: gradcomp counts its all-reduces in its telemetry
+            setattr(dist, "all_reduce", counted_ar)
         return self
 
     def __exit__(self, *exc) -> None:
         for n, f in self._orig.items():
             setattr(dist, n, f)
+
+
+def _size(group: Any, world: int) -> int:
+    return world if group is None else dist.get_world_size(group)
+
+
+_MESHES: Dict[Any, Any] = {}
+
+
+def hsdp_mesh(replicas: int, world: int) -> Any:
+    """The 2-D mesh (replicate x shard) of ``replicas`` replicas, made once per process."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if (replicas, world) not in _MESHES:
+        _MESHES[(replicas, world)] = init_device_mesh("cpu", (replicas, world // replicas),
+                                                      mesh_dim_names=("replicate", "shard"))
+    return _MESHES[(replicas, world)]
 
 
 class _Run:
@@ -132,9 +171,13 @@ class _Run:
 
         self.spec, self.rank, self.world, self.cfg = spec, rank, world, cfg
         reduce = getattr(torch, spec["reduce_dtype"]) if spec.get("reduce_dtype") else None
-        self.model = build(cfg["width"], cfg["layers"], cfg["tokens"], cfg["seed"], cfg["reshard"], reduce)
+        mesh = hsdp_mesh(cfg["hsdp"], world) if spec.get("hsdp") else None
+        on = None if mesh is None else mesh if spec["kind"] == "fsdp" else mesh["shard"]
+        self.model = build(cfg["width"], cfg["layers"], cfg["tokens"], cfg["seed"], cfg["reshard"], reduce, on)
+        hsdp = {} if mesh is None or spec["kind"] == "fsdp" else {"replicate": mesh,
+                                                                   "replicate_compressor": spec["replicate"]}
         self.handle = None if spec["kind"] == "fsdp" else compress_fsdp(
-            self.model, spec["compressor"], all_gather=spec.get("all_gather"))
+            self.model, spec["compressor"], all_gather=spec.get("all_gather"), **hsdp)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"])
         self.times: List[float] = []
         self.sent = 0
@@ -143,7 +186,7 @@ class _Run:
     def epoch(self, epoch: int, xtr: torch.Tensor, ytr: torch.Tensor) -> None:
         from gradcomp.collectives import reset_telemetry, telemetry
 
-        counting = CountingFSDP(self.world)
+        counting = CountingFSDP(self.world, all_reduce=self.handle is None)
         reset_telemetry()
         with counting:
             for idx in epoch_batches(len(ytr), self.rank, self.world, self.cfg["batch_size"], self.cfg["seed"], epoch):
@@ -192,7 +235,7 @@ def _records(names: List[str], everyone: List[Any], cfg: Dict[str, Any], world: 
             "phases_ms_rank0": runs[0]["phases"],
         })
     by_name = {r["method"]: r for r in records}
-    ref = by_name.get(REFERENCE)
+    ref = by_name.get(REFERENCE, by_name.get("hsdp-fp32"))
     for r in records:
         r["accuracy_vs_dense_pp"] = None if ref is None else 100 * (r["test_accuracy"] - ref["test_accuracy"])
         r["bytes_vs_dense"] = None if ref is None or not ref["bytes_per_step"] else (
@@ -203,10 +246,12 @@ def _records(names: List[str], everyone: List[Any], cfg: Dict[str, Any], world: 
 
 
 def table(records: List[Dict[str, Any]]) -> str:
-    head = ("method", "step ms", "vs fsdp-fp32", "vs fsdp-bf16rs", "bytes/step", "vs fp32", "test acc",
+    hsdp = any(r["method"] in HSDP_METHODS for r in records)
+    bases = ("hsdp-fp32", "hsdp-bf16rs") if hsdp else ("fsdp-fp32", "fsdp-bf16rs")
+    head = ("method", "step ms", f"vs {bases[0]}", f"vs {bases[1]}", "bytes/step", "vs fp32", "test acc",
             "vs fp32 ", "skipped")
-    rows = [(r["method"], f"{r['step_ms']:.1f}", cli.fmt(r["speedup_vs_fsdp-fp32"], ".2f") + "x",
-             cli.fmt(r["speedup_vs_fsdp-bf16rs"], ".2f") + "x", cli.fmt_bytes(r["bytes_per_step"]),
+    rows = [(r["method"], f"{r['step_ms']:.1f}", cli.fmt(r[f"speedup_vs_{bases[0]}"], ".2f") + "x",
+             cli.fmt(r[f"speedup_vs_{bases[1]}"], ".2f") + "x", cli.fmt_bytes(r["bytes_per_step"]),
              cli.fmt(r["bytes_vs_dense"], ".3f") + "x", f"{100 * r['test_accuracy']:.2f}%",
              cli.fmt(r["accuracy_vs_dense_pp"], "+.2f") + " pp", str(r["skipped"])) for r in records]
     out = _markdown([head, *rows])
@@ -233,6 +278,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (default 1e-3)")
     p.add_argument("--width", type=int, default=192, metavar="D", help="model width (default 192)")
     p.add_argument("--layers", type=int, default=4, metavar="N", help="encoder blocks (default 4: 1.8M parameters)")
+    p.add_argument("--hsdp", type=int, default=0, metavar="R",
+                   help="HSDP: R replicas, one per node of world-size/R ranks (with --netem the link between the "
+                        f"nodes), each sharded inside its node; default methods then {', '.join(HSDP_DEFAULT)}")
     p.add_argument("--reshard-after-forward", choices=("true", "false"), default="true",
                    help="fully_shard's reshard_after_forward for every module (default true, FSDP2's)")
     cli.common_options(p)
@@ -249,7 +297,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         raise ValueError(f"--width must be a multiple of 4 (the heads), not {args.width}")
     if not args.lr > 0:
         raise ValueError(f"--lr must be > 0, not {args.lr}")
+    if args.hsdp < 0 or (args.hsdp and (args.hsdp < 2 or args.world_size % args.hsdp)):
+        raise ValueError(f"--hsdp must be >= 2 and divide --world-size ({args.world_size}), not {args.hsdp}")
+    if args.hsdp and args.methods == ",".join(DEFAULT_METHODS):
+        args.methods = ",".join(HSDP_DEFAULT)
     names = [n.strip() for n in args.methods.split(",") if n.strip()]
+    mixed = [n for n in names if bool(METHODS.get(n, {}).get("hsdp")) != bool(args.hsdp)]
+    if mixed and not [n for n in names if n not in METHODS]:
+        raise ValueError(f"--methods: {', '.join(mixed)} {'need' if not args.hsdp else 'are not'} HSDP methods "
+                         f"({'pass --hsdp R' if not args.hsdp else 'HSDP methods start with hsdp- or gc-hsdp-'})")
     unknown = [n for n in names if n not in METHODS]
     if unknown or not names:
         raise ValueError(f"--methods: unknown {unknown or 'none given'}; allowed: {', '.join(METHODS)}")
@@ -257,9 +313,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     _data(args.seed)  # fail early, in the parent, if scikit-learn is missing
     reshard = args.reshard_after_forward == "true"
     cfg = {"methods": names, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
-           "width": args.width, "layers": args.layers, "tokens": args.tokens, "seed": args.seed, "reshard": reshard}
+           "width": args.width, "layers": args.layers, "tokens": args.tokens, "seed": args.seed, "reshard": reshard,
+           "hsdp": args.hsdp, "local_size": args.world_size // args.hsdp if args.hsdp else 1}
     nparams = sum(p.numel() for p in Encoder(args.width, args.layers, args.tokens).parameters())
-    env = envmod.environment(args.world_size, cli.link_text(link), args.threads)
+    env = envmod.environment(args.world_size, cli.link_text(link, cfg["local_size"]), args.threads)
     print(envmod.header(env, [
         DIGITS_LINE,
         f"model    transformer encoder, {args.tokens} tokens of {64 // args.tokens} pixels, width {args.width}, {args.layers} blocks "

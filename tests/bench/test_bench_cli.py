@@ -230,3 +230,21 @@ def test_every_subcommand_explains_itself(sub, capsys):
         cli.main([sub, "--help"])
     assert done.value.code == 0
     assert "usage: python -m gradcomp.bench" in capsys.readouterr().out
+
+
+def test_fsdp_hsdp_smoke(tmp_path):
+    """``bench fsdp --hsdp 2`` on 4 ranks: FSDP2's own HSDP against compress_fsdp's replicas'
+    all-reduce, dense and int8; the compressed one sends fewer bytes, every method trains."""
+    pytest.importorskip("sklearn", reason="the FSDP benchmark's data comes with scikit-learn (the bench extra)")
+    out = tmp_path / "h.json"
+    proc = _bench("fsdp", "--world-size", "4", "--hsdp", "2", "--epochs", "1", "--width", "32", "--layers", "1",
+                  "--methods", "hsdp-fp32,gc-hsdp-dense,gc-hsdp-int8", "--json", str(out), timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    by = {r["method"]: r for r in json.loads(out.read_text())}
+    assert set(by) == {"hsdp-fp32", "gc-hsdp-dense", "gc-hsdp-int8"}
+    assert by["gc-hsdp-int8"]["bytes_per_step"] < by["gc-hsdp-dense"]["bytes_per_step"]
+    for r in by.values():
+        assert r["step_ms"] > 0 and r["test_accuracy"] > 0.1 and r["skipped"] == 0
+    assert "vs hsdp-fp32" in proc.stdout
+    bad = _bench("fsdp", "--world-size", "4", "--hsdp", "3")
+    assert bad.returncode == 2 and "--hsdp" in bad.stderr
