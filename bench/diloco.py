@@ -342,14 +342,18 @@ def _h(r: Dict[str, Any]) -> str:
     return f"{r['sync_every']}{frag}"
 
 
+def _pct(v: Optional[float], spec: str) -> str:
+    return cli.fmt(v, spec) + ("" if v is None else "%")
+
+
 def table(recs: List[Dict[str, Any]]) -> str:
     """The records, one line per method, then what the columns mean."""
     head = ("method", "H", "val loss", "vs ddp", "sent/worker", "fewer", "largest exch.", "wall s", "ms/step",
             "vs local", "to ddp loss")
-    rows = [(r["method"], _h(r), f"{r['val_loss']:.4f}", cli.fmt(r["val_vs_ddp_pct"], "+.2f") + "%",
+    rows = [(r["method"], _h(r), f"{r['val_loss']:.4f}", _pct(r["val_vs_ddp_pct"], "+.2f"),
              cli.fmt_bytes(r["bytes_sent"]), cli.fmt(r["bytes_vs_ddp"], ".1f", "") + ("x" if r["bytes_vs_ddp"] else "-"),
              cli.fmt_bytes(r["largest_exchange"]), f"{r['wall_s']:.1f}", f"{r['step_ms']:.1f}",
-             cli.fmt(r["step_vs_local_pct"], "+.1f") + "%",
+             _pct(r["step_vs_local_pct"], "+.1f"),
              cli.fmt(r["time_to_ddp_loss_s"], ".1f", "never") + ("" if r["time_to_ddp_loss_s"] is None else " s"))
             for r in recs]
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
