@@ -304,7 +304,7 @@ def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[...,
 # ---- records and table ---------------------------------------------------------------------------
 def records(cfg: Dict[str, Any], everyone: List[List[Dict[str, Any]]], world: int) -> List[Dict[str, Any]]:
     """One record per method from every rank's runs, with its comparisons to ``ddp`` (bytes, loss,
-    time to ddp's final loss) and to ``local`` (time per step)."""
+    time to ddp's final loss), to ``diloco`` (loss) and to ``local`` (time per step)."""
     tokens = world * cfg["batch_size"] * cfg["context"]  # per step, all workers together
     out = []
     for m, spec in enumerate(cfg["methods"]):
@@ -324,9 +324,11 @@ def records(cfg: Dict[str, Any], everyone: List[List[Dict[str, Any]]], world: in
                     "skipped": max(r["skipped"] for r in runs)})
     ref = next((r for r in out if r["method"] == REFERENCE), None)
     alone = next((r for r in out if r["method"] == NO_EXCHANGE), None)
+    dense_diloco = next((r for r in out if r["method"] == "diloco"), None)  # what compressing DiLoCo costs
     for r in out:
         r["bytes_vs_ddp"] = ref["bytes_sent"] / r["bytes_sent"] if ref and r["bytes_sent"] else None
         r["val_vs_ddp_pct"] = 100 * (r["val_loss"] / ref["val_loss"] - 1) if ref else None
+        r["val_vs_diloco_pct"] = 100 * (r["val_loss"] / dense_diloco["val_loss"] - 1) if dense_diloco else None
         r["time_to_ddp_loss_s"] = None if ref is None else next(
             (c["seconds"] for c in r["val_curve"] if c["val_loss"] <= ref["val_loss"]), None)
         r["step_vs_local_pct"] = 100 * (r["step_ms"] / alone["step_ms"] - 1) if alone else None
