@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import re
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
@@ -320,6 +321,8 @@ def records(cfg: Dict[str, Any], everyone: List[List[Dict[str, Any]]], world: in
                     "val_loss": curve[-1]["val_loss"], "val_spread": max(finals) - min(finals), "val_curve": curve,
                     "bytes_sent": max(r["sent"] for r in runs),
                     "largest_exchange": max((b for r in runs for b in r["exchanges"]), default=0.0),
+                    # the typical one (ddp-powersgd's first steps are dense: its largest is ddp's)
+                    "median_exchange": statistics.median(runs[0]["exchanges"]) if runs[0]["exchanges"] else 0.0,
                     "exchanges": len(runs[0]["exchanges"]), "wall_s": wall, "step_ms": 1e3 * wall / cfg["steps"],
                     "skipped": max(r["skipped"] for r in runs)})
     ref = next((r for r in out if r["method"] == REFERENCE), None)

@@ -54,6 +54,7 @@ def test_diloco_bench_runs_tiny_and_reports_real_numbers(tmp_path):
     assert by["diloco"]["bytes_vs_ddp"] == pytest.approx(10, rel=0.05)
     assert by["diloco-int8"]["bytes_sent"] < by["diloco"]["bytes_sent"] / 3
     assert by["diloco"]["largest_exchange"] == pytest.approx(ddp["largest_exchange"], rel=0.05)  # the whole model
+    assert by["diloco"]["median_exchange"] == pytest.approx(by["diloco"]["largest_exchange"], rel=0.01)
     assert by["streaming-f2-t1"]["largest_exchange"] < 0.8 * by["diloco"]["largest_exchange"]  # one fragment
     assert by["diloco"]["val_vs_diloco_pct"] == 0.0 and math.isfinite(by["diloco-int8"]["val_vs_diloco_pct"])
     assert by["local"]["bytes_sent"] == 0 and by["local"]["bytes_vs_ddp"] is None
