@@ -288,7 +288,8 @@ def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[...,
     evals = cfg["steps"] // cfg["eval_every"] + (cfg["steps"] % cfg["eval_every"] != 0)
     total, done = len(cfg["methods"]) * evals, [0]
     # untimed: the first method would otherwise pay for the threads, allocations and first calls of all
-    warm: Dict[str, Any] = {"label": "warm-up", "kind": "ddp", "compressor": None, "options": {}, "fragments": 1, "delay": 0}
+    warm: Dict[str, Any] = {"label": "warm-up", "kind": "ddp", "compressor": None, "options": {}, "fragments": 1,
+                            "delay": 0}
     _train(warm, rank, world, {**cfg, "steps": WARMUP_STEPS, "eval_every": WARMUP_STEPS}, data, lambda: None)
     results = []
     for spec in cfg["methods"]:
@@ -356,7 +357,7 @@ def table(recs: List[Dict[str, Any]]) -> str:
     head = ("method", "H", "val loss", "vs ddp", "sent/worker", "fewer", "largest exch.", "wall s", "ms/step",
             "vs local", "to ddp loss")
     rows = [(r["method"], _h(r), f"{r['val_loss']:.4f}", _pct(r["val_vs_ddp_pct"], "+.2f"),
-             cli.fmt_bytes(r["bytes_sent"]), cli.fmt(r["bytes_vs_ddp"], ".1f", "") + ("x" if r["bytes_vs_ddp"] else "-"),
+             cli.fmt_bytes(r["bytes_sent"]), cli.fmt(r["bytes_vs_ddp"], ".1f") + ("x" if r["bytes_vs_ddp"] else ""),
              cli.fmt_bytes(r["largest_exchange"]), f"{r['wall_s']:.1f}", f"{r['step_ms']:.1f}",
              _pct(r["step_vs_local_pct"], "+.1f"),
              cli.fmt(r["time_to_ddp_loss_s"], ".1f", "never") + ("" if r["time_to_ddp_loss_s"] is None else " s"))
@@ -364,7 +365,8 @@ def table(recs: List[Dict[str, Any]]) -> str:
     widths = [max(len(x[i]) for x in [head, *rows]) for i in range(len(head))]
 
     def line(cells: Sequence[str]) -> str:
-        return "| " + " | ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+        cells = [c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))]
+        return "| " + " | ".join(cells) + " |"
 
     rule = "|" + "|".join("-" * (w + 1) + ("-" if i == 0 else ":") for i, w in enumerate(widths)) + "|"
     r0 = recs[0]
