@@ -25,7 +25,7 @@ def _task(name: str) -> Callable:
     module, func = {"collective": ("collective", "run_rank"), "train": ("train", "run_rank"),
                     "dense-probe": ("collective", "dense_probe"), "sharded": ("sharded", "run_rank"),
                     "optim": ("optim", "run_rank"), "pipeline": ("pipeline", "run_rank"),
-                    "fsdp": ("fsdp", "run_rank")}[name]
+                    "fsdp": ("fsdp", "run_rank"), "diloco": ("diloco", "run_rank")}[name]
     return getattr(importlib.import_module(f"gradcomp.bench.{module}"), func)
 
 

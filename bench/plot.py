@@ -344,3 +344,30 @@ def training_plot(runs: List[Dict[str, Any]], path: str, title: str = "") -> Non
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def loss_plot(records: List[Dict[str, Any]], path: str, title: str = "") -> None:
+    """``bench diloco``: validation loss against tokens seen (left) and against training time
+    (right), one line per method (``ddp`` wide and grey under the others); the legend below."""
+    plt = _pyplot()
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5.6))
+    for i, r in enumerate(records):
+        kw: Dict[str, Any] = {"color": _FAMILY_COLOURS[i % len(_FAMILY_COLOURS)], "lw": 1.4, "marker": ".",
+                              "label": r["method"], "ls": "--" if r["kind"] in ("ddp", "local") else "-"}
+        if r["method"] == "ddp":
+            kw.update(color="#b0b0b0", ls="-", lw=4.0, zorder=1)
+        for ax, x in zip(axes, ("tokens", "seconds")):
+            ax.plot([c[x] for c in r["val_curve"]], [c["val_loss"] for c in r["val_curve"]], **kw)
+    start = min(r["val_curve"][0]["val_loss"] for r in records)
+    low = min(c["val_loss"] for r in records for c in r["val_curve"])
+    for ax, label in zip(axes, ("tokens seen, all workers together", "training time, slowest rank (s)")):
+        ax.set_xlabel(label)
+        ax.set_ylabel("validation loss (nats/char, held-out files; mean of the workers)")
+        ax.set_ylim(low * 0.97, low + (start - low) * 0.5)  # the first steps' drop would flatten the rest
+        ax.grid(alpha=0.25)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 6), fontsize=8, frameon=False)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -72,18 +72,25 @@ def parser() -> argparse.ArgumentParser:
                    help="learning rate (mlp: SGD, default 0.05, momentum 0.9; transformer: AdamW, default 0.002, "
                         "warm-up then cosine decay to a tenth)")
     p.add_argument("--hidden", type=int, default=512, metavar="N", help="mlp: hidden width of the 3-layer MLP (default 512)")
-    p.add_argument("--layers", type=int, default=2, metavar="N", help="transformer: blocks (default 2)")
-    p.add_argument("--d-model", type=int, default=128, metavar="N", help="transformer: width (default 128)")
-    p.add_argument("--heads", type=int, default=4, metavar="N", help="transformer: attention heads (default 4)")
-    p.add_argument("--context", type=int, default=64, metavar="N", help="transformer: characters per sequence (default 64)")
-    p.add_argument("--text-mb", type=float, default=2.0, metavar="MB",
-                   help="transformer: MB of training text (default 2; validation: about a ninth of it, other files)")
+    lm_options(p, "transformer: ")
     p.add_argument("--eval-every", type=int, default=25, metavar="N",
                    help="transformer: steps between validation losses (default 25)")
     p.add_argument("--val-windows", type=int, default=256, metavar="N",
                    help="transformer: validation sequences, shared among the ranks (default 256)")
     cli.common_options(p)
     return p
+
+
+def lm_options(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """The character transformer's size and text options (``bench train --model transformer``,
+    ``bench diloco``); each help text starts with ``prefix``."""
+    p.add_argument("--layers", type=int, default=2, metavar="N", help=f"{prefix}blocks (default 2)")
+    p.add_argument("--d-model", type=int, default=128, metavar="N", help=f"{prefix}width (default 128)")
+    p.add_argument("--heads", type=int, default=4, metavar="N", help=f"{prefix}attention heads (default 4)")
+    p.add_argument("--context", type=int, default=64, metavar="N",
+                   help=f"{prefix}characters per sequence (default 64)")
+    p.add_argument("--text-mb", type=float, default=2.0, metavar="MB",
+                   help=f"{prefix}MB of training text (default 2; validation: about a ninth of it, other files)")
 
 
 def methods(args) -> List[Dict[str, Any]]:
@@ -453,23 +460,33 @@ def main(argv: Sequence[str]) -> int:
     return 0
 
 
+def lm_setup(args, optimizer: str = "AdamW", per: str = "rank") -> Tuple[Dict[str, Any], List[str]]:
+    """The transformer's run settings from ``args`` (checked in the parent: the text is there,
+    ``--d-model`` fits ``--heads``) and the header's data and model lines."""
+    from . import text
+
+    cfg = {"steps": args.steps, "batch_size": args.batch_size, "lr": args.lr, "layers": args.layers,
+           "d_model": args.d_model, "heads": args.heads, "context": args.context, "text_mb": args.text_mb,
+           "eval_every": args.eval_every, "val_windows": args.val_windows, "seed": args.seed}
+    info = text.corpus(int(args.text_mb * 1e6), args.seed)  # fail early, in the parent, with a clear error
+    nparams = sum(p.numel() for p in text.model(cfg).parameters())  # also checks --d-model against --heads
+    return cfg, [
+        text.data_line(info),
+        f"model    character transformer, {args.layers} blocks, width {args.d_model}, {args.heads} heads, context "
+        f"{args.context} ({nparams:,} parameters); {optimizer} lr {args.lr:g} (warm-up, cosine decay), batch "
+        f"{args.batch_size} x {args.context} characters per {per}, {args.steps} steps, seed {args.seed}"]
+
+
 def _lm_main(args, specs, link) -> int:
     from . import text
 
     if args.val_windows < args.world_size:
         raise ValueError(f"--val-windows ({args.val_windows}) must be at least --world-size ({args.world_size})")
-    cfg = {"model": "transformer", "methods": specs, "steps": args.steps, "batch_size": args.batch_size,
-           "lr": args.lr, "layers": args.layers, "d_model": args.d_model, "heads": args.heads,
-           "context": args.context, "text_mb": args.text_mb, "eval_every": args.eval_every,
-           "val_windows": args.val_windows, "seed": args.seed}
-    info = text.corpus(int(args.text_mb * 1e6), args.seed)  # fail early, in the parent, with a clear error
-    nparams = sum(p.numel() for p in text.model(cfg).parameters())  # also checks --d-model against --heads
+    base, lines = lm_setup(args)
+    cfg = {"model": "transformer", "methods": specs, **base}
     env = envmod.environment(args.world_size, cli.link_text(link), args.threads)
     print(envmod.header(env, [
-        text.data_line(info),
-        f"model    character transformer, {args.layers} blocks, width {args.d_model}, {args.heads} heads, context "
-        f"{args.context} ({nparams:,} parameters); AdamW lr {args.lr:g} (warm-up, cosine decay), batch "
-        f"{args.batch_size} x {args.context} characters per rank, {args.steps} steps, seed {args.seed}",
+        *lines,
         f"methods  {len(specs)} runs; PowerSGD (ours and PyTorch's) rank {POWERSGD_RANK}, compressing from step "
         f"{POWERSGD_START}; validation on {args.val_windows - args.val_windows % args.world_size} windows every "
         f"{args.eval_every} steps",
