@@ -14,6 +14,8 @@ learning-rate schedule; they differ only in what crosses the wire and when:
   where the compressor is biased;
 - ``streaming-fF-tT[-NAME]``: Streaming DiLoCo, F fragments, each exchange started T inner
   steps before its sync (H rounded to the nearest multiple of F);
+- ``sparseloco``: SparseLoCo's recipe on DiLoCo: top-k (``TOPK_RATIO``) with error feedback
+  instead of outer momentum (outer SGD, lr 1, no momentum);
 - ``local``: every rank trains alone (no exchange): the step time with nothing on the wire;
 - ``torchft``: torchft's ``DiLoCo`` (H, one fragment) over the same gloo group, a fixed quorum
   standing in for its fault-tolerance manager (only when torchft is installed).
@@ -74,6 +76,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--sync-every", type=int, default=SYNC_EVERY, metavar="H",
                    help=f"DiLoCo: inner steps between syncs of each parameter (default {SYNC_EVERY}; streaming with "
                         f"F fragments: rounded to the nearest multiple of F)")
+    p.add_argument("--outer-lr", type=float, default=0.7, metavar="LR",
+                   help="DiLoCo's (and torchft's) outer SGD learning rate (default 0.7; sparseloco: 1)")
+    p.add_argument("--outer-momentum", type=float, default=0.9, metavar="M",
+                   help="its Nesterov momentum (default 0.9; 0: plain SGD; sparseloco: 0)")
     p.add_argument("--eval-every", type=int, default=None, metavar="N",
                    help="steps between validation losses (default 50)")
     p.add_argument("--batch-size", type=int, default=16, metavar="N", help="sequences per rank per step (default 16)")
@@ -122,6 +128,9 @@ def parse_method(label: str, sync_every: int) -> Dict[str, Any]:
     elif label.startswith("ddp-"):
         spec["kind"] = "ddp"
         spec["compressor"], spec["options"] = _compressor(label[4:], "ddp")
+    elif label == "sparseloco":
+        spec["compressor"], spec["options"] = _compressor("topk", "diloco")
+        spec.update(kind="diloco", sync_every=sync_every, outer=(1.0, 0.0))
     elif label == "diloco" or label.startswith("diloco-") or streaming:
         frags, delay = (int(streaming.group(1)), int(streaming.group(2))) if streaming else (1, 0)
         rest = streaming.group(3) if streaming else label[7:]
@@ -204,7 +213,8 @@ class _Method:
     close: Callable[[], None] = lambda: None
 
 
-def _method(spec: Dict[str, Any], model: torch.nn.Module, inner: torch.optim.Optimizer, world: int) -> _Method:
+def _method(spec: Dict[str, Any], model: torch.nn.Module, inner: torch.optim.Optimizer, world: int,
+            cfg_outer: Dict[str, float]) -> _Method:
     from gradcomp.collectives import telemetry
     from gradcomp.optim import DiLoCo
     from gradcomp.training import CompressedOptimizer
@@ -219,15 +229,18 @@ def _method(spec: Dict[str, Any], model: torch.nn.Module, inner: torch.optim.Opt
         dp = CompressedOptimizer(inner, spec["compressor"] or "none", model=model, **spec["options"])
         return _Method(dp, telemetry_sent, lambda: 0, blocking=True)
     if kind == "diloco":
+        lr, momentum = spec.get("outer") or (cfg_outer["lr"], cfg_outer["momentum"])
         opt = DiLoCo(model, inner, spec["sync_every"], compressor=spec["compressor"],
-                     compressor_options=spec["options"] or None, fragments=spec["fragments"], delay=spec["delay"])
+                     compressor_options=spec["options"] or None, fragments=spec["fragments"], delay=spec["delay"],
+                     outer_optimizer=lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, nesterov=momentum > 0))
         return _Method(opt, telemetry_sent, lambda: len(opt.history))
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo  # type: ignore[import-untyped]
 
-    from gradcomp.optim.diloco import default_outer_optimizer
-
     quorum = _FixedQuorum(world)
-    ft = TorchftDiLoCo(quorum, [model], inner, default_outer_optimizer(list(model.parameters())),
+    params = list(model.parameters())
+    outer = torch.optim.SGD(params, lr=cfg_outer["lr"], momentum=cfg_outer["momentum"],
+                            nesterov=cfg_outer["momentum"] > 0)
+    ft = TorchftDiLoCo(quorum, [model], inner, outer,
                        sync_every=spec["sync_every"])
     ft.__enter__()  # its hooks on the inner optimizer's step do the rest
     return _Method(inner, lambda: quorum.sent, lambda: quorum.commits, close=lambda: ft.__exit__(None, None, None))
@@ -251,7 +264,7 @@ def _train(spec: Dict[str, Any], rank: int, world: int, cfg: Dict[str, Any], dat
     inner = torch.optim.AdamW(model.parameters(), lr=cfg["lr"], weight_decay=0.01)
     steps, warmup = cfg["steps"], max(1, min(10, cfg["steps"] // 10))
     sched = torch.optim.lr_scheduler.LambdaLR(inner, lambda s: text.lr_at(s, steps, warmup))
-    method = _method(spec, model, inner, world)
+    method = _method(spec, model, inner, world, cfg["outer"])
     start, syncs = method.sent(), method.syncs()
     last, exchanges, clock = start, [], 0.0
     curve: List[Tuple[int, float, float]] = [(0, 0.0, _validate(model, xv, yv))]
@@ -403,11 +416,15 @@ def main(argv: Sequence[str]) -> int:
     specs = [parse_method(m, args.sync_every) for m in labels]
     link = cli.resolve_link(args)
     base, lines = lm_setup(args, optimizer="inner AdamW", per="worker")
-    cfg = {"methods": specs, **base}
+    if not args.outer_lr > 0 or not 0 <= args.outer_momentum < 1:
+        raise ValueError(f"--outer-lr must be > 0 and --outer-momentum in [0, 1), not {args.outer_lr} and "
+                         f"{args.outer_momentum}")
+    cfg = {"methods": specs, **base, "outer": {"lr": args.outer_lr, "momentum": args.outer_momentum}}
     env = envmod.environment(args.world_size, cli.link_text(link), args.threads)
     print(envmod.header(env, [
         *lines,
-        f"methods  {len(specs)}, one after another; DiLoCo H={args.sync_every}, outer SGD lr 0.7 Nesterov 0.9; "
+        f"methods  {len(specs)}, one after another; DiLoCo H={args.sync_every}, outer SGD lr {args.outer_lr}"
+        f"{f' Nesterov {args.outer_momentum}' if args.outer_momentum else ''}; "
         f"validation on {args.val_windows} windows every {args.eval_every} steps",
     ]), flush=True)
     recs = cli.run_and_report("diloco", cfg, args, link, env, table)
