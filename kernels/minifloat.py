@@ -38,29 +38,27 @@ def _magnitudes(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     return torch.where(i < 2, i.to(dtype) / 2, normal)
 
 
-def _boundaries(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The midpoints between neighbouring magnitudes, for ``torch.bucketize`` (which counts the
-    boundaries strictly below a value): where the upper neighbour's code is even, a tie goes up,
-    so that midpoint becomes the float just below it."""
-    mag = _magnitudes(dtype, device)
-    mids = (mag[1:] + mag[:-1]) / 2  # exact
-    below = torch.nextafter(mids, torch.zeros_like(mids))
-    return torch.where(torch.arange(7, device=device) % 2 == 1, below, mids)
-
-
 def e2m1_codes(x: torch.Tensor, mult: torch.Tensor, block_size: int) -> torch.Tensor:
     """The e2m1 codes (uint8, one per element) of ``x * mult[block]``, rounded as the module
     docstring says; ``mult`` has one entry per block in ``x``'s dtype (float32 or float64).
-    Runs of whole blocks on CPU, so the temporaries stay in cache."""
+
+    A magnitude ``a`` in binade ``b`` (0 below 2, 1 below 4, else 2), where neighbouring values
+    are ``2**(b - 1)`` apart, has the code ``2b + round(a / 2**(b - 1))``: the quotient is exact,
+    ``round`` is half to even and an even quotient is an even code. Runs of whole blocks on CPU,
+    so the temporaries stay in cache.
+    """
     codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-    bounds = _boundaries(x.dtype, x.device)
     for a, b in block_runs(x.numel(), block_size, x.device):
-        y = torch.empty(b - a, dtype=x.dtype, device=x.device)
-        _broadcast_op(y, lambda d, xb, mb: torch.mul(xb, mb, out=d), x[a:b], mult[a // block_size:num_blocks(b, block_size)],
-                      block_size)
-        idx = torch.bucketize(y.abs(), bounds, out_int32=True)
-        idx.bitwise_or_(torch.signbit(y).to(torch.int32).bitwise_left_shift_(3))
-        codes[a:b].copy_(idx)
+        t = torch.empty(b - a, dtype=x.dtype, device=x.device)
+        m = mult[a // block_size:num_blocks(b, block_size)]
+        _broadcast_op(t, lambda d, xb, mb: torch.mul(xb, mb, out=d), x[a:b], m, block_size)
+        sign = torch.signbit(t)
+        t.abs_()
+        ge2, ge4 = t >= 2, t >= 4
+        binade = ge2.to(x.dtype).add_(ge4.to(x.dtype))  # b
+        t.mul_(torch.where(ge4, 0.5, torch.where(ge2, 1.0, 2.0)).to(x.dtype)).round_().add_(binade, alpha=2)
+        field = t.clamp_(max=7).to(torch.int32).bitwise_and_(7)  # NaN casts to some integer: a valid field
+        codes[a:b].copy_(field.bitwise_or_(sign.to(torch.int32).bitwise_left_shift_(3)))
     return codes
 
 
