@@ -55,6 +55,8 @@ CPU_ONLY: Dict[Tuple[str, str, str], str] = {
     ("kernels/bits.py", "pack_codes", "numpy"): "numpy branch for CPU tensors; other devices use torch ops",
     ("kernels/bits.py", "unpack_codes", "numpy"): "numpy branch for CPU tensors; other devices use torch ops",
     ("kernels/quant.py", "natural_decode", "numpy"): "np.take branch for CPU codes; CUDA runs a kernel",
+    ("kernels/minifloat.py", "e2m1_decode", "numpy"): "np.take branch for CPU codes; other devices index the "
+                                                      "table there",
     ("kernels/quant.py", "natural_decode", "__int__"): "the exponent of CPU codes, a CPU tensor; elsewhere the "
                                                       "table is built on the device (natural_table)",
     ("kernels/quant.py", "max_exponent", "*"): "natural_encode's exponent of a CPU x; other devices find it "

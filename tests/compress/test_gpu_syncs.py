@@ -21,7 +21,7 @@ pytestmark = pytest.mark.gpu
 # the compressors at one host sync per iteration through the hook (BUDGET there); powersgd, multi-round,
 # and threshold, bounded only on an agreed capacity, have their own tests below
 NAMES = ["none", "fp16", "bf16", "onebit", "signsgd", "efsignsgd", "signum", "topk", "dgc", "randomk", "int8",
-         "qsgd", "terngrad", "natural"]
+         "qsgd", "terngrad", "natural", "int4", "int2", "fp4"]
 SIZES = [(64, 33), (4096,), (1 << 20,)]  # small, and past the whole-tensor selection's size
 
 

@@ -43,7 +43,7 @@ WRAPPED = ("none", "onebit", "powersgd", "topk")  # through CompressedOptimizer 
 # payloads can be cut (34 -> 2 on this model's one bucket). Then those sizes set a capacity per payload, and the
 # next REAGREE (32) exchanges send payloads of exactly that size, fixed-size, nothing read (2 -> 1; the sized
 # exchange between two periods still reads once per bucket: 1 + 1/32 per bucket on average).
-BUDGET = {"none": 1, "fp16": 1, "bf16": 1, "powersgd": 1, "powersgd (device form)": 1, "randomk": 1, "int8": 1, "int4": 1, "int2": 1, "terngrad": 1, "qsgd": 1,
+BUDGET = {"none": 1, "fp16": 1, "bf16": 1, "powersgd": 1, "powersgd (device form)": 1, "randomk": 1, "int8": 1, "int4": 1, "int2": 1, "fp4": 1, "terngrad": 1, "qsgd": 1,
           "natural": 1, "dgc": 1, "topk": 1, "threshold": 1, "signum": 1, "signsgd": 1, "efsignsgd": 1,
           "onebit": 1}
 
