@@ -49,8 +49,8 @@ from .train import POWERSGD_RANK, POWERSGD_START, lm_options, lm_setup
 SYNC_EVERY = 50  # H: inner steps between two outer steps of the whole model
 TOPK_RATIO = 0.02  # diloco-topk: 2 % of the pseudo-gradient's elements (with error feedback)
 HAVE_TORCHFT = importlib.util.find_spec("torchft") is not None
-METHODS = ("ddp", "ddp-powersgd", "diloco", "diloco-int8", "diloco-int4", "diloco-topk", "streaming-f2-t1",
-           "streaming-f4-t5", "local") + (("torchft",) if HAVE_TORCHFT else ())
+METHODS = ("ddp", "ddp-powersgd", "diloco", "diloco-int8", "diloco-int4", "diloco-fp4", "diloco-topk", "sparseloco",
+           "streaming-f2-t1", "streaming-f4-t5", "local") + (("torchft",) if HAVE_TORCHFT else ())
 REFERENCE = "ddp"
 NO_EXCHANGE = "local"
 WARMUP_STEPS = 5  # untimed ddp steps before the first method
