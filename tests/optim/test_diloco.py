@@ -411,23 +411,33 @@ def _two_level(rank, world, inner):
     from torch.distributed.fsdp import fully_shard
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("outer", "inner"))
     model = _model(torch.float64)
+    handle = None
     if inner == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model, process_group=mesh.get_group("inner"))
     else:
         fully_shard(model, mesh=mesh["inner"])
         net = model
+        if inner == "compress_fsdp":  # gradcomp's dense reduce-scatter inside the worker
+            from gradcomp.sharded import compress_fsdp
+            handle = compress_fsdp(net, None)
     opt = DiLoCo(net, torch.optim.AdamW(net.parameters(), lr=1e-2), 4, outer_group=mesh, compressor=None)
     full = []
     for s in range(8):
         # every rank its own half of its worker's batch: worker w = rank // 2
-        _inner_step(net, opt, rank, s, torch.float64)
+        if handle is None:
+            _inner_step(net, opt, rank, s, torch.float64)
+        else:
+            x, y = _batch(rank, s, torch.float64)
+            torch.nn.functional.mse_loss(net(x), y).backward()
+            handle.step(opt)  # the inner step (and DiLoCo's schedule) behind compress_fsdp's step decision
+            opt.zero_grad()
         full.append(torch.cat([(p.full_tensor() if hasattr(p, "full_tensor") else p.detach()).reshape(-1)
                                for p in net.parameters()]))
     return {"params": full, "syncs": opt.syncs, "outer_size": dist.get_world_size(opt.outer_group)}
 
 
 def _two_levels(rank, world):
-    return {inner: _two_level(rank, world, inner) for inner in ("ddp", "fsdp")}
+    return {inner: _two_level(rank, world, inner) for inner in ("ddp", "fsdp", "compress_fsdp")}
 
 
 @pytest.fixture(scope="module")
@@ -435,7 +445,7 @@ def mesh_runs(tmp_path_factory):
     return run_ranks(_two_levels, 4, tmp_path_factory.mktemp("diloco4"), timeout_s=120)
 
 
-@pytest.mark.parametrize("inner", ["ddp", "fsdp"])
+@pytest.mark.parametrize("inner", ["ddp", "fsdp", "compress_fsdp"])
 def test_two_levels_from_a_2d_mesh(mesh_runs, inner):
     runs = [r[inner] for r in mesh_runs]
     assert all(r["syncs"] == 2 and r["outer_size"] == 2 for r in runs)
@@ -450,5 +460,6 @@ def test_two_levels_from_a_2d_mesh(mesh_runs, inner):
 
 def test_fsdp2_inside_a_worker_is_ddp_inside_to_rounding(mesh_runs):
     for r in mesh_runs:
-        for a, b in zip(r["ddp"]["params"], r["fsdp"]["params"]):
+        for a, b, c in zip(r["ddp"]["params"], r["fsdp"]["params"], r["compress_fsdp"]["params"]):
             assert (a - b).abs().max().item() < 1e-12
+            assert (a - c).abs().max().item() < 1e-12
