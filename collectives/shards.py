@@ -236,15 +236,29 @@ def any_rank(flags: Sequence[Any], group=None) -> List[bool]:
     """For each flag (a bool, or a 0-d tensor that is non-zero for true, left on its device
     until the one read), whether it is true on any rank of ``group``: one small all-reduce
     (counted in telemetry as ``all_reduce/flags``); the flags themselves without a group."""
-    rec = Record("all_reduce", "flags", "none", "flags", 1)
-    device = next((f.device for f in flags if isinstance(f, torch.Tensor)), None)
-    comm = Comm(group, rec, "any_rank", device)
+    return [v > 0 for v in sum_row(flags, group)]
+
+
+def sum_row(values: Sequence[Any], group=None, owner: str = "flags",
+            device: Optional[torch.device] = None) -> List[float]:
+    """Each value (a number, a bool, None for 0, or a 0-d tensor left on its device until the
+    one read) summed over ``group`` in float64: one small all-reduce of one row on the group's
+    device (counted in telemetry as ``all_reduce/flags``, key ``owner``), read once on the
+    host; the values themselves without a group. ``device``: where the tensors are (default:
+    the first tensor's)."""
+    rec = Record("all_reduce", "flags", "none", owner, 1)
+    if device is None:
+        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    comm = Comm(group, rec, f"{owner}'s reduction of flags", device)
     rec.world_size = comm.size
-    t = torch.stack([_on(f.reshape(()).double(), comm.device) if isinstance(f, torch.Tensor)
-                     else torch.tensor(1.0 if f else 0.0, dtype=torch.float64, device=comm.device) for f in flags])
+    if not values:
+        return []
+    t = torch.stack([_on(v.detach().reshape(()).double(), comm.device) if isinstance(v, torch.Tensor)
+                     else torch.tensor(0.0 if v is None else float(v), dtype=torch.float64, device=comm.device)
+                     for v in values])
     comm.all_reduce_(t)
     commit(rec)
-    return [bool(v > 0) for v in t.tolist()]
+    return [float(v) for v in t.tolist()]  # the one host read
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:

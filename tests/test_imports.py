@@ -227,3 +227,48 @@ def test_moved_names_stay_importable_where_users_found_them():
     from gradcomp.training import FSDPCompression, compress_fsdp
     assert compress_fsdp is sharded.compress_fsdp and FSDPCompression is sharded.FSDPCompression
     assert "compress_fsdp" in training.__all__
+
+
+# ---- state that flows without being passed -----------------------------------------------
+# Every ``contextvars.ContextVar`` and ``threading.local`` in gradcomp, with the reason it may
+# exist. Each is private to its module (read and set through that module's functions) and none
+# may be added without a line here: state a reader cannot see in a call's arguments is the
+# hardest to follow. The transaction's is the one that crosses packages (opened by the layers
+# that step, joined by the compressors' state changes through ``transaction.current()``).
+AMBIENT = {
+    ("compress/transaction.py", "_current"): "the open state transaction, joined by compressors' state changes "
+                                             "(crosses packages: compress.Compressor.compress cannot take one)",
+    ("compress/transaction.py", "_deferred"): "refusals deferred to the transaction's one read, same module only",
+    ("compress/sparse.py", "_bounds"): "the agreed payload bounds of the exchange in progress, same package only",
+    ("collectives/_comm.py", "_thread"): "the device a worker thread's communicator uses, same package only",
+}
+
+
+def _ambient_sites() -> Set[Tuple[str, str]]:
+    found = set()
+    for path in MODULES.values():
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Call):
+                fn = node.value.func
+                owner = fn.value.id if isinstance(fn, ast.Attribute) and isinstance(fn.value, ast.Name) else ""
+                name = fn.attr if isinstance(fn, ast.Attribute) else getattr(fn, "id", "")
+                if (owner, name) in (("contextvars", "ContextVar"), ("threading", "local"), ("", "ContextVar")):
+                    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                    for t in targets:
+                        if isinstance(t, ast.Name):
+                            found.add((path.relative_to(ROOT).as_posix(), t.id))
+    return found
+
+
+def test_ambient_state_is_listed_and_private():
+    sites = _ambient_sites()
+    assert sites == set(AMBIENT), (f"context variables / thread-locals not listed in AMBIENT: {sorted(sites - set(AMBIENT))}; "
+                                   f"listed but gone: {sorted(set(AMBIENT) - sites)}")
+    assert all(name.startswith("_") for _, name in sites)
+    # none is imported by name anywhere else (their modules' functions are the only way in)
+    for module, path in MODULES.items():
+        for target, names, line in _imports(module, path):
+            for file, name in AMBIENT:
+                assert name not in names or not target.endswith(Path(file).stem), \
+                    f"{path.relative_to(ROOT)}:{line} imports {name} from {target}"
