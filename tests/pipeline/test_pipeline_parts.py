@@ -396,6 +396,24 @@ def test_a_message_sent_without_waiting_is_ordered_before_one_made_after_a_hop()
     assert max(free.values()) == simulate("1f1b", 2, m).makespan
 
 
+def test_transport_is_built_on_the_collectives_point_to_point():
+    """The transport posts through ``collectives.p2p.batch_send_recv`` and learns layouts with
+    the wire's ``LayoutCache``: no ``torch.distributed`` call and no layout cache of its own."""
+    import ast
+    import inspect
+
+    from gradcomp.collectives.wire.layouts import LayoutCache
+    from gradcomp.pipeline import transport
+
+    tree = ast.parse(inspect.getsource(transport))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "torch.distributed" not in imported and not any(m and m.startswith("torch.distributed") for m in modules)
+    assert {"batch_send_recv", "LayoutCache"} <= imported
+    t = transport.Transport(None, lambda s: s, [0], torch.device("cpu"))
+    assert isinstance(t._layouts, LayoutCache)
+
+
 def test_the_example_prints_from_rank_0_only():
     """Issue 28: ``examples/train_pipeline.py --replicas 2`` printed two ranks' lines into each
     other; every print now sits under ``if rank == 0`` (what other ranks know is gathered to it)."""
