@@ -22,7 +22,8 @@ Invariants (why, and what was measured: docs/pipeline.md, "No deadlock" and "Sha
   tensor (a tuple or list of tensors, None among them, or a tensor of another dtype: masks,
   token ids) is a message of parts (:class:`Parts`): a parts table (JSON: the form and, per
   value, its kind, dtype, shape, whether the sending stage's output required a gradient and
-  its bytes), then each value 8-byte aligned: a floating-point tensor through the boundary
+  its bytes), then each value 8-byte aligned (the alignment bytes zero, in a raw message too:
+  the same bits on the wire every time): a floating-point tensor through the boundary
   compressor under its own key (``key.i``), any other as its exact bytes, None as nothing.
   Both ends know each channel's capacity (the previous message's length, kept across steps;
   the header alone for its first message); a longer payload sends its rest right after,
@@ -389,6 +390,8 @@ class Transport:
                     enc.payload.write_wire(buf[pos:pos + size], head=head)
                 elif size:
                     buf[pos:pos + size].copy_(enc.tensors[0].reshape(-1).view(torch.uint8))
+                if size % 8:  # the alignment bytes zeroed: the same bits on the wire every time
+                    buf[pos + size:pos + _up8(size)].zero_()
                 pos += _up8(size)
         if whole < cap:
             buf[whole:].zero_()
@@ -415,10 +418,16 @@ class Transport:
             slot.buf = tensors[0].detach().reshape(-1).view(torch.uint8)
         else:
             buf = self._pool(slot.msg, True).take(lay.nbytes)
+            end = 0
             for t, o in zip(tensors, lay.offsets):
                 size = t.numel() * t.element_size()
+                if o > end:  # alignment bytes zeroed, as in a framed message
+                    buf[end:o].zero_()
                 if size:
                     buf[o:o + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                end = o + size
+            if lay.nbytes > end:
+                buf[end:].zero_()
             slot.buf = buf
         slot.length = lay.nbytes
         self.sent_bytes += lay.nbytes
