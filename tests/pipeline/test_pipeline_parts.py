@@ -487,3 +487,30 @@ def test_a_stage_output_that_cannot_cross_a_boundary_says_what_can():
         _outgoing((torch.ones(2), 3), 0)
     with pytest.raises(ValueError, match="dtype torch.complex64 cannot cross a boundary"):
         _encode(Message("act", 0, 0), _outgoing((torch.ones(2, dtype=torch.complex64),), 0), get_compressor("none"))
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["framed", "raw"])
+def test_a_message_puts_the_same_bits_on_the_wire_whatever_its_buffer_held(monkeypatch, raw):
+    """A message of parts whose values end off an 8-byte boundary (a 3-byte mask, an int8
+    payload): the alignment bytes are zeros, not what the channel's buffer held before."""
+    from gradcomp.pipeline import transport as tr
+
+    value = tr.Parts("tuple", (torch.randn(3, 5), torch.tensor([True, False, True]), torch.arange(3, dtype=torch.int8)),
+                  (True, False, False))
+    msg = tr.Message("act", 0, 0)
+    sent = []
+    for fill in (0xAB, 0x5C):
+        monkeypatch.setattr(tr.memory, "empty", lambda n, dtype, device, fill=fill: torch.full((n,), fill,
+                                                                                               dtype=dtype))
+        t = tr.Transport(None, lambda s: s, [0], torch.device("cpu"))
+        slot = tr._Slot(msg, True, 1)
+        form, encs = tr._encode(msg, value, get_compressor("int8"))
+        if raw:
+            t._layouts.begin(learn=True)
+            t._layouts.note((msg.kind, msg.boundary), tr.Layout.of(form, [e.part for e in encs]))
+            t._layouts.end()
+            t._raw_frame(slot, form, encs)
+        else:
+            t._frame(slot, tr._split(get_compressor("int8"))[0], form, encs)
+        sent.append(bytes(slot.buf.numpy()) + (bytes(slot.tail.numpy()) if slot.tail is not None else b""))
+    assert sent[0] == sent[1]
