@@ -1,4 +1,5 @@
-"""Point-to-point ``send``/``recv`` of compressed tensors (for pipeline-parallel training).
+"""Point-to-point ``send``/``recv`` of compressed tensors, and batches of raw point-to-point
+operations (:func:`batch_send_recv`, what the pipeline's transport posts its messages with).
 
 Two messages per tensor: the point-to-point header (``wire/message.py``: magic, code, payload
 length, compressor hash, dtype; the pipeline's stage boundaries frame their messages with the
@@ -6,10 +7,17 @@ same), then the payload in the wire format, which carries shape and metadata, so
 receiver needs no prior knowledge of the tensor. With an error-feedback wrapper the sender
 keeps the residual per key; the receiver finishes with ``combine`` (EF21's estimate).
 Ranks are global ranks, as in ``torch.distributed.send``.
+
+:func:`batch_send_recv` posts a list of sends and receives (:class:`P2P`: a tensor and a peer)
+as one batch, in the list's order, and returns its works (:class:`Batch`). NCCL ignores tags
+and matches a pair's operations in issue order, so each pair's two ends must list that pair's
+operations in the same order (the pipeline derives one order on every rank: ``message_order``).
+The tensors travel as they are: no header, no compression; the batch's bytes are counted in
+telemetry (``"p2p/batch"``).
 """
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -18,7 +26,7 @@ from gradcomp.compress import transaction
 from gradcomp.compress.payload import max_wire_bytes, memory_bytes
 
 from . import _telemetry as telemetry
-from ._comm import Comm
+from ._comm import Comm, CommunicationError, group_timeout
 from .wire.frame import decode, encode
 from .wire.message import FIELDS, SEND, code_dtype, compressor_hash, dtype_code, header_tensor, read_header
 from .reduction import check_input, label, make_spec
@@ -140,3 +148,79 @@ def _check_drainable(length: int, src: int, device: torch.device, too_long: Opti
         raise ValueError(f"{said} more than this machine's memory can take ({limit} bytes on {device}); it was not "
                          f"received, so that rank's send fails or waits and later messages between the two are out "
                          f"of step")
+
+
+# ---- batches of raw point-to-point operations ------------------------------------------------
+class P2P(NamedTuple):
+    """One operation of a batch: ``kind`` "send" (``tensor`` to global rank ``peer``) or
+    "recv" (into ``tensor``, from ``peer``)."""
+
+    kind: str
+    tensor: torch.Tensor
+    peer: int
+
+
+class Batch:
+    """The works of one posted batch, in its operations' order: one per operation, or one for
+    the whole batch (a backend that coalesces it, as NCCL's); :meth:`index` says which work
+    completes operation ``i``."""
+
+    __slots__ = ("works", "count", "group")
+
+    def __init__(self, works: List[Any], count: int, group=None) -> None:
+        self.works, self.count, self.group = works, count, group
+
+    def index(self, i: int) -> int:
+        """The position in :attr:`works` of the work that completes operation ``i``."""
+        return i if len(self.works) == self.count else len(self.works) - 1
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def wait(self) -> None:
+        """Wait for every operation, in issue order; a backend failure is a ``CommunicationError``."""
+        for w in self.works:
+            try:
+                w.wait()
+            except RuntimeError as exc:
+                raise CommunicationError(_failed("p2p batch: waiting", exc, self.group)) from exc
+
+
+def batch_send_recv(ops: Sequence[P2P], *, group=None, key: Optional[str] = None) -> Batch:
+    """Post ``ops`` (sends and receives of tensors, each with a global rank as peer) as one
+    batch, in the list's order, and return its works (:class:`Batch`) to wait on. The two
+    ends of each pair must list that pair's operations in the same order (NCCL matches them in
+    issue order, tags ignored). Telemetry counts the sends' bytes as sent and the receives' as
+    received (op ``"p2p/batch"``; the time is that of posting). A backend that refuses the post
+    raises ``CommunicationError``."""
+    ops = list(ops)
+    rec = telemetry.Record("p2p", "batch", "none", "" if key is None else str(key), 0)
+    if not ops:
+        return Batch([], 0)
+    world, me = dist.get_world_size(), dist.get_rank()
+    rec.world_size = dist.get_world_size(group)
+    posted = []
+    for op in ops:
+        if op.kind not in ("send", "recv"):
+            raise ValueError(f"batch_send_recv: an operation is a 'send' or a 'recv', got {op.kind!r}")
+        if isinstance(op.peer, bool) or not isinstance(op.peer, int) or not 0 <= op.peer < world \
+                or op.peer == me:
+            raise ValueError(f"batch_send_recv: peer rank {op.peer!r} must be another rank in [0, {world})")
+        posted.append(dist.P2POp(dist.isend if op.kind == "send" else dist.irecv, op.tensor, op.peer, group))
+        if op.kind == "send":
+            rec.bytes_sent += op.tensor.numel() * op.tensor.element_size()
+        else:
+            rec.bytes_recv += op.tensor.numel() * op.tensor.element_size()
+    with rec.timing("comm"):
+        try:
+            works = list(dist.batch_isend_irecv(posted))
+        except RuntimeError as exc:
+            raise CommunicationError(_failed(f"p2p batch: posting {len(ops)} operations", exc, group)) from exc
+    telemetry.commit(rec)
+    return Batch(works, len(ops), group)
+
+
+def _failed(what: str, exc: BaseException, group=None) -> str:
+    timeout = group_timeout(group)
+    within = f"within the group timeout of {timeout.total_seconds():g} s" if timeout else "in time"
+    return f"{what} failed on rank {dist.get_rank()}: a peer died or did not answer {within} (backend: {exc})"

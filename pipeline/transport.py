@@ -11,8 +11,9 @@ Invariants (why, and what was measured: docs/pipeline.md, "No deadlock" and "Sha
   stream per pair or one for all of a rank's peers.
 - **The frontier.** A send is posted once produced, a receive as soon as everything before it
   is posted; posting stops at a send not yet produced and at a receive whose header is not read
-  (it may announce a tail). Each post is one ``batch_isend_irecv`` from the calling thread;
-  operations are waited in issue order.
+  (it may announce a tail). Each post is one batch of gradcomp's point-to-point operations
+  (:func:`gradcomp.collectives.p2p.batch_send_recv`, its operations in the agreed order) from
+  the calling thread; operations are waited in issue order.
 - **One message per stage output.** A uint8 device tensor: gradcomp's 64-byte point-to-point
   header (``collectives/wire/message.py``, as ``collectives.send``'s: magic, message code,
   payload length, the boundary compressor's hash, dtype, parts table length), then the
@@ -21,7 +22,8 @@ Invariants (why, and what was measured: docs/pipeline.md, "No deadlock" and "Sha
   tensor (a tuple or list of tensors, None among them, or a tensor of another dtype: masks,
   token ids) is a message of parts (:class:`Parts`): a parts table (JSON: the form and, per
   value, its kind, dtype, shape, whether the sending stage's output required a gradient and
-  its bytes), then each value 8-byte aligned: a floating-point tensor through the boundary
+  its bytes), then each value 8-byte aligned (the alignment bytes zero, in a raw message too:
+  the same bits on the wire every time): a floating-point tensor through the boundary
   compressor under its own key (``key.i``), any other as its exact bytes, None as nothing.
   Both ends know each channel's capacity (the previous message's length, kept across steps;
   the header alone for its first message); a longer payload sends its rest right after,
@@ -40,7 +42,8 @@ to read, so posting never stops at a receive. A channel's layout (the message's 
 value, the payload's compressor, shape, dtype, meta and tensors' dtypes and shapes, and the stage
 output's dtype and gradient flag, or a value's exact dtype and shape) is learned at
 both ends from the self-describing messages of a framed step in which every message on that
-channel had the same one; :class:`~gradcomp.pipeline.Pipeline` decides, in the batch agreement
+channel had the same one (the wire's :class:`~gradcomp.collectives.wire.layouts.LayoutCache`,
+a channel being a direction and a boundary); :class:`~gradcomp.pipeline.Pipeline` decides, in the batch agreement
 every step begins with, whether a step is raw (every rank's layouts known, its inputs shaped as
 in the step they were learned in). A payload that does not fit its channel's layout in a raw
 step (a shape that depends on the data) cannot tell the receiver so: its rank sends the agreed
@@ -59,9 +62,10 @@ import math
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.distributed as dist
 
 from gradcomp.collectives import CommunicationError
+from gradcomp.collectives.p2p import P2P, batch_send_recv
+from gradcomp.collectives.wire.layouts import LayoutCache
 from gradcomp.collectives.wire.message import (HEADER_BYTES, MAGIC, code_dtype, compressor_hash, dtype_code,
                                                header_bytes)
 from gradcomp.compress import Compressor, Payload
@@ -278,9 +282,7 @@ class Transport:
         self._pools: Dict[Tuple[str, int, bool], _Pool] = {}  # (kind, boundary, outgoing): its buffers
         self.raw = False  # this step's messages travel raw (see the module docstring)
         self.mismatched = False  # a payload of this raw step did not fit its channel's layout
-        self._layouts: Dict[Tuple[str, int], Layout] = {}  # each channel's, learned in a framed step
-        self._seen: Dict[Tuple[str, int], Optional[Layout]] = {}  # this framed step's (None: not one layout)
-        self._learn = False
+        self._layouts = LayoutCache()  # each channel's Layout, learned in a framed step
         self._works: List[Any] = []  # every work of the step, in issue order
         self._waited = 0  # the works before this position have been waited
 
@@ -288,7 +290,7 @@ class Transport:
     def ready(self, order: Sequence[Message]) -> bool:
         """Whether a step of ``order`` could travel raw: every channel of this rank's messages
         in it has a layout."""
-        return all((m.kind, m.boundary) in self._layouts for m in order if m.src in self.mine or m.dst in self.mine)
+        return self._layouts.knows((m.kind, m.boundary) for m in order if m.src in self.mine or m.dst in self.mine)
 
     def begin(self, order: Sequence[Message], *, raw: bool = False, learn: bool = False) -> None:
         """Start a step whose messages are ``order`` (the same list on every rank): ``raw`` (every
@@ -297,8 +299,8 @@ class Transport:
         self._check()
         if raw and not self.ready(order):
             raise RuntimeError("pipeline: a raw step needs every channel's layout, learned in a framed step")
-        self.raw, self.mismatched, self._learn = raw, False, learn and not raw
-        self._seen = {}
+        self.raw, self.mismatched = raw, False
+        self._layouts.begin(learn and not raw)
         self._seq = []
         for m in order:
             if m.src in self.mine or m.dst in self.mine:
@@ -323,7 +325,7 @@ class Transport:
             self._raw_frame(slot, form, encs)
         else:
             self._frame(slot, _split(compressor)[0], form, encs)
-            self._note(msg, Layout.of(form, [e.part for e in encs]) if self._learn else None)
+            self._note(msg, form, [e.part for e in encs])
         self.payload_bytes += sum(t.numel() * t.element_size() for e in encs for t in e.tensors)
         self._leave(slot)
 
@@ -389,6 +391,8 @@ class Transport:
                     enc.payload.write_wire(buf[pos:pos + size], head=head)
                 elif size:
                     buf[pos:pos + size].copy_(enc.tensors[0].reshape(-1).view(torch.uint8))
+                if size % 8:  # the alignment bytes zeroed: the same bits on the wire every time
+                    buf[pos + size:pos + _up8(size)].zero_()
                 pos += _up8(size)
         if whole < cap:
             buf[whole:].zero_()
@@ -415,24 +419,25 @@ class Transport:
             slot.buf = tensors[0].detach().reshape(-1).view(torch.uint8)
         else:
             buf = self._pool(slot.msg, True).take(lay.nbytes)
+            end = 0
             for t, o in zip(tensors, lay.offsets):
                 size = t.numel() * t.element_size()
+                if o > end:  # alignment bytes zeroed, as in a framed message
+                    buf[end:o].zero_()
                 if size:
                     buf[o:o + size].copy_(t.detach().contiguous().reshape(-1).view(torch.uint8))
+                end = o + size
+            if lay.nbytes > end:
+                buf[end:].zero_()
             slot.buf = buf
         slot.length = lay.nbytes
         self.sent_bytes += lay.nbytes
 
-    def _note(self, msg: Message, layout: Optional[Layout]) -> None:
+    def _note(self, msg: Message, form: str, parts: Sequence[Part]) -> None:
         """A framed training step's message on its channel: the channel's layout once every one
         of the step's messages on it had the same (learned at :meth:`finish`)."""
-        if not self._learn:
-            return
-        ch = (msg.kind, msg.boundary)
-        if ch not in self._seen:
-            self._seen[ch] = layout
-        elif self._seen[ch] != layout:
-            self._seen[ch] = None
+        if self._layouts.learning:
+            self._layouts.note((msg.kind, msg.boundary), Layout.of(form, parts))
 
     def take(self, msg: Message, compressor: Any) -> Union[torch.Tensor, Parts]:
         """The decoded value of ``msg`` (waits for it), through ``compressor`` as :meth:`send`:
@@ -482,7 +487,7 @@ class Transport:
                     values.append(_decoded(_key(msg, form, i), base, feedback, payload, dtype))
         except ValueError as exc:
             raise ValueError(f"pipeline: the payload of {msg.key} from rank {slot.peer} is invalid: {exc}") from None
-        self._note(msg, Layout.of(form, parts) if self._learn else None)
+        self._note(msg, form, parts)
         return _delivered(form, values, parts)
 
     def _table_bytes(self, slot: _Slot, data: torch.Tensor) -> bytes:
@@ -521,16 +526,11 @@ class Transport:
             missing = [s.msg.key for s in self._seq[self._pos:]]
             raise RuntimeError(f"pipeline: the step ended with messages never produced: {missing}")
         self.idle = True
-        if self._learn:  # what this framed step showed replaces what earlier ones did
-            for ch, lay in self._seen.items():
-                if lay is None:
-                    self._layouts.pop(ch, None)
-                else:
-                    self._layouts[ch] = lay
+        self._layouts.end()  # what a framed training step showed replaces what earlier ones did
 
     def forget(self) -> None:
         """Drop every channel's layout (the next steps are framed until they learn again)."""
-        self._layouts.clear()
+        self._layouts.forget()
 
     # ---- the frontier -------------------------------------------------------------------
     def _capacity(self, msg: Message) -> int:
@@ -546,27 +546,27 @@ class Transport:
     def _advance(self, until: Optional[int]) -> None:
         """Post this rank's operations in the agreed order as far as possible; wait (only) for
         receives at positions up to ``until``, which must be posted when this returns."""
-        ops: List[Tuple[Any, _Slot]] = []
+        ops: List[Tuple[P2P, _Slot]] = []
         try:
             while self._pos < len(self._seq):
                 slot = self._seq[self._pos]
                 if slot.out:
                     if slot.buf is None:
                         break  # not produced yet; nothing after it may go first
-                    ops.append((dist.P2POp(dist.isend, slot.buf, slot.peer, self.group), slot))
+                    ops.append((P2P("send", slot.buf, slot.peer), slot))
                     if slot.tail is not None:
-                        ops.append((dist.P2POp(dist.isend, slot.tail, slot.peer, self.group), slot))
+                        ops.append((P2P("send", slot.tail, slot.peer), slot))
                     self._pos += 1
                     continue
                 if self.raw:  # the agreed bytes: nothing to read before what follows is posted
                     slot.buf = self._pool(slot.msg, False).take(self._layout(slot.msg).nbytes)
-                    ops.append((dist.P2POp(dist.irecv, slot.buf, slot.peer, self.group), slot))
+                    ops.append((P2P("recv", slot.buf, slot.peer), slot))
                     slot.read = True
                     self._pos += 1
                     continue
                 if slot.buf is None:
                     slot.buf = self._pool(slot.msg, False).take(self._capacity(slot.msg))
-                    ops.append((dist.P2POp(dist.irecv, slot.buf, slot.peer, self.group), slot))
+                    ops.append((P2P("recv", slot.buf, slot.peer), slot))
                     self._post(ops)
                     ops = []
                 if (until is None or self._pos > until) and not self._completed(slot):
@@ -574,7 +574,7 @@ class Transport:
                 self._wait(slot)
                 self._read(slot)
                 if slot.tail is not None:
-                    ops.append((dist.P2POp(dist.irecv, slot.tail, slot.peer, self.group), slot))
+                    ops.append((P2P("recv", slot.tail, slot.peer), slot))
                 self._pos += 1
         except RuntimeError as exc:
             raise self._lost(self._seq[min(self._pos, len(self._seq) - 1)], exc) from exc
@@ -585,14 +585,14 @@ class Transport:
             if ops and self.broken is None:
                 self._post(ops)
 
-    def _post(self, ops: List[Tuple[Any, _Slot]]) -> None:
-        works = list(dist.batch_isend_irecv([op for op, _ in ops]))
+    def _post(self, ops: List[Tuple[P2P, _Slot]]) -> None:
+        """One batch of the agreed order's next operations (gradcomp's point-to-point batch)."""
+        batch = batch_send_recv([op for op, _ in ops], group=self.group, key="pipeline")
         self.messages += len(ops)
         first = len(self._works)
-        self._works.extend(works)
+        self._works.extend(batch.works)
         for i, (_, slot) in enumerate(ops):
-            # one work per operation, or one for the whole batch (a coalesced backend): the op completes with it
-            slot.works.append(first + (i if len(works) == len(ops) else len(works) - 1))
+            slot.works.append(first + batch.index(i))  # the work its operation completes with
 
     def _completed(self, slot: _Slot) -> bool:
         """Whether the slot's operations are known done without waiting (gloo tells only once waited)."""
@@ -647,6 +647,8 @@ class Transport:
         self._cap[(slot.msg.kind, slot.msg.boundary)] = whole
 
     def _lost(self, slot: _Slot, exc: BaseException) -> BaseException:
+        if isinstance(exc, CommunicationError) and exc.__cause__ is not None:
+            exc = exc.__cause__  # a refused post: what the backend said
         err = CommunicationError(f"pipeline: {slot.msg.key} {'to' if slot.out else 'from'} rank {slot.peer} failed: "
                                  f"a peer died or did not answer within the group timeout ({exc})")
         self.broken = err

@@ -10,10 +10,15 @@ of that layout send the payload tensors as they are, back to back in one flat de
 behind a status word (``status.py``): no header, no host copy, no host read. The receiver cuts
 each rank's buffer by its own templates. Variable-size payloads keep a :class:`SizedLayout`
 (their leading dimensions announced first); bounded ones an agreed capacity (``bounds.py``).
+
+Point-to-point channels learn their layouts the same way, both ends alike: a
+:class:`LayoutCache` keeps each channel's layout once every self-describing message of an
+exchange on it had the same one (the pipeline's transport: a channel is a direction and a stage
+boundary, its layout a message's structure), and later exchanges send the payloads raw on it.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Hashable, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -250,3 +255,64 @@ def local_status(layout: SizedLayout, payloads: Sequence[Any], error: Optional[B
         return FAILED, None
     dims = layout.dims(payloads)
     return (OK, dims) if dims is not None else (CHANGED, None)
+
+
+# ---- layouts learned per point-to-point channel ----------------------------------------------
+_MIXED = object()  # a channel whose messages had more than one layout in the exchange
+
+
+class LayoutCache:
+    """\"Agree the layout once, then send raw" for point-to-point channels: what both ends of a
+    channel (any hashable key) know of its messages' structure (any value compared with
+    ``==``), learned at both ends from the self-describing messages of one exchange.
+
+    An exchange that learns (:meth:`begin` with ``learn=True``: both ends alike, every message
+    framed) notes each message's layout at both ends (:meth:`note`), the sender's on sending and
+    the receiver's on decoding what arrived; at :meth:`end` each channel the exchange used takes the
+    layout every one of its messages had, or forgets its layout when they differed. Both ends saw
+    the same messages, so both end with the same cache. :meth:`knows` says whether a set of
+    channels can travel raw; :meth:`forget` drops everything (the next exchanges are framed)."""
+
+    __slots__ = ("_known", "_seen", "learning")
+
+    def __init__(self) -> None:
+        self._known: Dict[Hashable, Any] = {}
+        self._seen: Dict[Hashable, Any] = {}  # this exchange's layout per channel (_MIXED: not one)
+        self.learning = False  # the current exchange notes its messages' layouts
+
+    def begin(self, learn: bool) -> None:
+        """Start an exchange; ``learn``: its messages are framed and their layouts noted."""
+        self.learning, self._seen = learn, {}
+
+    def note(self, channel: Hashable, layout: Any) -> None:
+        """A framed message of the learning exchange had ``layout`` on ``channel`` (no-op when
+        the exchange does not learn)."""
+        if not self.learning:
+            return
+        seen = self._seen.get(channel, layout)
+        self._seen[channel] = layout if seen is not _MIXED and seen == layout else _MIXED
+
+    def end(self) -> None:
+        """The exchange is done (every message sent and received): what it learned replaces what
+        earlier ones did, per channel it used."""
+        if self.learning:
+            for channel, layout in self._seen.items():
+                if layout is _MIXED:
+                    self._known.pop(channel, None)
+                else:
+                    self._known[channel] = layout
+        self.learning, self._seen = False, {}
+
+    def knows(self, channels: Iterable[Hashable]) -> bool:
+        """Whether every one of ``channels`` has a layout (an exchange of them can travel raw)."""
+        return all(ch in self._known for ch in channels)
+
+    def __getitem__(self, channel: Hashable) -> Any:
+        return self._known[channel]
+
+    def __contains__(self, channel: Hashable) -> bool:
+        return channel in self._known
+
+    def forget(self) -> None:
+        """Drop every channel's layout."""
+        self._known.clear()

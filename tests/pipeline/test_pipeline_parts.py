@@ -396,6 +396,24 @@ def test_a_message_sent_without_waiting_is_ordered_before_one_made_after_a_hop()
     assert max(free.values()) == simulate("1f1b", 2, m).makespan
 
 
+def test_transport_is_built_on_the_collectives_point_to_point():
+    """The transport posts through ``collectives.p2p.batch_send_recv`` and learns layouts with
+    the wire's ``LayoutCache``: no ``torch.distributed`` call and no layout cache of its own."""
+    import ast
+    import inspect
+
+    from gradcomp.collectives.wire.layouts import LayoutCache
+    from gradcomp.pipeline import transport
+
+    tree = ast.parse(inspect.getsource(transport))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    modules = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "torch.distributed" not in imported and not any(m and m.startswith("torch.distributed") for m in modules)
+    assert {"batch_send_recv", "LayoutCache"} <= imported
+    t = transport.Transport(None, lambda s: s, [0], torch.device("cpu"))
+    assert isinstance(t._layouts, LayoutCache)
+
+
 def test_the_example_prints_from_rank_0_only():
     """Issue 28: ``examples/train_pipeline.py --replicas 2`` printed two ranks' lines into each
     other; every print now sits under ``if rank == 0`` (what other ranks know is gathered to it)."""
@@ -469,3 +487,30 @@ def test_a_stage_output_that_cannot_cross_a_boundary_says_what_can():
         _outgoing((torch.ones(2), 3), 0)
     with pytest.raises(ValueError, match="dtype torch.complex64 cannot cross a boundary"):
         _encode(Message("act", 0, 0), _outgoing((torch.ones(2, dtype=torch.complex64),), 0), get_compressor("none"))
+
+
+@pytest.mark.parametrize("raw", [False, True], ids=["framed", "raw"])
+def test_a_message_puts_the_same_bits_on_the_wire_whatever_its_buffer_held(monkeypatch, raw):
+    """A message of parts whose values end off an 8-byte boundary (a 3-byte mask, an int8
+    payload): the alignment bytes are zeros, not what the channel's buffer held before."""
+    from gradcomp.pipeline import transport as tr
+
+    value = tr.Parts("tuple", (torch.randn(3, 5), torch.tensor([True, False, True]), torch.arange(3, dtype=torch.int8)),
+                  (True, False, False))
+    msg = tr.Message("act", 0, 0)
+    sent = []
+    for fill in (0xAB, 0x5C):
+        monkeypatch.setattr(tr.memory, "empty", lambda n, dtype, device, fill=fill: torch.full((n,), fill,
+                                                                                               dtype=dtype))
+        t = tr.Transport(None, lambda s: s, [0], torch.device("cpu"))
+        slot = tr._Slot(msg, True, 1)
+        form, encs = tr._encode(msg, value, get_compressor("int8"))
+        if raw:
+            t._layouts.begin(learn=True)
+            t._layouts.note((msg.kind, msg.boundary), tr.Layout.of(form, [e.part for e in encs]))
+            t._layouts.end()
+            t._raw_frame(slot, form, encs)
+        else:
+            t._frame(slot, tr._split(get_compressor("int8"))[0], form, encs)
+        sent.append(bytes(slot.buf.numpy()) + (bytes(slot.tail.numpy()) if slot.tail is not None else b""))
+    assert sent[0] == sent[1]

@@ -50,15 +50,21 @@ def _train(schedule, *, microbatches=4, act=None, grad=None, tokens=None, loss_f
 def _messages():
     """Operations this rank posts per step (1F1B, 4 micro-batches): the first step's first
     message on each channel is a header and a tail; later steps fit the capacity carried over,
-    until a larger batch grows each channel's first message once more."""
+    until a larger batch grows each channel's first message once more. With each step's
+    telemetry of gradcomp's point-to-point batches, which the transport posts them with, and its
+    wire bytes."""
+    from gradcomp.collectives import reset_telemetry, telemetry
     from gradcomp.pipeline import Pipeline
 
     pipe = Pipeline(chain(), balance=BALANCE["1f1b"], schedule="1f1b", microbatches=4, optimizer=sgd)
-    counts = []
+    counts, counted = [], []
     for x, y in _batches(steps=3) + _batches(steps=1, n=32):
+        reset_telemetry()
         pipe.step(x, y, LOSS)
         counts.append(pipe._transport.messages)
-    return counts
+        batches = telemetry()["by_op"]["p2p/batch"]
+        counted.append((batches["bytes_sent"], batches["bytes_recv"], pipe.wire_bytes))
+    return counts, counted
 
 
 class _Marked(torch.nn.Module):
@@ -585,7 +591,15 @@ def test_capacities_carry_over_between_steps(results):
     # each rank sends 4 messages on one channel and receives 4 on the other: 8 operations, plus a
     # tail each way for a channel's first message (the first step) and for a message that grew
     for r in results:
-        assert r["messages"] == [10, 8, 8, 10], r["messages"]
+        assert r["messages"][0] == [10, 8, 8, 10], r["messages"][0]
+
+
+def test_boundary_bytes_are_counted_in_telemetry(results):
+    # the transport posts through collectives.p2p.batch_send_recv: telemetry's "p2p/batch" holds
+    # every byte of the step's messages (framed or raw), what the other rank received
+    for r, other in ((results[0], results[1]), (results[1], results[0])):
+        for (sent, _, wire), (_, recv, _) in zip(r["messages"][1], other["messages"][1]):
+            assert sent == wire == recv > 0, (sent, wire, recv)
 
 
 @pytest.mark.parametrize("schedule,act", [("1f1b", None), ("zb-h1", "int8"), ("gpipe", "topk")])
