@@ -31,7 +31,7 @@ from .wire.status import Flags, checked
 from ._telemetry import Record, commit
 from .wire.frame import decode, encode, gather_bytes
 
-__all__ = ["reduce_scatter", "all_gather", "any_rank", "piece_key"]
+__all__ = ["reduce_scatter", "all_gather", "any_rank", "sum_row", "piece_key"]
 
 
 def _begin(op: str, compressor: Any, key: str, group, splits: Sequence[int],
@@ -231,6 +231,30 @@ def any_rank(flags: Sequence[Any], group=None) -> List[bool]:
     comm.all_reduce_(t)
     commit(rec)
     return [bool(v > 0) for v in t.tolist()]
+
+
+def sum_row(values: Sequence[Any], group=None, owner: str = "flags", device: Optional[torch.device] = None,
+            op: str = "sum_row") -> torch.Tensor:
+    """Each value (a bool, None for 0, a number or a 0-d tensor, left on its device) summed
+    over the ranks of ``group`` in float64: one all-reduce of one row on the group's device
+    (``device``: the values' device, by default the first tensor's), counted in telemetry as
+    ``all_reduce/flags`` under ``owner``; the values themselves without a group (nothing
+    counted). Nothing is read: the caller reads the row once. ``op`` names the caller in a
+    :class:`CommunicationError`."""
+    if device is None:
+        device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
+    rec = Record("all_reduce", "flags", "none", owner, 1)
+    comm = Comm(group, rec, op, device)
+    rec.world_size = comm.size
+    if not values:
+        return torch.zeros(0, dtype=torch.float64, device=comm.device)
+    row = torch.stack([_on(v.detach().reshape(()).to(torch.float64), comm.device) if isinstance(v, torch.Tensor)
+                       else torch.tensor(0.0 if v is None else float(v), dtype=torch.float64, device=comm.device)
+                       for v in values])
+    if comm.size > 1:
+        comm.all_reduce_(row)
+        commit(rec)
+    return row
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:

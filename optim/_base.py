@@ -36,7 +36,7 @@ import torch
 from gradcomp.collectives import rank_of, world_of
 from gradcomp.compress import as_codec
 from gradcomp.collectives.identity import Identity, describe_params
-from gradcomp.training.step import StepDecision
+from gradcomp.training.step import StepDecision, Stepping
 from gradcomp.training.wrapper import broadcast_params
 
 from . import _common as common
@@ -46,7 +46,7 @@ from .momentum import MomentumExchange
 _SCHEDULED = ("params", "lr", "initial_lr")
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(Stepping, torch.optim.Optimizer):
     """Base of the optimizers that exchange compressed momentum; see the module docstring."""
 
     #: the name used in messages and in a checkpoint's identity
@@ -113,16 +113,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return str([{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in self.param_groups])
 
     # ---- steps that change nothing ------------------------------------------------------------
-    @property
-    def skipped(self) -> int:
-        """Steps that changed nothing (a gradient not finite or out of the second moment's
-        range): the step decision's counter."""
-        return self.decision.skipped
-
-    @skipped.setter
-    def skipped(self, value: int) -> None:
-        self.decision.skipped = value
-
     @property
     def skipped_steps(self) -> int:
         """:attr:`skipped`, by its older name (read only)."""

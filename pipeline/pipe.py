@@ -36,7 +36,7 @@ from gradcomp.collectives import CommunicationError, backend_for, check_device_s
 from gradcomp.compress import Compressor, as_codec, get_compressor
 from gradcomp.compress.transaction import Transaction
 from gradcomp.training import CompressedOptimizer
-from gradcomp.training.step import StepDecision
+from gradcomp.training.step import StepDecision, Stepping
 from gradcomp.collectives.identity import Identity, agree, describe_params, fingerprint, refuse_on_every_rank
 from gradcomp.collectives.wire.message import h63
 
@@ -114,7 +114,7 @@ class _Agreement:
         return self.raw
 
 
-class Pipeline:
+class Pipeline(Stepping):
     """One rank's part of a pipeline; the keywords and the contracts are in docs/pipeline.md.
 
     ``stages``: an ``nn.Sequential`` of the whole model cut by ``balance`` (layers per stage,
@@ -191,12 +191,6 @@ class Pipeline:
         self.peak_in_flight = 0  # micro-batches whose activations were held at once, measured in the last step
         self.applied = True  # whether the last step was kept (False: something was not finite; nothing changed)
         self.decision = StepDecision(self.grid.group, "Pipeline")  # the end of a step over the grid
-
-    @property
-    def skipped(self) -> int:
-        """Training steps undone on every rank because a loss or a gradient was not finite
-        somewhere in the grid (the step decision's counter)."""
-        return self.decision.skipped
 
     # ---- construction helpers ------------------------------------------------------------
     def _cut(self, stages: Any, balance: Any, virtual: Optional[int], sample: Optional[torch.Tensor],

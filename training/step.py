@@ -23,8 +23,7 @@ from typing import Any, Dict, Mapping, Optional
 
 import torch
 
-from gradcomp.collectives._comm import Comm
-from gradcomp.collectives._telemetry import Record, commit
+from gradcomp.collectives.shards import sum_row
 
 Flag = Any  # bool, None or a 0-d tensor (non-zero: true)
 
@@ -63,18 +62,8 @@ class StepDecision:
         tensor, summed in float64), in one all-reduce of one float64 row on the group's device,
         read once. The same names in the same order on every rank."""
         sums = dict(sums or {})
-        values = list(flags.values()) + list(sums.values())
-        if device is None:
-            device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
-        rec = Record("all_reduce", "flags", "none", self.owner, 1)
-        comm = Comm(self.group, rec, f"{self.owner}'s step decision", device)
-        rec.world_size = comm.size
-        row = torch.stack([_value(v, comm.device) for v in values]) if values else \
-            torch.zeros(0, dtype=torch.float64, device=comm.device)
-        if comm.size > 1 and values:
-            comm.all_reduce_(row)
-            commit(rec)
-        read = row.tolist()  # the decision's one host read
+        read = sum_row(list(flags.values()) + list(sums.values()), self.group, self.owner, device,
+                       f"{self.owner}'s step decision").tolist()  # the decision's one host read
         names = list(flags)
         return Verdict({n: read[i] > 0 for i, n in enumerate(names)},
                        {n: read[len(names) + i] for i, n in enumerate(sums)})
@@ -95,8 +84,17 @@ class StepDecision:
         self.skipped += 1
 
 
-def _value(v: Any, device: torch.device) -> torch.Tensor:
-    if isinstance(v, torch.Tensor):
-        t = v.detach().reshape(()).to(torch.float64)
-        return t if t.device == device else t.to(device)
-    return torch.tensor(0.0 if v is None else float(v), dtype=torch.float64, device=device)
+class Stepping:
+    """A layer that steps: it holds one :class:`StepDecision` (``decision``) and reports the
+    decision's counter as ``skipped`` (settable, for a ``load_state_dict`` that restores it)."""
+
+    decision: StepDecision
+
+    @property
+    def skipped(self) -> int:
+        """Steps (iterations) undone on every rank the decision spans, and counted."""
+        return self.decision.skipped
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        self.decision.skipped = value
