@@ -31,7 +31,7 @@ from .wire.status import Flags, checked
 from ._telemetry import Record, commit
 from .wire.frame import decode, encode, gather_bytes
 
-__all__ = ["reduce_scatter", "all_gather", "any_rank", "piece_key"]
+__all__ = ["reduce_scatter", "all_gather", "any_rank", "sum_row", "piece_key"]
 
 
 def _begin(op: str, compressor: Any, key: str, group, splits: Sequence[int],
@@ -236,29 +236,31 @@ def any_rank(flags: Sequence[Any], group=None) -> List[bool]:
     """For each flag (a bool, or a 0-d tensor that is non-zero for true, left on its device
     until the one read), whether it is true on any rank of ``group``: one small all-reduce
     (counted in telemetry as ``all_reduce/flags``); the flags themselves without a group."""
-    return [v > 0 for v in sum_row(flags, group)]
+    return [bool(v > 0) for v in sum_row(flags, group, op="any_rank").tolist()]  # the one read
 
 
-def sum_row(values: Sequence[Any], group=None, owner: str = "flags",
-            device: Optional[torch.device] = None) -> List[float]:
-    """Each value (a number, a bool, None for 0, or a 0-d tensor left on its device until the
-    one read) summed over ``group`` in float64: one small all-reduce of one row on the group's
-    device (counted in telemetry as ``all_reduce/flags``, key ``owner``), read once on the
-    host; the values themselves without a group. ``device``: where the tensors are (default:
-    the first tensor's)."""
-    rec = Record("all_reduce", "flags", "none", owner, 1)
+def sum_row(values: Sequence[Any], group=None, owner: str = "flags", device: Optional[torch.device] = None,
+            op: str = "sum_row") -> torch.Tensor:
+    """Each value (a bool, None for 0, a number or a 0-d tensor, left on its device) summed
+    over the ranks of ``group`` in float64: one all-reduce of one row on the group's device
+    (``device``: the values' device, by default the first tensor's), counted in telemetry as
+    ``all_reduce/flags`` under ``owner``; the values themselves without a group (nothing
+    counted). Nothing is read: the caller reads the row once. ``op`` names the caller in a
+    :class:`CommunicationError`."""
     if device is None:
         device = next((v.device for v in values if isinstance(v, torch.Tensor)), None)
-    comm = Comm(group, rec, f"{owner}'s reduction of flags", device)
+    rec = Record("all_reduce", "flags", "none", owner, 1)
+    comm = Comm(group, rec, op, device)
     rec.world_size = comm.size
     if not values:
-        return []
-    t = torch.stack([_on(v.detach().reshape(()).double(), comm.device) if isinstance(v, torch.Tensor)
-                     else torch.tensor(0.0 if v is None else float(v), dtype=torch.float64, device=comm.device)
-                     for v in values])
-    comm.all_reduce_(t)
-    commit(rec)
-    return [float(v) for v in t.tolist()]  # the one host read
+        return torch.zeros(0, dtype=torch.float64, device=comm.device)
+    row = torch.stack([_on(v.detach().reshape(()).to(torch.float64), comm.device) if isinstance(v, torch.Tensor)
+                       else torch.tensor(0.0 if v is None else float(v), dtype=torch.float64, device=comm.device)
+                       for v in values])
+    if comm.size > 1:
+        comm.all_reduce_(row)
+        commit(rec)
+    return row
 
 
 def _on(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -16,7 +16,11 @@ schedulers change them).
 
 A step whose gradient is not finite, or so large that Adam's second moment would overflow
 (:class:`~gradcomp.optim._common.MomentRange`), on any rank is skipped on every rank: nothing
-changes, ``skipped_steps`` counts it and a ``RuntimeWarning`` says so; the next step goes on.
+changes, ``skipped`` counts it and a ``RuntimeWarning`` says so; the next step goes on. The
+verdict is already the same on every rank (the exchanged mean carries the poison), so the
+optimizer's :class:`~gradcomp.training.step.StepDecision` (``opt.decision``) only settles it,
+without a reduction of its own; ``skipped`` is its counter (``skipped_steps``, the older name,
+reads it too).
 
 ``state_dict`` adds the error-feedback residuals and counters to torch's optimizer state, with
 whose they are; ``load_state_dict`` refuses another rank's, another world size's or another
@@ -32,6 +36,7 @@ import torch
 from gradcomp.collectives import rank_of, world_of
 from gradcomp.compress import as_codec
 from gradcomp.collectives.identity import Identity, describe_params
+from gradcomp.training.step import StepDecision, Stepping
 from gradcomp.training.wrapper import broadcast_params
 
 from . import _common as common
@@ -41,7 +46,7 @@ from .momentum import MomentumExchange
 _SCHEDULED = ("params", "lr", "initial_lr")
 
 
-class DistributedOptimizer(torch.optim.Optimizer):
+class DistributedOptimizer(Stepping, torch.optim.Optimizer):
     """Base of the optimizers that exchange compressed momentum; see the module docstring."""
 
     #: the name used in messages and in a checkpoint's identity
@@ -65,8 +70,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._ddp = False  # comm_hook() was taken: DDP hands step() the gradients it needs
         self._dense_agreed: set = set()  # dense means checked once on every rank (common.dense_mean)
         self.steps = 0  # completed steps
-        #: steps that changed nothing (a gradient not finite or out of the second moment's range)
-        self.skipped_steps = 0
+        # settles every step; its counter, skipped: steps that changed nothing (a gradient not finite
+        # or out of the second moment's range)
+        self.decision = StepDecision(process_group, self.display_name)
         self._range = common.MomentRange()
         self._masks: Optional[List[Optional[Mask]]] = None
         if common.is_distributed(process_group):
@@ -107,12 +113,23 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return str([{k: g[k] for k in ("lr", "initial_lr") if k in g} for g in self.param_groups])
 
     # ---- steps that change nothing ------------------------------------------------------------
+    @property
+    def skipped_steps(self) -> int:
+        """:attr:`skipped`, by its older name (read only)."""
+        return self.decision.skipped
+
+    def _settle(self, keep: bool, what: str = "on every rank: a gradient on some rank was") -> bool:
+        """Settle the step (``keep``: the same on every rank, or this rank's own where it steps
+        alone): a step that changed nothing is counted and reported. True when kept."""
+        if not self.decision.settle(keep):
+            warnings.warn(f"{self.display_name}: step {self.steps + 1} skipped {what} not finite or too large for "
+                          f"Adam's second moment (|g| beyond ~1.8e19 in fp32); nothing changed, training goes on "
+                          f"({self.skipped} skipped so far: opt.skipped)", RuntimeWarning, stacklevel=4)
+        return keep
+
     def _skip(self, what: str = "on every rank: a gradient on some rank was") -> None:
         """Count and report a step that changed nothing."""
-        self.skipped_steps += 1
-        warnings.warn(f"{self.display_name}: step {self.steps + 1} skipped {what} not finite or too large for Adam's "
-                      f"second moment (|g| beyond ~1.8e19 in fp32); nothing changed, training goes on "
-                      f"({self.skipped_steps} skipped so far: opt.skipped_steps)", RuntimeWarning, stacklevel=3)
+        self._settle(False, what)
 
     def _out_of_range(self, grads: List[torch.Tensor], vmax: Optional[torch.Tensor] = None) -> torch.Tensor:
         """True (a 0-d bool on the device, no sync) when a gradient of ``grads`` (one per
@@ -122,10 +139,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _fits(self, grads: List[torch.Tensor], vmax: Optional[torch.Tensor] = None) -> bool:
         """Whether the step on ``grads`` can go ahead (one host sync); counts and reports it if not."""
-        if bool(self._out_of_range(grads, vmax)):
-            self._skip()
-            return False
-        return True
+        return self._settle(not bool(self._out_of_range(grads, vmax)))
 
     def _options(self) -> str:
         raise NotImplementedError
@@ -215,7 +229,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> Dict[str, Any]:
         """torch's optimizer state plus the residuals and counters, with whose they are."""
         sd = super().state_dict()
-        sd["gradcomp"] = {"identity": self._identity().to_dict(), "steps": self.steps, "skipped": self.skipped_steps,
+        sd["gradcomp"] = {"identity": self._identity().to_dict(), "steps": self.steps, "skipped": self.skipped,
                           "exchanges": {k: e.state_dict() for k, e in self.exchanges.items()},
                           "extra": self._extra_state()}
         return sd
@@ -234,7 +248,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for k, e in self.exchanges.items():
             e.load_state_dict(ours["exchanges"][k])
         self.steps = int(ours["steps"])
-        self.skipped_steps = int(ours.get("skipped", 0))
+        self.skipped = int(ours.get("skipped", 0))
         self._load_extra_state(ours["extra"])
         self._masks = None  # recomputed from the loaded variance
         self._forget()

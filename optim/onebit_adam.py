@@ -21,7 +21,7 @@ zero, whatever is decoded there dropped, their momentum kept at zero, the parame
 
 A step whose gradient is not finite, or finite but too large for Adam's second moment (it
 would overflow to inf, and a frozen variance could not damp it), on any rank changes nothing on
-any rank: no parameter, moment, counter or residual; ``skipped_steps`` counts it, a
+any rank: no parameter, moment, counter or residual; ``skipped`` counts it, a
 ``RuntimeWarning`` reports it, and the next step goes on. (``torch.optim.Adam`` takes such a
 step with ``v = inf`` and never moves those elements again.) bf16/fp16 parameters keep moments in their dtype,
 as ``torch.optim.Adam`` does; the exchange and its residuals are fp32.

@@ -18,7 +18,7 @@ The update norms it needs are of whole tensors that every rank holds (the averag
 they are right under data parallel. It is itself the data-parallel layer (it exchanges the
 momentum), so it is not meant to run inside a sharded optimizer: ``shard_layout`` refuses.
 A step whose gradient is not finite, or finite but too large for the second moment (it would
-overflow to inf), on any rank changes nothing on any rank; ``skipped_steps`` counts it and a
+overflow to inf), on any rank changes nothing on any rank; ``skipped`` counts it and a
 ``RuntimeWarning`` reports it.
 """
 from __future__ import annotations

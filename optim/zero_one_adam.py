@@ -21,7 +21,7 @@ Two phases, with the paper's policy (and DeepSpeed's knobs):
 The two compressed quantities (gradient in phase 1, accumulated moves in phase 2) keep their
 own residuals. Replicas are identical after every synchronising step. A gradient that is not
 finite, or finite but too large for the second moment (it would overflow to inf, and then
-``0 * inf`` is NaN), is skipped and counted (``skipped_steps``, with a ``RuntimeWarning``): a
+``0 * inf`` is NaN), is skipped and counted (``skipped``, with a ``RuntimeWarning``): a
 dense or compressed step with such a gradient on any rank changes nothing on any rank; a local
 step with one moves nothing on that rank (the counters advance on every rank, so all reach the
 next synchronisation together).

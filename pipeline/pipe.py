@@ -13,7 +13,10 @@ Invariants (the reasons, and what each costs, in docs/pipeline.md):
   ``loss / microbatches``); with the ``none`` compressors bit-identical to one process running
   the same micro-batches in order; ``step`` returns that mean (averaged over replicas) on
   every rank;
-- a step whose loss or local gradients are not finite anywhere in the grid changes no state;
+- a step whose loss or local gradients are not finite anywhere in the grid changes no state: the
+  pipeline's :class:`~gradcomp.training.step.StepDecision` (``pipe.decision``) reduces the
+  loss and the flags over the grid in one all-reduce, read once, and every rank keeps or undoes
+  the step together (``pipe.skipped`` counts the undone ones);
 - a batch, a configuration or a stage that any rank finds wrong raises the same ``ValueError``
   on every rank, before any message; a dead or silent peer is a ``CommunicationError`` within
   the group timeout, never a hang.
@@ -33,6 +36,7 @@ from gradcomp.collectives import CommunicationError, backend_for, check_device_s
 from gradcomp.compress import Compressor, as_codec, get_compressor
 from gradcomp.compress.transaction import Transaction
 from gradcomp.training import CompressedOptimizer
+from gradcomp.training.step import StepDecision, Stepping
 from gradcomp.collectives.identity import Identity, agree, describe_params, fingerprint, refuse_on_every_rank
 from gradcomp.collectives.wire.message import h63
 
@@ -110,7 +114,7 @@ class _Agreement:
         return self.raw
 
 
-class Pipeline:
+class Pipeline(Stepping):
     """One rank's part of a pipeline; the keywords and the contracts are in docs/pipeline.md.
 
     ``stages``: an ``nn.Sequential`` of the whole model cut by ``balance`` (layers per stage,
@@ -186,6 +190,7 @@ class Pipeline:
         self.started_at = 0.0  # wall-clock time (time.time()) the last step began on this rank
         self.peak_in_flight = 0  # micro-batches whose activations were held at once, measured in the last step
         self.applied = True  # whether the last step was kept (False: something was not finite; nothing changed)
+        self.decision = StepDecision(self.grid.group, "Pipeline")  # the end of a step over the grid
 
     # ---- construction helpers ------------------------------------------------------------
     def _cut(self, stages: Any, balance: Any, virtual: Optional[int], sample: Optional[torch.Tensor],
@@ -358,13 +363,11 @@ class Pipeline:
             self.reruns += 1
         self.raw_steps += raw
         self.applied = finite
-        if finite:
-            txn.commit()
+        if self.decision.settle(finite, txn):
             if self.optimizer is not None:
                 # with replicas, the data-parallel exchange starts here: see _accumulating
                 self.optimizer.step()
         else:
-            txn.rollback()
             if self.optimizer is not None:
                 self.optimizer.zero_grad(set_to_none=True)
         return loss_value
@@ -706,10 +709,11 @@ class Pipeline:
     # ---- the end of a step ---------------------------------------------------------------
     def _conclude(self, loss: Optional[torch.Tensor], txn: Transaction,
                   check_grads: bool = True) -> Tuple[torch.Tensor, bool, bool]:
-        """One all-reduce over the grid, on the stage's device, read once on the host: the loss
-        (from the last stages, averaged over replicas), whether every rank's loss and local
-        gradients are finite (the largest magnitude of each gradient: NaN and inf propagate, no
-        overflow of a sum) and whether a payload of a raw step left its layout on any rank."""
+        """The step decision's one all-reduce over the grid, on the stage's device, read once on
+        the host: the loss (from the last stages, averaged over replicas), whether every rank's
+        loss and local gradients are finite (the largest magnitude of each gradient: NaN and inf
+        propagate, no overflow of a sum) and whether a payload of a raw step left its layout on
+        any rank."""
         dev = self.device
         bad = torch.full((), 0.0 if txn.finite else 1.0, dtype=torch.float64, device=dev)
         value = torch.zeros((), dtype=torch.float64, device=dev)
@@ -721,16 +725,15 @@ class Pipeline:
             if grads:
                 peak = torch.stack([g.abs().amax().to(torch.float64) for g in grads]).amax()
                 bad = bad + (~torch.isfinite(peak)).double()
-        moved = torch.full((), float(self._transport.mismatched), dtype=torch.float64, device=dev)
-        row = torch.stack([value, bad, moved])
-        try:
-            dist.all_reduce(row, group=self.grid.group)
-        except RuntimeError as exc:
+        try:  # the step's one read of its outcome
+            verdict = self.decision.reduce({"nonfinite": bad, "moved": self._transport.mismatched}, {"loss": value},
+                                           device=dev)
+        except CommunicationError as exc:
             raise CommunicationError(f"Pipeline: the end-of-step all-reduce failed on rank {self.grid.rank}: a "
                                      f"peer died or did not answer within the group timeout ({exc})") from exc
-        total, flagged, mismatched = row.tolist()  # the step's one read of its outcome
         dtype = loss.dtype if loss is not None else torch.float32
-        return torch.tensor(total / self.grid.replicas, dtype=dtype), flagged == 0.0, mismatched > 0
+        return (torch.tensor(verdict.sums["loss"] / self.grid.replicas, dtype=dtype), not verdict["nonfinite"],
+                verdict["moved"])
 
     def _abandon(self, txn: Transaction, exc: BaseException) -> None:
         """A step that raised after its first message: undo its state. Its messages are lost

@@ -66,7 +66,7 @@ from gradcomp.collectives.identity import Identity, agree, describe_params, fing
 from gradcomp.collectives.shards import all_gather, reduce_scatter
 from gradcomp.compress import as_codec
 from gradcomp.compress.transaction import Transaction
-from gradcomp.training.step import StepDecision, Verdict
+from gradcomp.training.step import StepDecision, Stepping, Verdict
 from gradcomp.training.wrapper import broadcast_params
 
 __all__ = ["compress_fsdp", "FSDPCompression", "MIN_TORCH"]
@@ -240,7 +240,7 @@ def _broadcast_shards(params: Sequence[torch.nn.Parameter], group: Any) -> None:
         broadcast_params([p.to_local() if hasattr(p, "to_local") else p for p in params], group)
 
 
-class FSDPCompression:
+class FSDPCompression(Stepping):
     """What :func:`compress_fsdp` installed on a model's FSDP modules (see the module docstring).
 
     ``step(optimizer, scaler=None)`` is the step decision; ``skipped`` counts the steps skipped
@@ -325,16 +325,6 @@ class FSDPCompression:
             if self.weight_codec is not None:
                 self.all_gathers[key] = _AllGather(self, key)
                 module.set_custom_all_gather(self.all_gathers[key])
-
-    @property
-    def skipped(self) -> int:
-        """Steps skipped on every rank because a reduced gradient was not finite on some rank
-        (the step decision's counter)."""
-        return self.decision.skipped
-
-    @skipped.setter
-    def skipped(self, value: int) -> None:
-        self.decision.skipped = value
 
     def _hooks(self, modules: List[Tuple[str, Any, List[torch.nn.Parameter]]]) -> None:
         """Learn of an optimizer step of these parameters outside step() (torch's global pre-hook,

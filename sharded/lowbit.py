@@ -61,7 +61,7 @@ from typing import Any, Callable, Dict, Iterator, Mapping, NamedTuple, Optional,
 import torch
 
 from gradcomp.compress.transaction import all_finite
-from gradcomp.training.step import StepDecision
+from gradcomp.training.step import StepDecision, Stepping
 from gradcomp.kernels import rng
 
 from gradcomp.training.wrapper import Wrapper
@@ -507,7 +507,7 @@ def state_nbytes(optimizer: torch.optim.Optimizer) -> int:
 
 
 # ---- the wrapper -----------------------------------------------------------------------------
-class LowBitState(Wrapper):
+class LowBitState(Stepping, Wrapper):
     """``optimizer`` with its per-element state stored in 8 bits between steps (see the
     module docstring). ``param_groups`` and ``state`` are the inner optimizer's, so LR
     schedulers and gradient clipping work as usual; ``state_dict()`` holds the packed state
@@ -544,15 +544,6 @@ class LowBitState(Wrapper):
         self.decision = StepDecision(None, "LowBitState")  # skipped: steps refused, a gradient not finite
         self._draws: Dict[int, int] = {}  # tensor position -> encodes so far (the rounding stream's step)
         self._residuals: Dict[Tuple[int, str], torch.Tensor] = {}  # feedback residuals between decode and encode
-
-    @property
-    def skipped(self) -> int:
-        """Steps refused because a gradient was not finite (the step decision's counter)."""
-        return self.decision.skipped
-
-    @skipped.setter
-    def skipped(self, value: int) -> None:
-        self.decision.skipped = value
 
     def __repr__(self) -> str:
         return f"LowBitState({self.optimizer!r}, bits={self.bits}, compensation={self.compensation})"

@@ -60,7 +60,7 @@ from gradcomp.collectives.shards import all_gather, reduce_scatter
 from gradcomp.compress import ErrorFeedback, as_codec
 from gradcomp.compress.transaction import Transaction, nonfinite
 from gradcomp.training.buckets import BucketLauncher
-from gradcomp.training.step import StepDecision
+from gradcomp.training.step import StepDecision, Stepping
 from gradcomp.training.wrapper import Wrapper, broadcast_params
 from gradcomp.collectives.identity import agree, describe_params, fingerprint, names_of
 
@@ -106,7 +106,7 @@ def _groups(params: Any) -> List[Dict[str, Any]]:
     return out
 
 
-class ShardedOptimizer(Wrapper):
+class ShardedOptimizer(Stepping, Wrapper):
     """Sharded data parallel with ``optimizer_class`` stepping this rank's shard (see the module
     docstring).
 
@@ -210,16 +210,6 @@ class ShardedOptimizer(Wrapper):
         self._pending: Dict[int, torch.futures.Future] = {}  # piece -> its all-gather, in flight
         self._hooks = self._hook(model) if prefetch and model is not None else []  # prefetch needs model (checked)
         self._reset()
-
-    @property
-    def skipped(self) -> int:
-        """Steps skipped on every rank together (a reduced gradient or the last weight gather not
-        finite on some rank): the step decision's counter."""
-        return self.decision.skipped
-
-    @skipped.setter
-    def skipped(self, value: int) -> None:
-        self.decision.skipped = value
 
     # ---- construction -----------------------------------------------------------------------
     def _check_dtypes(self) -> None:

@@ -2,7 +2,9 @@
 
 ``Runtime`` owns the policy (which gradients are compressed, with which codec), the
 iteration counter that drives the warm-up, and the worker that runs bucket exchanges in
-order. Its ``state_dict`` holds everything a resumed run needs to continue bit-identically:
+order. An iteration ends at its step decision (:meth:`Runtime.end_iteration`, settled by the
+runtime's :class:`~gradcomp.training.step.StepDecision`): its state changes kept, or undone and
+counted in ``skipped``. Its ``state_dict`` holds everything a resumed run needs to continue bit-identically:
 the iteration and every codec's per-parameter state (residuals, warm starts, step counters).
 """
 from __future__ import annotations
@@ -19,6 +21,7 @@ from gradcomp.collectives import (BucketExchange, Hierarchy, Identity, agree, ch
                                   rank_of, refuse_on_every_rank, server_feedback, sum_counts, world_of, worker)
 from gradcomp.compress.transaction import Transaction
 from .policy import Policy
+from .step import StepDecision, Stepping
 
 _VERSION = 2  # 2: the identity is an Identity's dict, the parameter names beside it
 #: the owner named in this state's identity (the DDP hook's and CompressedOptimizer's runtime)
@@ -52,7 +55,7 @@ def refuse_frozen(params: Sequence[Any], what: str) -> None:
                          f"DistributedDataParallel refuses such a model too)")
 
 
-class Runtime:
+class Runtime(Stepping):
     """Averages named gradients over ``group`` as ``policy`` says; see the module docstring."""
 
     def __init__(self, policy: Policy, group=None, local_size: Optional[int] = None) -> None:
@@ -73,6 +76,8 @@ class Runtime:
         self._local: Optional[int] = None
         self._nodes: Any = None  # NodeGroups when hierarchical
         self._txn: Optional[Transaction] = None  # the state changes of the iteration in flight
+        # ends every iteration (end_iteration); its counter, skipped: iterations undone
+        self.decision = StepDecision(group, OWNER)
         self._checked: set = set()  # bucket layouts every rank has agreed on
         # their exchanges skip the header once checked (allreduce_fused's layouts=)
         self._layouts: Dict[Any, Any] = {}
@@ -321,17 +326,17 @@ class Runtime:
         """End the iteration whose buckets were submitted: keep its state changes and count it
         when every bucket completed with finite means (and ``keep``), else undo all of them on
         every bucket and leave the iteration as it was — the step a loss scaler skips, or one
-        whose exchange failed, is as if it never happened. Call it when no exchange of the
-        iteration is running. True when kept."""
+        whose exchange failed, is as if it never happened (counted in :attr:`skipped`). The
+        means are the same on every rank, so the verdict is too: the step decision settles it
+        without a reduction. Call it when no exchange of the iteration is running. True when
+        kept."""
         txn, self._txn = self._txn, None
         if txn is None:
             return keep
         problems = [] if txn.failed else txn.problems  # with finiteness: the iteration's one host read
-        if keep and not problems and txn.finite and not txn.failed:
-            txn.commit()
+        if self.decision.settle(keep and not problems and txn.finite and not txn.failed, txn):
             self.iteration += 1
             return True
-        txn.rollback()
         if problems:  # a received payload was invalid (checked on the device, read here)
             raise ValueError(f"{self.label}: the iteration was undone: " + "; ".join(problems))
         return False

@@ -20,12 +20,13 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .auto import make_runtime
 from .engine import Runtime, build_on_every_rank, refuse_frozen
+from .step import Stepping
 from .policy import Policy
 
 Hook = Callable[[Any, dist.GradBucket], torch.futures.Future[torch.Tensor]]
 
 
-class HookState:
+class HookState(Stepping):
     """What the hook needs between calls: the compression runtime and parameter names.
 
     ``state_dict()``/``load_state_dict()`` checkpoint it (residuals, warm starts, step
@@ -35,6 +36,7 @@ class HookState:
 
     def __init__(self, compression: Runtime, model: Optional[torch.nn.Module] = None) -> None:
         self.compression = compression
+        self.decision = compression.decision  # the runtime's: it ends every iteration (skipped counts the undone)
         if isinstance(model, DistributedDataParallel):
             model = model.module  # name the parameters as the wrapped module does
         self._names: Dict[int, str] = {} if model is None else {id(p): n for n, p in model.named_parameters()}

@@ -19,7 +19,10 @@ owed. One that some ranks have is averaged with the others' zeros, as DDP does w
 ``find_unused_parameters``. A ``step()`` without a backward pass moves nothing. A model with
 no parameter that requires a gradient is refused. For gradient accumulation run the extra
 backward passes under ``with opt.no_sync():``. With a loss scaler, call ``opt.synchronize()``
-before ``scaler.step(opt)`` so that the overflow check sees the averaged gradients.
+before ``scaler.step(opt)`` so that the overflow check sees the averaged gradients. An
+iteration whose means are not finite (or whose exchange failed) is undone by the runtime's step
+decision (:class:`~gradcomp.training.step.StepDecision`, ``opt.decision``) and counted in
+``opt.skipped``.
 """
 from __future__ import annotations
 
@@ -35,9 +38,10 @@ from .wrapper import Wrapper, broadcast_params
 from .buckets import BucketLauncher
 from .auto import make_runtime
 from .engine import build_on_every_rank, refuse_frozen
+from .step import Stepping
 
 
-class CompressedOptimizer(Wrapper):
+class CompressedOptimizer(Stepping, Wrapper):
     """Averages gradients over ranks, compressed, then steps the wrapped optimizer.
 
     ``compressor``: a registered name (options as keywords), a ``Compressor``, an
@@ -64,6 +68,7 @@ class CompressedOptimizer(Wrapper):
         trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
         self.compression = build_on_every_rank(lambda: make_runtime(compressor, options, process_group, local_size),
                                                process_group, trained)
+        self.decision = self.compression.decision  # the runtime's: it ends every iteration
         self.bucket_mb = float(bucket_mb)
         self._model = model
         self._params: List[torch.Tensor] = []

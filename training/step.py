@@ -62,7 +62,8 @@ class StepDecision:
         tensor, summed in float64), in one all-reduce of one float64 row on the group's device,
         read once. The same names in the same order on every rank."""
         sums = dict(sums or {})
-        read = sum_row(list(flags.values()) + list(sums.values()), self.group, self.owner, device)
+        read = sum_row(list(flags.values()) + list(sums.values()), self.group, self.owner, device,
+                       f"{self.owner}'s step decision").tolist()  # the decision's one host read
         names = list(flags)
         return Verdict({n: read[i] > 0 for i, n in enumerate(names)},
                        {n: read[len(names) + i] for i, n in enumerate(sums)})
@@ -81,3 +82,19 @@ class StepDecision:
     def skip(self) -> None:
         """Count a step skipped on every rank whose undoing the caller did itself."""
         self.skipped += 1
+
+
+class Stepping:
+    """A layer that steps: it holds one :class:`StepDecision` (``decision``) and reports the
+    decision's counter as ``skipped`` (settable, for a ``load_state_dict`` that restores it)."""
+
+    decision: StepDecision
+
+    @property
+    def skipped(self) -> int:
+        """Steps (iterations) undone on every rank the decision spans, and counted."""
+        return self.decision.skipped
+
+    @skipped.setter
+    def skipped(self, value: int) -> None:
+        self.decision.skipped = value

@@ -4,7 +4,7 @@
   tests/models.py train under OneBitAdam (across its freeze), ZeroOneAdam, OneBitLamb and Lamb:
   finite, falling losses near dense Adam's, replicas bit-identical;
 - a finite but huge gradient (loss x 1e30) at a warm-up step on one rank, or after the freeze on
-  one or both ranks, is skipped on the ranks it concerns, counted in ``skipped_steps`` and
+  one or both ranks, is skipped on the ranks it concerns, counted in ``skipped`` and
   warned about, and training goes on (it used to give NaN parameters or stall for good);
 - ranks that disagree on the learning rate or the compressor's options are refused at
   construction with the same error on every rank;
@@ -99,7 +99,7 @@ def _huge(rank, name, at, huge_ranks, steps=12):
     1e30 (gradients ~1e29: finite, but their squares overflow fp32)."""
     model = _small()
     opt = _limit_optimizer(name, model.parameters())
-    moved, finite, losses, skipped, caught = [], [], [], [], []
+    moved, finite, losses, skipped, caught, aliases = [], [], [], [], [], []
     for s in range(steps):
         g = torch.Generator().manual_seed(100 * rank + s % 2)
         x, y = torch.randn(16, 10, generator=g), torch.randn(16, 3, generator=g)
@@ -114,13 +114,16 @@ def _huge(rank, name, at, huge_ranks, steps=12):
         moved.append(not torch.equal(before, after))
         finite.append(bool(torch.isfinite(after).all()))
         losses.append(float(loss.detach()))
-        skipped.append(opt.skipped_steps)
+        skipped.append(opt.skipped)
+        # the step decision's counter, and the older name reads it too
+        aliases.append(opt.decision.skipped == opt.skipped_steps == opt.skipped)
         caught.append([str(w.message) for w in seen if issubclass(w.category, RuntimeWarning)])
     if isinstance(opt, ZeroOneAdam):
         opt.synchronize()
     state_finite = all(bool(torch.isfinite(v).all()) for st in opt.state.values() for v in st.values()
                        if torch.is_tensor(v))
     return {"moved": moved, "finite": finite, "losses": losses, "skipped": skipped, "warnings": caught,
+            "aliases": all(aliases),
             "final": _flat(model), "state_finite": state_finite, "saved_skips": opt.state_dict()["gradcomp"]["skipped"]}
 
 
@@ -217,6 +220,7 @@ def test_finite_huge_gradient_is_skipped_counted_and_training_goes_on(runs, case
         hit = rank in affected
         assert r["moved"][at] is not hit, (case, rank)
         assert r["skipped"][at] == int(hit) and r["skipped"][-1] == int(hit) and r["saved_skips"] == int(hit)
+        assert r["aliases"], "skipped is not the step decision's counter, or skipped_steps does not read it"
         assert bool(r["warnings"][at]) is hit and (not hit or "skipped" in r["warnings"][at][0])
         assert all(r["moved"][at + 1:]), (case, rank)  # not stalled: every later step moves
         assert all(not w for s, w in enumerate(r["warnings"]) if s != at)

@@ -220,6 +220,7 @@ def _state(rank, world):
     bad[3, 0] = float("nan")
     out["nan_loss"] = float(pipe.step(bad, y, LOSS, sample_ids=ids))
     out["nan_applied"] = pipe.applied
+    out["skipped"] = (pipe.skipped, type(pipe.decision).__name__, pipe.decision.skipped)
     out["unchanged"] = _same(pipe.state_dict(), before)
     after = [float(pipe.step(x, y, LOSS, sample_ids=ids)) for _ in range(2)]
     pipe.load_state_dict(before)
@@ -750,6 +751,7 @@ def test_nonfinite_step_changes_no_state_and_state_round_trips(results):
         out = results[rank]["state"]
         assert out["nan_loss"] != out["nan_loss"], "the NaN loss is returned to every rank"
         assert out["inf_loss"] == out["inf_loss"] and not out["inf_applied"] and not out["nan_applied"]
+        assert out["skipped"] == (2, "StepDecision", 2), out["skipped"]  # both steps, by the step decision
         assert out["unchanged"], f"rank {rank}: a non-finite step changed the state"
         assert out["resumed"], f"rank {rank}: steps after load_state_dict differ from the first run"
         assert out["other_rank"] is not None and "it is rank 1's, loaded on rank 0" in out["other_rank"], \

@@ -583,18 +583,8 @@ def _open_decisions(rank):
             h.step(opt)
         opt.zero_grad()
     out["shared_layer_syncs"] = sum(n for site, n in syncs.sites.items()
-                                    if "sharded/fsdp.py" in site or _decision_read(site))
+                                    if "sharded/fsdp.py" in site or "training/step.py" in site)
     return out
-
-
-def _decision_read(site):
-    """Whether a host-sync site is the step decision's one read (StepDecision's row of flags,
-    read in ``collectives.shards.sum_row``)."""
-    import inspect
-
-    from gradcomp.collectives import shards
-    lines, start = inspect.getsourcelines(shards.sum_row)
-    return "collectives/shards.py:" in site and start <= int(site.rsplit(":", 1)[1]) < start + len(lines)
 
 
 def _invalid_payload(rank):
@@ -662,10 +652,10 @@ def test_compress_fsdp_on_two_ranks(ranks):
         assert c["regathers"][0] > 0 and c["regathers"][1], "a re-gather of unchanged weights gave other bits"
         assert c["resume_identical"], "resuming from the checkpoint did not continue bit for bit"
         # compress_fsdp's own reads and its step decision's (gradcomp.training.step)
-        ours = {site: n for site, n in c["syncs"].items() if "sharded/fsdp.py" in site or _decision_read(site)}
+        ours = {site: n for site, n in c["syncs"].items() if "sharded/fsdp.py" in site or "training/step.py" in site}
         assert sum(ours.values()) == 1, f"compress_fsdp's own host syncs per step (the decision only): {ours}"
         # every exchange of a step after the first travels on its agreed layout: no size round, no parsing
-        wire = {site: n for site, n in c["syncs"].items() if "collectives/" in site and not _decision_read(site)}
+        wire = {site: n for site, n in c["syncs"].items() if "collectives/" in site}
         assert not wire, f"the collectives read back during a step on agreed layouts: {wire}"
         stepped, scales, kept = r["scaler"]
         assert stepped == [True, False, True] and kept

@@ -42,7 +42,8 @@ def _state_bits(sd) -> bytes:
 def _train(rank, mode, compressor, options, schedule, scales):
     """Train with GradScaler; ``schedule``: the data step of each iteration and whether rank 1
     injects inf; ``scales``: the loss scale forced before each iteration (None: GradScaler's
-    own). Returns (params, compression state bits, scales used, steps skipped)."""
+    own). Returns (params, compression state bits, scales used, steps skipped, the iterations
+    the step decision undid and counted: (holder.skipped, its decision's skipped))."""
     from gradcomp.training import CompressedOptimizer, ddp_comm_hook
 
     x, y = teacher_data(256, 20, 4)
@@ -78,17 +79,20 @@ def _train(rank, mode, compressor, options, schedule, scales):
         opt.zero_grad()
     sd = holder.state_dict()
     comp = sd if mode == "hook" else sd["gradcomp"]
-    return flat_params(model), _state_bits(comp), used, skipped
+    runtime = holder.compression  # the hook's and the optimizer's runtime, whose decision ends an iteration
+    counted = (holder.skipped, type(runtime.decision).__name__, runtime.decision.skipped)
+    return flat_params(model), _state_bits(comp), used, skipped, counted
 
 
 def _overflow_case(rank, mode, name):
     compressor, options = CASES[name]
     faulty = [(s, s in BAD) for s in range(STEPS)]
-    params, state, scales, skipped = _train(rank, mode, compressor, options, faulty, None)
+    params, state, scales, skipped, counted = _train(rank, mode, compressor, options, faulty, None)
     kept = [i for i in range(STEPS) if i not in BAD]
     ref = _train(rank, mode, compressor, options, [(s, False) for s in kept], [scales[i] for i in kept])
     return {"params": params, "state": state, "skipped": skipped,
-            "ref_params": ref[0], "ref_state": ref[1], "ref_skipped": ref[3]}
+            "ref_params": ref[0], "ref_state": ref[1], "ref_skipped": ref[3], "counted": counted,
+            "ref_counted": ref[4]}
 
 
 def _halfway_case(rank, name):
@@ -145,6 +149,8 @@ def test_overflow_steps_are_as_if_removed(results, mode, name):
     for rank, (overflow, _) in enumerate(results):
         r = overflow[(mode, name)]
         assert r["skipped"] == len(BAD) and r["ref_skipped"] == 0, f"rank {rank}: GradScaler skipped {r['skipped']}"
+        # the runtime's step decision undid those iterations and counted them (skipped)
+        assert r["counted"] == (len(BAD), "StepDecision", len(BAD)) and r["ref_counted"][0] == 0, r["counted"]
         assert torch.equal(r["params"], r["ref_params"]), \
             f"{mode}+{name}, rank {rank}: parameters differ from the run without the overflow steps"
         assert r["state"] == r["ref_state"], \
