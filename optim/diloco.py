@@ -46,7 +46,7 @@ from gradcomp.collectives import allreduce, rank_of, server_feedback, world_of
 from gradcomp.collectives.identity import Identity, describe_params, fingerprint
 from gradcomp.compress import as_codec
 from gradcomp.compress.transaction import Transaction
-from gradcomp.training.step import StepDecision
+from gradcomp.training.step import StepDecision, Stepping
 from gradcomp.training.wrapper import broadcast_params
 
 from . import _common as common
@@ -106,7 +106,7 @@ def _master_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-class DiLoCo:
+class DiLoCo(Stepping):
     """Wraps the inner ``optimizer``: ``opt.step()`` is an inner step, and every ``sync_every``
     inner steps one outer step of (a fragment of) the model over ``outer_group``.
 
@@ -207,11 +207,6 @@ class DiLoCo:
     @property
     def state(self) -> Any:
         return self.optimizer.state
-
-    @property
-    def skipped(self) -> int:
-        """Outer steps skipped on every rank (a pseudo-gradient not finite on some rank)."""
-        return self.decision.skipped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
@@ -394,7 +389,7 @@ class DiLoCo:
             self._load_codec_state(codec, state)
         self.choice = [int(c) for c in ours["choice"]]
         self.inner_steps, self.local_step = int(ours["inner_steps"]), int(ours["local_step"])
-        self.syncs, self.decision.skipped = int(ours["syncs"]), int(ours["skipped"])
+        self.syncs, self.skipped = int(ours["syncs"]), int(ours["skipped"])
         flight = ours.get("in_flight")
         if flight is not None:
             frag = self.fragments[int(flight["fragment"])]
