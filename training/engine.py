@@ -295,10 +295,20 @@ class Runtime:
         return self._worker.submit(job, device=device, then=then, inline=inline, inputs=inputs, exchange=bucket,
                                    beside=True)
 
+    @property
+    def prepares_ahead(self) -> bool:
+        """Whether a flat bucket's local phase may run ahead (the strategy's
+        ``Routing.prepares_ahead``; set it here to turn the look-ahead off)."""
+        return self.strategy.prepares_ahead
+
+    @prepares_ahead.setter
+    def prepares_ahead(self, value: bool) -> None:
+        self.strategy.prepares_ahead = bool(value)
+
     def _ahead_ok(self, items: Sequence[Any]) -> bool:
-        """Whether a bucket's local phase may run ahead (the strategy's ``prepares_ahead``): a
-        flat exchange of a layout every rank has already agreed on, over more than one rank."""
-        if not self.strategy.prepares_ahead or self.world == 1:
+        """Whether a bucket's local phase may run ahead (:attr:`prepares_ahead`): a flat exchange
+        of a layout every rank has already agreed on, over more than one rank."""
+        if not self.prepares_ahead or self.world == 1:
             return False
         return tuple((n, tuple(g.shape), g.dtype, id(c)) for n, g, c in items) in self._checked
 
