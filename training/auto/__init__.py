@@ -5,8 +5,8 @@
 which the runtime asks per bucket and per iteration. The parts: ``link.py`` (the link model and
 its parser), ``cost.py`` (predicted times: each collective algorithm's own ``wire`` cost on the
 link), ``plan.py`` (the plan, a pure function of the measurements), ``router.py`` (owed
-residuals moved when a bucket changes method), ``candidates.py``. What it does, per bucket (a bucket is its tuple of parameter names, so a
-DDP rebuild of the buckets is a new bucket):
+residuals moved when a bucket changes method), ``candidates.py``. What it does, per bucket (a
+bucket is its tuple of parameter names, so a DDP rebuild of the buckets is a new bucket):
 
 1. **Link.** At the first bucket, a probe of two sizes (one element, ``PROBE_NUMEL``) of dense
    allreduce on the real group gives the per-message latency ``alpha`` and the rate; the
@@ -14,7 +14,8 @@ DDP rebuild of the buckets is a new bucket):
    timed too and the rate is refit from the bandwidth-bound ones (``FIT_MIN_BYTES`` or more,
    and ``FIT_LATENCIES`` latencies or more at the current rate: a small bucket's time is
    latency and overheads, no measure of the rate; ``link=`` injects a fixed :class:`Link`
-   (or its text, ``"10gbit,0.05ms"``) instead, and then nothing is refit: decisions depend on codec costs only).
+   (or its text, ``"10gbit,0.05ms"``) instead, and then nothing is refit: decisions depend
+   on codec costs only).
 2. **Trials** (``trial_steps`` exchanges of the bucket, default 3): the bucket is exchanged
    *dense* (an exact average: trials never change what training sees), and, once the
    iteration's exchanges are done, each candidate's codec is timed on a copy of the bucket's

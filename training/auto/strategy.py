@@ -400,7 +400,8 @@ class AutoStrategy(Routing):
         before = {k: self.buckets[k].choice for k in order}
         if not self.fixed_link:  # real exchanges are believed over the model (the fastest rank's time)
             assert self.link is not None
-            self.link = cost.refit(self.link, ((self.buckets[k].nbytes, row[1]) for k, row in table.items()), self.world)
+            fits = ((self.buckets[k].nbytes, row[1]) for k, row in table.items())
+            self.link = cost.refit(self.link, fits, self.world)
             for k in order:
                 b, row = self.buckets[k], table[k]
                 if row[1] > 0:
@@ -425,9 +426,9 @@ class AutoStrategy(Routing):
                 open_.add(k)
         if recheck:  # buckets that were never timed (a resumed run) keep their choice
             open_ = {k for k in open_ if k in due or self.buckets[k].timed}
-        chosen = plan({k: PlanBucket(table[k][0], costs[k], k in open_, self.buckets[k].choice, self.buckets[k].critical,
-                                     self.buckets[k].failed, frozenset(self.buckets[k].real)) for k in order},
-                      [Option(c.label, c.light) for c in cands], self.margin, self.tolerance)
+        views = {k: PlanBucket(table[k][0], costs[k], k in open_, b.choice, b.critical, b.failed, frozenset(b.real))
+                 for k, b in ((k, self.buckets[k]) for k in order)}
+        chosen = plan(views, [Option(c.label, c.light) for c in cands], self.margin, self.tolerance)
         changed = {k: c for k, c in chosen.items() if c != before[k]}
         if changed:
             agree({"auto decisions": repr(sorted((list(k), c) for k, c in chosen.items()))}, self.group,
