@@ -95,9 +95,9 @@ def link_text(link: Optional[netem.Link], local_size: int = 1) -> str:
         return f"loopback (all ranks on this machine, unshaped){nodes}"
     if local_size > 1:
         return (f"emulated {link} per node of {local_size} ranks (tc tbf each way"
-                f"{', netem delay' if link.delay_ms else ''}), each node in its own network namespace, "
+                f"{', netem delay' if link.alpha_ms else ''}), each node in its own network namespace, "
                 f"loopback inside a node ('/node': the hierarchical hook)")
-    return (f"emulated {link} per rank (tc tbf each way{', netem delay' if link.delay_ms else ''}), "
+    return (f"emulated {link} per rank (tc tbf each way{', netem delay' if link.alpha_ms else ''}), "
             f"each rank in its own network namespace")
 
 

@@ -37,7 +37,6 @@ error is the chosen method's own, not a residual of a method it left.
 """
 from __future__ import annotations
 
-import ast
 import math
 import statistics
 import time
@@ -102,18 +101,10 @@ def _option_names(name: str) -> Sequence[str]:
 
 
 def parse_entry(entry: str) -> Tuple[str, Dict[str, Any]]:
-    name, *pairs = [p.strip() for p in entry.strip().split(":")]
-    opts: Dict[str, Any] = {}
-    for pair in pairs:
-        if "=" not in pair:
-            raise ValueError(f"compressor option {pair!r} in {entry!r} must look like name=value "
-                             f"(e.g. topk:ratio=0.001)")
-        k, v = pair.split("=", 1)
-        try:
-            opts[k.strip()] = ast.literal_eval(v.strip())
-        except (ValueError, SyntaxError):
-            opts[k.strip()] = v.strip()
-    return name, opts
+    """``"topk:ratio=0.001"`` -> ``("topk", {"ratio": 0.001})`` (``gradcomp.compress.parse_spec``)."""
+    from gradcomp.compress import parse_spec
+
+    return parse_spec(entry, "--compressors")
 
 
 def _torch_spec(name: str, opts: Dict[str, Any]) -> Dict[str, Any]:

@@ -10,7 +10,8 @@ Each rank's link is shaped in both directions with ``tc``: ``tbf`` on the rank's
 upload) and on the bridge port towards it (its download), as a NIC into a switch would be,
 so a rank that receives from several peers at once still gets only ``RATE``. A delay is a
 ``netem`` qdisc on the rank's egress, so a message from one rank to another takes ``DELAY``
-one way (a ping round trip is twice that).
+one way (a ping round trip is twice that). The link is gradcomp's one link model
+(``gradcomp.training.auto.link.Link``, its ``alpha_ms`` the delay), parsed by its one parser.
 
 The addresses come from a private range that is configured only inside these namespaces.
 :class:`Cluster` is a context manager whose cleanup (kill the rank processes, delete the
@@ -28,58 +29,32 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from typing import Dict, List, Sequence
+
+from gradcomp.training.auto.link import Link, describe_rate
+
+__all__ = ["Link", "describe_rate", "parse_link", "Cluster", "NetemUnavailable", "check_support", "exit_on_signals",
+           "remove_stale", "PREFIX", "IFACE", "SUBNET", "MAX_RANKS"]
 
 PREFIX = "gcbench-"  # every namespace this module creates starts with it
 IFACE = "gc0"  # each rank's interface name, inside its own namespace
 SUBNET = "10.99.0"  # /24; configured only inside the namespaces made here
 MAX_RANKS = 64
-_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12}
-_DELAY_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1e3}
 
 
 class NetemUnavailable(RuntimeError):
     """The emulated cluster cannot be built here; the message says why."""
 
 
-@dataclass(frozen=True)
-class Link:
-    """The shape of every rank's link: rate in bit/s and one-way delay in ms."""
-
-    rate_bit: int
-    delay_ms: float = 0.0
-
-    def __str__(self) -> str:
-        return describe_rate(self.rate_bit) + (f", {self.delay_ms:g} ms delay" if self.delay_ms else "")
-
-
 def parse_link(text: str) -> Link:
-    """``"1gbit"`` or ``"100mbit,5ms"`` as a :class:`Link`; ``ValueError`` if malformed."""
-    parts = [p.strip().lower() for p in str(text).split(",")]
-    m = re.fullmatch(r"(\d+(?:\.\d+)?)(bit|kbit|mbit|gbit|tbit)", parts[0])
-    if len(parts) > 2 or m is None:
-        raise ValueError(f"--netem {text!r} is not RATE[,DELAY]; RATE is a number with unit "
-                         f"{'/'.join(_RATE_UNITS)} (e.g. 1gbit), DELAY a number with unit us/ms/s (e.g. 5ms)")
-    rate = int(float(m.group(1)) * _RATE_UNITS[m.group(2)])
-    delay = 0.0
-    if len(parts) == 2:
-        d = re.fullmatch(r"(\d+(?:\.\d+)?)(us|ms|s)", parts[1])
-        if d is None:
-            raise ValueError(f"--netem delay {parts[1]!r} must be a number with unit us, ms or s (e.g. 5ms)")
-        delay = float(d.group(1)) * _DELAY_UNITS[d.group(2)]
-    if not 8000 <= rate <= 100 * 10**9:
-        raise ValueError(f"--netem rate {parts[0]!r} must be between 8kbit and 100gbit")
-    if delay > 10_000:
-        raise ValueError(f"--netem delay {parts[1]!r} must be at most 10s")
-    return Link(rate, delay)
-
-
-def describe_rate(bits: int) -> str:
-    for unit, scale in (("Gbit/s", 10**9), ("Mbit/s", 10**6), ("kbit/s", 10**3)):
-        if bits >= scale:
-            return f"{bits / scale:g} {unit}"
-    return f"{bits} bit/s"
+    """``"1gbit"`` or ``"100mbit,5ms"`` as a :class:`Link` (``Link.parse``: its ``alpha_ms`` is
+    the one-way delay), within what the emulation shapes; ``ValueError`` if malformed."""
+    link = Link.parse(text, "--netem")
+    if not 8000 <= link.rate_bit <= 100 * 10**9:
+        raise ValueError(f"--netem rate {str(text).split(',')[0].strip()!r} must be between 8kbit and 100gbit")
+    if link.alpha_ms > 10_000:
+        raise ValueError(f"--netem delay {str(text).split(',')[1].strip()!r} must be at most 10s")
+    return link
 
 
 def check_support() -> None:
@@ -235,9 +210,9 @@ class Cluster:
 
     def _shape(self, ns: str, dev: str, delay: bool) -> None:
         tc = ["tc", "-n", ns, "qdisc", "add", "dev", dev]
-        if delay and self.link.delay_ms > 0:
+        if delay and self.link.alpha_ms > 0:
             try:
-                _sh(tc + ["root", "handle", "1:", "netem", "delay", f"{self.link.delay_ms * 1000:.0f}us",
+                _sh(tc + ["root", "handle", "1:", "netem", "delay", f"{self.link.alpha_ms * 1000:.0f}us",
                           "limit", "100000"], "adding the netem delay")
             except NetemUnavailable as exc:
                 if "unknown" in str(exc).lower():

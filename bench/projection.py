@@ -46,7 +46,6 @@ what it chose on this run's link says nothing about another link, where it would
 from __future__ import annotations
 
 import math
-import re
 import statistics
 import textwrap
 import time
@@ -58,27 +57,28 @@ from . import spread
 
 EFFICIENCY = 0.94  # TCP payload rate over a tbf-shaped link, as a share of its nominal rate (bench/results/collectives.md)
 DEFAULT_LINKS = "1gbit,10gbit,25gbit,100gbit"
-_UNITS = {"kbit": 10**3, "mbit": 10**6, "gbit": 10**9}
 
 
 def parse_links(text: str) -> List[int]:
-    """``"1gbit,10gbit"`` -> rates in bit/s."""
+    """``"1gbit,10gbit"`` -> rates in bit/s (``gradcomp.training.auto.link.parse_rate``)."""
+    from gradcomp.training.auto.link import parse_rate
+
     out = []
-    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
-        m = re.fullmatch(r"([0-9]*\.?[0-9]+)(kbit|mbit|gbit)", part)
-        if not m:
-            raise ValueError(f"--links {part!r}: give rates such as 1gbit, 10gbit, 100mbit (comma-separated)")
-        out.append(int(float(m.group(1)) * _UNITS[m.group(2)]))
+    for part in (p.strip() for p in text.split(",") if p.strip()):
+        try:
+            out.append(parse_rate(part, "--links"))
+        except ValueError:
+            raise ValueError(f"--links {part!r}: give rates such as 1gbit, 10gbit, 100mbit (comma-separated)") from None
     if not out:
         raise ValueError("--links: name at least one rate")
     return out
 
 
 def rate_label(bits: int) -> str:
-    for unit, scale in (("Gbit", 10**9), ("Mbit", 10**6), ("kbit", 10**3)):
-        if bits >= scale:
-            return f"{bits / scale:g} {unit}/s"
-    return f"{bits} bit/s"
+    """``10**9`` -> ``"1 Gbit/s"`` (``gradcomp.training.auto.link.describe_rate``)."""
+    from gradcomp.training.auto.link import describe_rate
+
+    return describe_rate(bits)
 
 
 def pass_ms(numel: int, repeats: int = 5) -> float:

@@ -4,10 +4,15 @@ An algorithm first works locally (``local``: compress, before any communication,
 failure there reaches the other ranks through the header instead of leaving them waiting),
 then communicates (``run``) and returns the average plus what this rank's own payload decodes
 to (``sent``), which error feedback keeps the difference to.
+
+Every algorithm also states its cost (:meth:`Algorithm.wire`, :meth:`Algorithm.cost`): the bytes
+one rank puts on the wire and the messages it waits for, a :class:`Cost`, which a link model
+turns into time (``Cost.ms``). ``compressor="auto"`` predicts its exchanges with it.
 """
 from __future__ import annotations
 
-from typing import Callable, ClassVar, Dict, Iterable, List, Optional, Tuple, Type
+from dataclasses import dataclass
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Protocol, Tuple, Type
 
 import torch
 
@@ -31,6 +36,38 @@ def register_algorithm(cls: Type["Algorithm"]) -> Type["Algorithm"]:
     claim_code(cls.name, cls.code)
     ALGORITHMS[cls.name] = cls
     return cls
+
+
+class LinkModel(Protocol):
+    """What :meth:`Cost.ms` needs of a link (``gradcomp.training.auto.Link`` is one)."""
+
+    def ms(self, sent_bytes: float, messages: int) -> float: ...
+
+
+@dataclass(frozen=True)
+class Cost:
+    """One exchange as one rank sees it on the wire: ``sent`` bytes it sends and ``messages``
+    message latencies it waits for, one after another (the alpha-beta model)."""
+
+    sent: float
+    messages: int
+
+    def ms(self, link: LinkModel) -> float:
+        """Milliseconds on ``link``."""
+        return link.ms(self.sent, self.messages)
+
+
+def ring(world: int) -> float:
+    """The share of a tensor one rank sends in a ring allreduce (reduce-scatter, then
+    all-gather) over ``world`` ranks: ``2 (w - 1) / w``."""
+    return 2 * (world - 1) / world
+
+
+def payload_bytes(codec: Any, numel: int) -> float:
+    """The bytes of one rank's payload for ``numel`` elements, as the compressor declares them
+    (``bits_per_element``; a variable-size compressor's theoretical size)."""
+    base = getattr(codec, "base", codec)
+    return base.bits_per_element(numel) * numel / 8
 
 
 class Pending:
@@ -162,6 +199,19 @@ class Algorithm:
         ``order``, only of suitable algorithms): by default, when it ``needs`` a capability
         (which the compressor then declares)."""
         return cls.needs is not None
+
+    @classmethod
+    def wire(cls, payload: float, world: int) -> Cost:
+        """What one rank sends, and the messages it waits for, when every rank's payload is
+        ``payload`` bytes (measured, or :func:`payload_bytes`), over ``world`` ranks."""
+        raise NotImplementedError(f"algorithm {cls.name!r} does not state its cost")
+
+    @classmethod
+    def cost(cls, codec: Any, numel: int, world: int) -> Cost:
+        """The wire cost of averaging ``numel`` elements with ``codec`` (a compressor or an
+        error-feedback wrapper) over ``world`` ranks, from the compressor's declared payload
+        size: :meth:`wire` of :func:`payload_bytes`."""
+        return cls.wire(payload_bytes(codec, numel), world)
 
     def local(self, acc: torch.Tensor, dtype: torch.dtype) -> Tuple[int, Optional[List[int]]]:
         """Compress ``acc`` (the input's shape; fp32 under error feedback) as a tensor of the

@@ -19,7 +19,7 @@ from __future__ import annotations
 from gradcomp.compress import transaction
 from gradcomp.kernels.memory import empty, zeros
 
-from ._algorithm import Algorithm, Pending, as_dtype, register_algorithm, shares_memory, wdtype
+from ._algorithm import Algorithm, Cost, Pending, as_dtype, register_algorithm, shares_memory, wdtype
 from .wire.bounds import Bounds, bounded_layout, bounded_set, exact_sizes
 from .wire.frame import decode, encode, gather_bytes, pack, split
 from .wire.header import set_header, verify_set
@@ -44,6 +44,11 @@ class AllGather(Algorithm):
     @classmethod
     def prefers(cls, compressor, world_size):
         return world_size <= 2
+
+    @classmethod
+    def wire(cls, payload, world):
+        """Every rank's payload to every other rank: the sizes (a header), then the payloads."""
+        return Cost((world - 1) * payload, 2)
 
     def local(self, acc, dtype):
         if self.in_place:  # acc is the residual: compressed whole, the error stays in it

@@ -19,7 +19,7 @@ import torch
 from gradcomp.compress import Payload
 from gradcomp.kernels.memory import empty
 
-from ._algorithm import Algorithm, as_dtype, fresh, register_algorithm, shares_memory
+from ._algorithm import Algorithm, Cost, as_dtype, fresh, register_algorithm, ring, shares_memory
 
 
 @register_algorithm
@@ -28,6 +28,11 @@ class Native(Algorithm):
     code = 1
     order = 1
     needs = "native"
+
+    @classmethod
+    def wire(cls, payload, world):
+        """One ring allreduce of the payload (a dense bucket's too: its payload is itself)."""
+        return Cost(ring(world) * payload, 1)
 
     def local(self, acc, dtype):
         src = as_dtype(acc, dtype)

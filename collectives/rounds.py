@@ -8,7 +8,7 @@ lives in the compressor. After each local step the ranks exchange a three-number
 """
 from __future__ import annotations
 
-from ._algorithm import Algorithm, fresh, register_algorithm
+from ._algorithm import Algorithm, Cost, fresh, register_algorithm, ring
 
 
 @register_algorithm
@@ -17,6 +17,13 @@ class Rounds(Algorithm):
     code = 4
     order = 0
     needs = "multi_round"
+    rounds = 2  # PowerSGD's: P, then Q (the compressors' theoretical payload counts both)
+
+    @classmethod
+    def wire(cls, payload, world, rounds=None):
+        """A ring allreduce per round (``rounds``, default :attr:`rounds`), ``payload`` bytes
+        over all of them."""
+        return Cost(ring(world) * payload, cls.rounds if rounds is None else int(rounds))
 
     def local(self, acc, dtype):
         self.acc = acc  # in fp32 under error feedback: the factors are computed in fp32 anyway

@@ -26,7 +26,7 @@ from gradcomp.compress import ErrorFeedback, is_feedback, transaction
 from gradcomp.compress.sparse import payload_bounds
 from gradcomp.kernels.memory import empty, zeros
 
-from ._algorithm import Algorithm, as_dtype, chunk_key, register_algorithm, shares_memory, wdtype
+from ._algorithm import Algorithm, Cost, as_dtype, chunk_key, register_algorithm, ring, shares_memory, wdtype
 from .wire.bounds import Bounds, bounded_layout, bounded_set, exact_sizes
 from .wire.frame import decode, encode, gather_bytes, pack, split
 from .wire.header import set_header, verify_set
@@ -84,6 +84,12 @@ class ScatterReduce(Algorithm):
     @classmethod
     def prefers(cls, compressor, world_size):
         return True
+
+    @classmethod
+    def wire(cls, payload, world):
+        """Each chunk's payload to its server, the servers' compressed averages back: a ring's
+        share of the payload, in two exchanges, each after its sizes."""
+        return Cost(ring(world) * payload, 4)
 
     def local(self, acc, dtype):
         # in place, acc is the residual: each chunk (a contiguous view) keeps its own error

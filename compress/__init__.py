@@ -20,10 +20,10 @@ for _mod in sorted(m.name for m in _pkgutil.iter_modules(__path__)):
     if _mod not in _INFRA and not _mod.startswith("_"):
         _importlib.import_module(f"{__name__}.{_mod}")
 from .dgc import DGCMomentum
-from .spec import as_codec, wants_feedback
+from .spec import as_codec, parse_spec, wants_feedback
 
 __all__ = [
     "Capabilities", "Compressor", "CompressorConfig", "Encoded", "Option", "option",
     "Payload", "Feedback", "is_feedback", "ErrorFeedback", "EF21", "DGCMomentum",
-    "available_compressors", "compressor_class", "get_compressor", "register", "as_codec", "wants_feedback",
+    "available_compressors", "compressor_class", "get_compressor", "register", "as_codec", "parse_spec", "wants_feedback",
 ]

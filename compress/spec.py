@@ -11,22 +11,45 @@ casts (their error is far below gradient noise) and the scale-free signs ``signs
 (they decode to +-1, which error feedback would turn into a noisy SGD with the sign's learning
 rate). A wrapper is used as it is: with no options, and ``error_feedback`` ``"auto"``, off, or
 its own kind. A layer that adds its own feedback passes ``wrappers="refuse"``.
+
+A spec written as text, ``"name:key=value,..."`` (``"powersgd:rank=4"``, ``"topk:ratio=0.01"``),
+is read by :func:`parse_spec` only, wherever it is written (``compressor="auto"``'s candidates,
+the benchmark's ``--compressors``).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, Literal, Mapping, Optional, Type, overload
+import ast
+from typing import Any, Dict, Literal, Mapping, Optional, Tuple, Type, overload
 
 from .base import Compressor
 from .dgc import DGCMomentum
 from .error_feedback import EF21, ErrorFeedback, _Feedback
 from .registry import compressor_class
 
-__all__ = ["as_codec", "wants_feedback", "FEEDBACK"]
+__all__ = ["as_codec", "wants_feedback", "parse_spec", "FEEDBACK"]
 
 FEEDBACK: Dict[str, Type[_Feedback]] = {"ef": ErrorFeedback, "ef21": EF21, "dgc": DGCMomentum}
 _WRAPPERS = (ErrorFeedback, EF21, DGCMomentum)
 _SCALE_FREE = frozenset({"signsgd", "signum"})  # decode to +-1 whatever the gradient's size
 _EF_CHOICES = "use 'auto', 'ef', 'ef21', 'dgc', 'none', True or False"
+
+
+def parse_spec(text: str, what: str = "compressor") -> Tuple[str, Dict[str, Any]]:
+    """``"powersgd:rank=4:seed=1"`` -> ``("powersgd", {"rank": 4, "seed": 1})``: the name, then
+    ``key=value`` options separated by ``:``; a value is read as a Python literal when it is
+    one (``4``, ``0.01``, ``True``), else kept as text. ``ValueError`` (starting with ``what``)
+    for an option without ``=``."""
+    name, *pairs = [p.strip() for p in str(text).strip().split(":")]
+    options: Dict[str, Any] = {}
+    for pair in pairs:
+        if "=" not in pair:
+            raise ValueError(f"{what}: option {pair!r} in {text!r} must look like name=value (e.g. topk:ratio=0.001)")
+        k, v = pair.split("=", 1)
+        try:
+            options[k.strip()] = ast.literal_eval(v.strip())
+        except (ValueError, SyntaxError):
+            options[k.strip()] = v.strip()
+    return name, options
 
 
 def wants_feedback(base: Compressor) -> bool:

@@ -6,6 +6,11 @@ order. An iteration ends at its step decision (:meth:`Runtime.end_iteration`, se
 runtime's :class:`~gradcomp.training.step.StepDecision`): its state changes kept, or undone and
 counted in ``skipped``. Its ``state_dict`` holds everything a resumed run needs to continue bit-identically:
 the iteration and every codec's per-parameter state (residuals, warm starts, step counters).
+
+How each bucket is sent is its **strategy**'s to say (:class:`Routing`): the runtime asks it
+per bucket (``route`` on the submitting thread, ``exchange`` in the bucket's job) and per
+iteration (``ended``). :class:`Routing` itself sends every gradient as the policy says;
+``compressor="auto"`` (``gradcomp.training.auto``) decides per bucket from measurements.
 """
 from __future__ import annotations
 
@@ -55,10 +60,52 @@ def refuse_frozen(params: Sequence[Any], what: str) -> None:
                          f"DistributedDataParallel refuses such a model too)")
 
 
-class Runtime(Stepping):
-    """Averages named gradients over ``group`` as ``policy`` says; see the module docstring."""
+class Routing:
+    """A runtime's strategy (see the module docstring): fixed routing, every gradient as the
+    policy says at the current iteration. A strategy that decides per bucket overrides what it
+    decides; the runtime it serves is passed to every call."""
 
-    def __init__(self, policy: Policy, group=None, local_size: Optional[int] = None) -> None:
+    #: whether a flat bucket's local phase may run ahead, on the worker, beside the wire time of
+    #: the bucket before it (then the bucket is a ``BucketExchange`` and :meth:`exchange` is not
+    #: called): false for a strategy whose :meth:`exchange` times or chooses per bucket
+    prepares_ahead = True
+
+    def route(self, runtime: "Runtime", names: Sequence[str],
+              grads: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor, Any]]:
+        """Each gradient with its codec (None: dense); on the submitting thread, in bucket order."""
+        return [(n, g, runtime.policy.route(n, g, runtime.iteration)) for n, g in zip(names, grads)]
+
+    def exchange(self, runtime: "Runtime", items: Sequence[Any], group, world: int, buffer: Optional[torch.Tensor],
+                 label: str, layouts: Dict[Any, Any]) -> List[torch.Tensor]:
+        """One flat bucket's exchange, inside its job (``layouts``: the runtime's agreed ones)."""
+        return exchange_bucket(items, group, world, buffer=buffer, label=label, layouts=layouts)
+
+    def ended(self, runtime: "Runtime", kept: bool) -> None:
+        """After :meth:`Runtime.end_iteration` kept (``kept``) or undid the iteration."""
+
+    def config(self, config: Dict[str, str]) -> None:
+        """Add what every rank must agree on to the runtime's ``config`` (printable fields)."""
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What the strategy adds to the runtime's ``state_dict`` (entries of its own)."""
+        return {}
+
+    def problem(self, state: Mapping[str, Any]) -> Optional[str]:
+        """What is wrong with ``state`` for this strategy (None: it loads); nothing changes."""
+        return None
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Load what :meth:`state_dict` added (after the runtime loaded its own)."""
+
+
+class Runtime(Stepping):
+    """Averages named gradients over ``group`` as ``policy`` says, each bucket sent as
+    ``strategy`` decides (default: :class:`Routing`, the policy's fixed routes); see the
+    module docstring."""
+
+    def __init__(self, policy: Policy, group=None, local_size: Optional[int] = None,
+                 strategy: Optional[Routing] = None) -> None:
+        self.strategy = strategy if strategy is not None else Routing()
         self.policy = policy
         self.group = group
         self.iteration = 0  # completed exchanges of the whole model; drives ``start_iter``
@@ -169,6 +216,7 @@ class Runtime(Stepping):
                   "iteration": repr(self.iteration)}
         if params is not None:
             config["parameters"] = describe_params(params)
+        self.strategy.config(config)
         return config
 
     def _check_bucket(self, items: Sequence[Any], group) -> None:
@@ -252,10 +300,15 @@ class Runtime(Stepping):
         return self._worker.submit(job, device=device, then=then, inline=inline, inputs=inputs, exchange=bucket,
                                    beside=True)
 
-    #: whether a flat bucket's local phase may run ahead, on the worker, beside the wire time of
-    #: the bucket before it (then the bucket is a ``BucketExchange`` and :meth:`exchange` is not
-    #: called): false for a runtime whose :meth:`exchange` times or chooses per bucket
-    prepares_ahead = True
+    @property
+    def prepares_ahead(self) -> bool:
+        """Whether a flat bucket's local phase may run ahead (the strategy's
+        ``Routing.prepares_ahead``; set it here to turn the look-ahead off)."""
+        return self.strategy.prepares_ahead
+
+    @prepares_ahead.setter
+    def prepares_ahead(self, value: bool) -> None:
+        self.strategy.prepares_ahead = bool(value)
 
     def _ahead_ok(self, items: Sequence[Any]) -> bool:
         """Whether a bucket's local phase may run ahead (:attr:`prepares_ahead`): a flat exchange
@@ -265,15 +318,21 @@ class Runtime(Stepping):
         return tuple((n, tuple(g.shape), g.dtype, id(c)) for n, g, c in items) in self._checked
 
     def route(self, names: Sequence[str], grads: Sequence[torch.Tensor]) -> List[Tuple[str, torch.Tensor, Any]]:
-        """Each gradient with its codec (None: dense) at the current iteration, as the policy
+        """Each gradient with its codec (None: dense) at the current iteration, as the strategy
         says; called on the submitting thread, in bucket order (``compressor="auto"``
         decides here)."""
-        return [(n, g, self.policy.route(n, g, self.iteration)) for n, g in zip(names, grads)]
+        return self.strategy.route(self, names, grads)
 
     def exchange(self, items: Sequence[Any], group, world: int, buffer: Optional[torch.Tensor],
                  label: str) -> List[torch.Tensor]:
-        """One flat bucket's exchange, inside its job (``compressor="auto"`` times it here)."""
-        return exchange_bucket(items, group, world, buffer=buffer, label=label, layouts=self._layouts)
+        """One flat bucket's exchange, inside its job, as the strategy says
+        (``compressor="auto"`` times it here)."""
+        return self.strategy.exchange(self, items, group, world, buffer, label, self._layouts)
+
+    @property
+    def in_iteration(self) -> bool:
+        """Whether an iteration is in flight: a bucket was submitted since it last ended."""
+        return self._txn is not None
 
     def _identity(self) -> Identity:
         """Whose state this is: rank, world size and a configuration fingerprint (a checkpoint
@@ -320,7 +379,7 @@ class Runtime(Stepping):
                 or any(not isinstance(o, int) or not 0 <= o < self.local_size for o in owners.values())):
             return (f"it holds no gradient owners for {self.local_size} ranks per node; resume with the "
                     f"local_size it was saved with")
-        return None
+        return self.strategy.problem(state)
 
     def end_iteration(self, keep: bool = True) -> bool:
         """End the iteration whose buckets were submitted: keep its state changes and count it
@@ -329,7 +388,13 @@ class Runtime(Stepping):
         whose exchange failed, is as if it never happened (counted in :attr:`skipped`). The
         means are the same on every rank, so the verdict is too: the step decision settles it
         without a reduction. Call it when no exchange of the iteration is running. True when
-        kept."""
+        kept. Then the strategy's ``ended``."""
+        kept = self._settle(keep)
+        self.strategy.ended(self, kept)
+        return kept
+
+    def _settle(self, keep: bool) -> bool:
+        """:meth:`end_iteration` without the strategy's part."""
         txn, self._txn = self._txn, None
         if txn is None:
             return keep
@@ -399,6 +464,7 @@ class Runtime(Stepping):
         if self.local_size is not None:  # which rank of a node holds which gradient's state
             state["owners"] = dict(self._owners)
             state["owner_loads"] = list(self._loads)
+        state.update(self.strategy.state_dict())
         return state
 
     def load_state_dict(self, state: Mapping[str, Any], what: str = WHAT) -> None:
@@ -419,3 +485,4 @@ class Runtime(Stepping):
             self._owners = {str(n): int(o) for n, o in owners.items()}
             self._loads = [int(v) for v in loads]
         self.iteration = int(state["iteration"])
+        self.strategy.load_state_dict(state)

@@ -57,9 +57,11 @@ def _ours():
 
 
 def test_parse_link():
-    assert netem.parse_link("1gbit") == netem.Link(10**9, 0.0)
-    assert netem.parse_link("100mbit,5ms") == netem.Link(10**8, 5.0)
-    assert netem.parse_link("2.5Gbit, 250us") == netem.Link(2_500_000_000, 0.25)
+    assert netem.parse_link("1gbit") == netem.Link.of(0.0, 1)
+    assert netem.parse_link("100mbit,5ms") == netem.Link.of(5.0, 0.1)
+    assert netem.parse_link("2.5Gbit, 250us") == netem.Link.of(0.25, 2.5)
+    assert netem.parse_link("2.5Gbit, 250us").rate_bit == 2_500_000_000
+    assert str(netem.parse_link("100mbit,5ms")) == "100 Mbit/s, 5 ms delay"
     for bad in ("1gb", "fast", "1gbit,5", "1gbit,5ms,1%", "0bit", ""):
         with pytest.raises(ValueError, match="RATE|delay|between"):
             netem.parse_link(bad)
@@ -76,7 +78,7 @@ def test_without_root_it_says_why(monkeypatch):
 def test_link_is_shaped_and_everything_is_removed():
     rate = 40 * 10**6
     nbytes = 1_500_000  # 0.3 s at 40 Mbit/s
-    with netem.Cluster(2, netem.Link(rate)) as cluster:
+    with netem.Cluster(2, netem.Link.of(0.0, rate / 1e9)) as cluster:
         assert len(_ours()) == 3
         srv = cluster.popen(1, [sys.executable, "-c", SERVER, cluster.address(1)], stdout=subprocess.PIPE, text=True)
         cli = cluster.popen(0, [sys.executable, "-c", CLIENT, cluster.address(1), str(nbytes)],
@@ -107,7 +109,7 @@ def test_nodes_share_a_namespace_and_a_shaped_link():
     """Nodes of 2 ranks: inside a node the ranks share an address and talk over loopback
     (unshaped), between nodes over the node's shaped link."""
     rate = 40 * 10**6
-    with netem.Cluster(4, netem.Link(rate), local_size=2) as cluster:
+    with netem.Cluster(4, netem.Link.of(0.0, rate / 1e9), local_size=2) as cluster:
         assert len(_ours()) == 3  # the hub and 2 nodes
         assert cluster.address(0) == cluster.address(1) != cluster.address(2) == cluster.address(3)
         across = _transfer(cluster, 0, 2, 1_500_000)
@@ -116,13 +118,13 @@ def test_nodes_share_a_namespace_and_a_shaped_link():
         assert inside > 5 * rate, f"measured {inside / 1e6:.1f} Mbit/s inside a node: shaped?"
     assert _ours() == []
     with pytest.raises(ValueError, match="divides the world size"):
-        netem.Cluster(4, netem.Link(rate), local_size=3)
+        netem.Cluster(4, netem.Link.of(0.0, rate / 1e9), local_size=3)
 
 
 @needs_root
 def test_delay_is_emulated_or_refused_with_the_reason():
     try:
-        with netem.Cluster(2, netem.Link(10**9, 20.0)) as cluster:
+        with netem.Cluster(2, netem.Link.of(20.0, 1)) as cluster:
             srv = cluster.popen(1, [sys.executable, "-c", SERVER, cluster.address(1)], stdout=subprocess.PIPE,
                                 text=True)
             cli = cluster.popen(0, [sys.executable, "-c", CLIENT, cluster.address(1), "1"], stdout=subprocess.PIPE,
@@ -139,7 +141,7 @@ def test_delay_is_emulated_or_refused_with_the_reason():
 @needs_root
 def test_an_error_inside_removes_the_cluster():
     with pytest.raises(ZeroDivisionError):
-        with netem.Cluster(2, netem.Link(10**9)):
+        with netem.Cluster(2, netem.Link.of(0.0, 1)):
             assert len(_ours()) == 3
             1 / 0
     assert _ours() == []
@@ -149,7 +151,7 @@ CHILD = """
 import subprocess, sys, time
 from gradcomp.bench import netem
 netem.exit_on_signals()
-with netem.Cluster(2, netem.Link(10**9)) as c:
+with netem.Cluster(2, netem.Link.of(0.0, 1)) as c:
     p = c.popen(1, ["sleep", "60"])
     print(p.pid, flush=True)
     time.sleep(60)

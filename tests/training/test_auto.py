@@ -26,7 +26,8 @@ One 2-rank spawn (each case's test reports its own failure):
 - after DDP rebuilds its buckets, ``decisions()`` lists the new ones only (none "on trial"
   forever), and a tiny model's latency-bound buckets leave the probed rate as it was.
 
-The plan and the link refit are checked in-process; so are argument errors.
+Argument errors are checked in-process; the plan, the cost model and the link refit, pure
+functions, in ``test_auto_plan.py``.
 """
 from __future__ import annotations
 
@@ -160,7 +161,7 @@ def _mass_and_resume(rank, world, tmp):
     resumed = _decisions(fresh)
     routes = [c is None for _, _, c in fresh.route([names[i] for i in buckets[0]], [torch.zeros(shapes[i][1]) for i in
                                                                                   buckets[0]])]
-    modes = set(fresh._mode.values())
+    modes = set(fresh.auto.mode.values())
     refusals = []
     for path, rt2 in ((f"auto{(rank + 1) % world}.pt", make_runtime("auto", opts)),
                       (f"auto{rank}.pt", make_runtime("topk", {}))):
@@ -329,7 +330,7 @@ def _variable_size_candidate(rank, world):
 
 def _held(rt) -> int:
     """Bytes of the gradient copies auto holds now for timing its candidates."""
-    return sum(t.numel() * t.element_size() for item in rt._untimed for part in item if isinstance(part, list)
+    return sum(t.numel() * t.element_size() for item in rt.auto.untimed for part in item if isinstance(part, list)
                for t in part)
 
 
@@ -391,7 +392,7 @@ def _ddp_rebuild(rank, world):
         ddp(torch.randn(8, 32)).sum().backward()
         opt.step()
         probed = probed or rt.link
-        seen.update(rt._buckets)
+        seen.update(rt.auto.buckets)
     return {"decisions": _decisions(rt), "layouts": len(seen), "summary": rt.summary(), "probed": probed,
             "link": rt.link, "names": sorted(n for n, _ in net.named_parameters())}
 
@@ -503,52 +504,15 @@ def test_auto_arguments():
         make_runtime("auto", {}, local_size=2)
     with pytest.raises(ValueError, match="not offered"):
         ShardedOptimizer(torch.nn.Linear(2, 2).parameters(), torch.optim.SGD, compressor="auto", lr=0.1)
+    with pytest.raises(ValueError, match="link= 'fast' is not RATE"):
+        make_runtime("auto", {"link": "fast"})
     rt = make_runtime("auto", {})
     assert isinstance(rt, AutoRuntime) and "powersgd:rank=4" in rt.policy.describe()
+    # composition: the runtime asks its strategy; a fixed compressor's is the policy's routing
+    from gradcomp.training.auto import AutoStrategy, Link
+    from gradcomp.training.engine import Routing
 
-
-def test_auto_plan_overlap_and_accordion():
-    """The plan alone (pure, no ranks): a bucket whose exchange hides behind the rest of
-    backward gets the most faithful method that keeps the step's time; the last one, with
-    nothing to hide behind, the fastest; a compressed method must beat dense by the margin;
-    Accordion's critical regime allows only light methods."""
-    from gradcomp.training.auto import _Bucket, make_runtime
-
-    rt = make_runtime("auto", {"candidates": ("dense", "int8", "topk")})
-    keys = [("a",), ("b",)]
-    for k in keys:
-        rt._buckets[k] = _Bucket(k)
-    # a: ready at 0 ms, 100 ms of backward after it; b: ready at 100 ms, the last
-    ready = {keys[0]: 0.0, keys[1]: 100.0}
-    costs = {keys[0]: {"dense": 50.0, "int8": 30.0, "topk": 10.0},
-             keys[1]: {"dense": 50.0, "int8": 30.0, "topk": 10.0}}
-    plan = rt._plan(keys, costs, set(keys), ready)
-    assert plan == {keys[0]: "dense", keys[1]: "topk"}
-    # nothing to hide behind: both the fastest
-    assert rt._plan(keys, costs, set(keys), {k: 0.0 for k in keys}) == {k: "topk" for k in keys}
-    # within the margin (10 %) of dense: dense
-    near = {k: {"dense": 50.0, "int8": 47.0, "topk": 46.0} for k in keys}
-    assert rt._plan(keys, near, set(keys), {k: 0.0 for k in keys}) == {k: "dense" for k in keys}
-    # Accordion: a critical bucket takes only light methods (8 bits or more per element)
-    rt._buckets[keys[1]].critical = True
-    assert rt._plan(keys, costs, set(keys), {k: 0.0 for k in keys}) == {keys[0]: "topk", keys[1]: "int8"}
-
-
-def test_auto_refits_the_rate_from_bandwidth_bound_exchanges_only():
-    """The rate is refit from real dense exchanges only where bytes, not latency, set their
-    time: a tiny model's small buckets (latency plus the machine's noise) would otherwise
-    make a 10 Gbit/s link look like a few Mbit/s."""
-    from gradcomp.training.auto import Link, _Bucket, make_runtime
-
-    rt = make_runtime("auto", {"candidates": ("dense", "topk")})
-    rt._world = 2
-    probe = Link(0.05, 1.25e6)  # 50 us per message, 10 Gbit/s
-    rt.link = probe
-    small, big = ("small",), ("big",)
-    rt._buckets[small] = _Bucket(small, nbytes=4e3)  # 1k fp32 gradients
-    rt._buckets[big] = _Bucket(big, nbytes=8 * 2 ** 20)
-    rt._refit({small: [0.0, 0.5, -1.0, -1.0]})  # 0.5 ms: ten latencies, on a busy machine
-    assert rt.link == probe, f"refit {rt.link.rate * 8e3 / 1e9:.3g} Gbit/s from a latency-bound 4 kB exchange"
-    slow = 2.5e5  # bytes per ms: 2 Gbit/s, what an 8 MiB exchange really took
-    rt._refit({small: [0.0, 0.5, -1.0, -1.0], big: [0.0, probe.alpha_ms + 8 * 2 ** 20 / slow, -1.0, -1.0]})
-    assert rt.link.alpha_ms == probe.alpha_ms and rt.link.rate == pytest.approx(slow)
+    assert isinstance(rt.strategy, AutoStrategy) and rt.strategy is rt.auto and not rt.strategy.prepares_ahead
+    fixed = make_runtime("topk", {})
+    assert type(fixed.strategy) is Routing and fixed.strategy.prepares_ahead
+    assert make_runtime("auto", {"link": "10gbit,0.05ms"}).link == Link.of(0.05, 10)
