@@ -219,14 +219,16 @@ class _Feedback(_ReadsCapabilities):
 
     def state_dict(self) -> Dict[str, Any]:
         """The state per key, with whose it is: this process's rank and world size and the
-        configuration (residuals belong to one rank of one job). The server part (see
-        :attr:`server`) has its own, with ``"layouts"`` (see :meth:`place`): the training
-        runtime saves it beside this one, and resharding folds it into the residuals."""
+        configuration (residuals belong to one rank of one job), and the server part's (see
+        :attr:`server`; under ``"server"``, with ``"layouts"``, see :meth:`place`): everything
+        this wrapper owes, in one state. Resharding folds the server part into the residuals."""
         sd = {"kind": self.kind, "compressor": self.compressor.state_dict(),
               "state": {k: v.detach().cpu().clone() for k, v in self._state.items()},
               "identity": _identity(self.kind, repr(self)).to_dict()}
         if self._server is None:
             sd["layouts"] = {k: {p: list(w) for p, w in where.items()} for k, where in self._layouts.items()}
+        else:
+            sd["server"] = self._server.state_dict()
         return sd
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
@@ -239,6 +241,8 @@ class _Feedback(_ReadsCapabilities):
                       f"(this one: {self!r})"})
         if problem:  # this rank only: see _identity
             raise ValueError(f"{self.kind}: {problem}")
+        if self._server is not None and state.get("server") is not None:
+            self._server.load_state_dict(state["server"])  # checked before anything of this one loads
         self.compressor.load_state_dict(state["compressor"])
         self._state = {k: v.clone() for k, v in state["state"].items()}
         self._spares = {}

@@ -42,7 +42,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-from gradcomp.collectives import allreduce, rank_of, server_feedback, world_of
+from gradcomp.collectives import allreduce, rank_of, world_of
 from gradcomp.collectives.identity import Identity, describe_params, fingerprint
 from gradcomp.compress import as_codec
 from gradcomp.compress.transaction import Transaction
@@ -414,22 +414,13 @@ class DiLoCo(Stepping):
 
     @staticmethod
     def _codec_state(codec: Any) -> Any:
-        if codec is None or not hasattr(codec, "state_dict"):
-            return None
-        state = {"codec": codec.state_dict()}
-        try:
-            state["server"] = server_feedback(codec).state_dict()
-        except ValueError:  # not an error-feedback wrapper: no server side
-            pass
-        return state
+        """A codec's state (an error-feedback wrapper's holds its server part too)."""
+        return None if codec is None or not hasattr(codec, "state_dict") else codec.state_dict()
 
     @staticmethod
     def _load_codec_state(codec: Any, state: Any) -> None:
-        if state is None or codec is None:
-            return
-        codec.load_state_dict(state["codec"])
-        if "server" in state:
-            server_feedback(codec).load_state_dict(state["server"])
+        if state is not None and codec is not None:
+            codec.load_state_dict(state)
 
     def __repr__(self) -> str:
         return (f"DiLoCo(H={self.sync_every}, fragments={len(self.fragments)}, delay={self.delay}, alpha={self.alpha}, "

@@ -95,9 +95,10 @@ class MomentumExchange:
         return res.reshape(-1) if res.numel() == n else torch.zeros(n)
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"worker": self.feedback.state_dict(), "server": server_feedback(self.feedback).state_dict()}
+        return {"worker": self.feedback.state_dict()}  # the server residuals inside: one owner
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self._layouts.clear()  # the next exchange is checked again
         self.feedback.load_state_dict(state["worker"])
-        server_feedback(self.feedback).load_state_dict(state["server"])
+        if "server" in state:  # saved when the server part was kept beside the worker's
+            server_feedback(self.feedback).load_state_dict(state["server"])

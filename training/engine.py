@@ -458,8 +458,8 @@ class Runtime(Stepping):
 
     def state_dict(self) -> Dict[str, Any]:
         """Iteration and every codec's state (CPU tensors); call it when no exchange is running."""
+        # each codec's error feedback holds its scatter-reduce server part too (one owner)
         state = {"version": _VERSION, "iteration": self.iteration, "codecs": self.policy.state_dict(),
-                 "servers": {p: s.state_dict() for p, s in self._servers().items()},
                  "identity": self._identity().to_dict(), "names": sorted(self.names)}
         if self.local_size is not None:  # which rank of a node holds which gradient's state
             state["owners"] = dict(self._owners)
@@ -478,7 +478,7 @@ class Runtime(Stepping):
         self.policy.load_state_dict(state["codecs"])
         servers, saved = self._servers(), state.get("servers", {})
         for pattern, server in servers.items():
-            if pattern in saved:  # absent after reshard_states: the new layout starts its own
+            if pattern in saved:  # a state saved when the server parts were kept beside the codecs
                 server.load_state_dict(saved[pattern])
         if self.local_size is not None:
             owners, loads = state["owners"], state["owner_loads"]

@@ -61,10 +61,12 @@ def reshard_states(states: Sequence[Mapping[str, Any]], world_size: int) -> List
         raise ValueError("states of the hierarchical exchange (local_size) keep each gradient on one owner per node; "
                          "resharding them is not supported: resume on the same nodes")
     merged = dict(first)
-    merged["codecs"] = {p: _merge_codec([s["codecs"][p] for s in states], [s.get("servers", {}).get(p)
-                                                                          for s in states])
+    # the server-side residuals (in each codec's state, or beside the codecs in an older state)
+    # go into the mean; a new layout starts its own
+    merged["codecs"] = {p: _merge_codec([s["codecs"][p] for s in states],
+                                        [s.get("servers", {}).get(p) or s["codecs"][p].get("server") for s in states])
                         for p in first["codecs"]}
-    merged["servers"] = {}  # the server-side residuals are in the mean now; a new layout starts its own
+    merged["servers"] = {}
     out = []
     for r in range(world_size):
         state = copy.deepcopy(merged)
@@ -78,6 +80,7 @@ def _merge_codec(codecs: List[Mapping[str, Any]], servers: List[Any]) -> Dict[st
     if "kind" not in first:  # a compressor without feedback: its own state only
         return _merge_compressor(codecs)
     merged = dict(first)
+    merged.pop("server", None)  # folded into the residuals below
     merged["compressor"] = _merge_compressor([c["compressor"] for c in codecs])
     merged["state"] = _mean([c["state"] for c in codecs])
     if first["kind"] == "ef21":

@@ -71,13 +71,19 @@ def saved(tmp_path_factory):
     return {name: [torch.load(io.BytesIO(r[name]), weights_only=False) for r in raw] for name in CASES}
 
 
+def _server_state(state):
+    """The scatter-reduce server residuals of a saved runtime state (inside the codec's error
+    feedback)."""
+    return (state["codecs"]["*"].get("server") or {}).get("state", {})
+
+
 def _owed(states, key):
     """Mean worker-side state of ``key`` plus the server-side chunks (3 ranks: scatter-reduce)."""
     codec = [s["codecs"]["*"] for s in states]
     mean = torch.stack([c["state"][key].double() for c in codec]).mean(0)
     chunks = []
     for s in states:
-        for k, v in s.get("servers", {}).get("*", {}).get("state", {}).items():
+        for k, v in _server_state(s).items():
             if k.startswith(key + "/chunk"):
                 chunks.append((int(k[len(key) + 6:].split("/")[0]), v))
     if chunks:
@@ -108,7 +114,7 @@ def test_ef21_estimates_become_their_mean(saved):
     states = saved["int8-ef21"]
     new = reshard_states(states, 2)
     for key, agg in states[0]["codecs"]["*"]["aggregate"].items():
-        server = [v for s in states for k, v in sorted(s["servers"]["*"]["state"].items()) if k.startswith(key + "/")]
+        server = [v for s in states for k, v in sorted(_server_state(s).items()) if k.startswith(key + "/")]
         owed = torch.cat([v.reshape(-1) for v in server]).reshape(agg.shape)  # 3 ranks: chunks 0, 1, 2 in rank order
         assert torch.equal(new[1]["codecs"]["*"]["aggregate"][key], agg + owed)
         mean = torch.stack([s["codecs"]["*"]["state"][key].double() for s in states]).mean(0).float()
