@@ -5,7 +5,7 @@ Rules, stated exactly (as in OCP's microscaling formats, MX):
 - e2m1: code ``sign << 3 | i`` stands for ``±E2M1[i]``, ``E2M1 = (0, 0.5, 1, 1.5, 2, 3, 4, 6)``
   (IEEE's encoding: 2 exponent bits, bias 1, 1 mantissa bit, no inf or NaN). A value is
   rounded to the nearest, ties to the even code (0.25 -> 0, 0.75 -> 1, 2.5 -> 2, 5 -> 4, as
-  IEEE rounds), keeping its sign (-0.1 -> -0); magnitudes beyond 6 saturate to 6. NaN gives
+  IEEE rounds), keeping its sign (-0.1 -> the code of -0, which decodes to +0); magnitudes beyond 6 saturate to 6. NaN gives
   some code: the caller's NaN scale carries it.
 - e8m0: code ``c`` stands for ``2**(c - 127)``, ``c`` in 0..254; 255 is NaN. A block's scale is
   OCP's: ``2**(floor(log2 max |x|) - emax)``, ``2**emax`` the element format's largest power of two.
@@ -63,9 +63,11 @@ def e2m1_codes(x: torch.Tensor, mult: torch.Tensor, block_size: int) -> torch.Te
 
 
 def e2m1_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """The 16 values of the e2m1 codes, as ``dtype``."""
+    """The 16 values of the e2m1 codes, as ``dtype``; the code of -0 decodes to +0, so a decoded
+    zero is +0 whatever sign its input had (a zero's sign would otherwise depend on the order a
+    sum adds in, and the ranks' results on who summed)."""
     half = _magnitudes(dtype, device)
-    return torch.cat([half, -half])
+    return torch.cat([half, (-half).add_(0.0)])  # -0 + 0 = +0
 
 
 def e2m1_decode(codes: torch.Tensor, step: torch.Tensor, block_size: int, dtype: torch.dtype) -> torch.Tensor:

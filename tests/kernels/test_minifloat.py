@@ -14,7 +14,7 @@ def _e2m1_reference(v: float) -> float:
     """The nearest e2m1 value of ``v``, ties to the one whose code is even, saturating at 6."""
     m = min(abs(v), 6.0)
     best = min(range(8), key=lambda i: (abs(E2M1[i] - m), i % 2))
-    return math.copysign(E2M1[best], v)
+    return math.copysign(E2M1[best], v) + 0.0  # a decoded zero is +0 (the code of -0 decodes to +0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
