@@ -12,8 +12,9 @@ one run:
   dense reduce-scatter, FSDP's all-gather): the cost of the custom comm itself;
 - ``gc-int8``, ``gc-onebit``, ``gc-topk``: gradcomp's compressed reduce-scatter (error
   feedback per piece), FSDP's exact all-gather;
-- ``gc-int8-bf16ag``, ``gc-onebit-bf16ag``, ``gc-topk-bf16ag``, ``gc-int8-int8ag``: the same
-  with the compressed parameter all-gather (error feedback on the weights).
+- ``gc-int8-bf16ag``, ``gc-onebit-bf16ag``, ``gc-topk-bf16ag``, ``gc-int8-int8ag``,
+  ``gc-int4-bf16ag``, ``gc-fp4-bf16ag``: the same with the compressed parameter all-gather (error
+  feedback on the weights); the last two reduce-scatter in 4 bits (block-scaled int4, e2m1).
 
 Every run starts from the same weights and sees the same batches; the methods take turns epoch
 by epoch, so a change in the machine's load slows them alike. Measured: step time (median over
@@ -47,6 +48,8 @@ METHODS: Dict[str, Dict[str, Any]] = {
     "gc-onebit-bf16ag": {"kind": "ours", "compressor": "onebit", "all_gather": "bf16"},
     "gc-topk-bf16ag": {"kind": "ours", "compressor": "topk", "all_gather": "bf16"},
     "gc-int8-int8ag": {"kind": "ours", "compressor": "int8", "all_gather": "int8"},
+    "gc-int4-bf16ag": {"kind": "ours", "compressor": "int4", "all_gather": "bf16"},
+    "gc-fp4-bf16ag": {"kind": "ours", "compressor": "fp4", "all_gather": "bf16"},
 }
 # HSDP (--hsdp R: R replicas, one per emulated node, each sharded over its node's ranks): FSDP2's
 # own HSDP (a 2-D mesh; its all-reduce between replicas dense) against compress_fsdp(replicate=...)
