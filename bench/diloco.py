@@ -149,7 +149,7 @@ def parse_method(label: str, sync_every: int) -> Dict[str, Any]:
 
 
 # ---- per rank ----------------------------------------------------------------------------------
-class _FixedQuorum:
+class FixedQuorum:
     """What torchft's ``DiLoCo`` asks of its ``Manager``, over the fixed gloo group: every sync
     commits and a mean is the sum over the group divided by its size (torchft's AVG). It counts
     what it hands to ``all_reduce`` with the collectives' convention (``2 (w-1)/w`` of the bytes)."""
@@ -236,7 +236,7 @@ def _method(spec: Dict[str, Any], model: torch.nn.Module, inner: torch.optim.Opt
         return _Method(opt, telemetry_sent, lambda: len(opt.history))
     from torchft.local_sgd import DiLoCo as TorchftDiLoCo  # type: ignore[import-untyped]
 
-    quorum = _FixedQuorum(world)
+    quorum = FixedQuorum(world)
     params = list(model.parameters())
     outer = torch.optim.SGD(params, lr=cfg_outer["lr"], momentum=cfg_outer["momentum"],
                             nesterov=cfg_outer["momentum"] > 0)

@@ -166,8 +166,7 @@ class DiLoCo(Stepping):
             names = [compressor]
         #: the codecs this DiLoCo may send with (one, or auto's ladder, least lossy first); None: dense
         self.codecs: List[Any] = [self._make_codec(c, compressor_options, error_feedback) for c in names]
-        self.codec = self.codecs[0]
-        self.compressor_name = "auto" if self.auto else _name(self.codec)
+        self.compressor_name = "auto" if self.auto else _name(self.codecs[0])
         self._codec_config = repr([_name(c) if c is None else repr(getattr(c, "config", c)) for c in self.codecs])
         make_outer = default_outer_optimizer if outer_optimizer is None else outer_optimizer
         if not callable(make_outer):
@@ -190,11 +189,10 @@ class DiLoCo(Stepping):
         self._flight: Optional[_InFlight] = None
         #: per fragment: the index in :attr:`codecs` of the codec its next exchange uses
         self.choice = [0] * len(self.fragments)
-        self._compute = 0.0  # seconds of inner steps since the last sync (auto's window)
-        self._last_sync = time.perf_counter()
-        #: per sync: fragment, kept, the pseudo-gradient's dense bytes (the wire's are in gradcomp's telemetry), seconds waited at the sync, seconds in flight
+        self._last_sync = time.perf_counter()  # auto's window: the inner steps since the last sync
+        #: per sync: fragment, kept, codec, the pseudo-gradient's dense bytes (the wire's are in
+        #: gradcomp's telemetry), seconds waited at the sync, seconds the exchange and the sync took
         self.history: List[Dict[str, Any]] = []
-        self._warned = False
         common.agree_config({"configuration": self._config(),
                              "parameters": describe_params([(n, _local(p)) for n, p in named])},
                             self.outer_group, "DiLoCo")

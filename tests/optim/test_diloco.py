@@ -4,8 +4,8 @@ checkpoints that resume bit-identically (with an exchange in flight), two-level 
 2-D mesh. One spawn per world size runs every multi-rank case.
 
 torchft is an optional test dependency: its ``DiLoCo`` runs here over the same gloo group with
-a fixed quorum standing in for its fault-tolerance manager (no lighthouse), so the comparison
-is of the algorithm alone."""
+a fixed quorum standing in for its fault-tolerance manager (no lighthouse; the bench's
+``FixedQuorum``), so the comparison is of the algorithm alone."""
 from __future__ import annotations
 
 import copy
@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from gradcomp.bench.diloco import FixedQuorum
 from gradcomp.optim import DiLoCo
 from gradcomp.optim.diloco import WAIT_SHARE, next_choice
 from ranks import run_ranks
@@ -66,49 +67,6 @@ def _pieces(model, f):
     return [model] if f == 1 else [model[0], model[2]]
 
 
-class _FixedQuorum:
-    """torchft's Manager as DiLoCo uses it, over a fixed group: every sync commits, the mean is
-    its sum over the group divided by the world (torchft's AVG)."""
-
-    _use_async_quorum = False
-
-    def __init__(self, world):
-        self.world, self.step = world, 0
-
-    def start_quorum(self):
-        pass
-
-    def current_step(self):
-        return self.step
-
-    def should_commit(self, *args, **kwargs):
-        self.step += 1
-        return True
-
-    def allreduce(self, tensor, should_quantize=False, **kwargs):
-        dist.all_reduce(tensor)
-        tensor /= self.world
-
-        class _Done:
-            def wait(self, *a):
-                return True
-
-            def get_future(self):
-                fut = torch.futures.Future()
-                fut.set_result([tensor])
-                return fut
-        return _Done()
-
-    def register_state_dict_fn(self, *args):
-        pass
-
-    def disallow_state_dict_read(self):
-        pass
-
-    def allow_state_dict_read(self):
-        pass
-
-
 def _outer(ps):
     return torch.optim.SGD(ps, lr=0.7, momentum=0.9, nesterov=True)
 
@@ -128,7 +86,7 @@ def _torchft(rank, world, dtype, f, tau, alpha, H=4):
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     pieces = _pieces(model, f)
     outers = [_outer(list(m.parameters())) for m in pieces]
-    with TorchftDiLoCo(_FixedQuorum(world), pieces, inner, outers, sync_every=H, fragment_sync_delay=tau,
+    with TorchftDiLoCo(FixedQuorum(world), pieces, inner, outers, sync_every=H, fragment_sync_delay=tau,
                        fragment_update_alpha=alpha):
         for s in range(STEPS):
             _inner_step(model, inner, rank, s, dtype)
