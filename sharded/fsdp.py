@@ -225,7 +225,9 @@ def _replicate_groups(replicate: Any, shard_group: Any) -> Tuple[Any, Any, int]:
             raise ValueError("compress_fsdp: the model is not sharded on the replicate mesh's shard dimension; "
                              "call fully_shard(m, mesh=mesh['shard']) (the mesh's other dimension)")
         ranks = sorted(int(r) for r in replicate.mesh.flatten().tolist())
-        span = None if ranks == list(range(dist.get_world_size())) else dist.new_group(ranks)
+        # a mesh of part of the world: a group of its ranks, made by them alone
+        span = None if ranks == list(range(dist.get_world_size())) else \
+            dist.new_group(ranks, use_local_synchronization=True)
         return group, span, dist.get_world_size(group)
     replicas = dist.get_world_size(replicate)
     if replicas * len(shard_ranks) != dist.get_world_size():
