@@ -421,3 +421,17 @@ def test_fsdp2_inside_a_worker_is_ddp_inside_to_rounding(mesh_runs):
         for a, b, c in zip(r["ddp"]["params"], r["fsdp"]["params"], r["compress_fsdp"]["params"]):
             assert (a - b).abs().max().item() < 1e-12
             assert (a - c).abs().max().item() < 1e-12
+
+
+def test_bf16_parameters_keep_an_fp32_global_copy_and_foreach_inner_steps():
+    """bf16 parameters (the GPU path): the global copy is fp32, so the outer steps accumulate
+    there; the inner optimizer may be foreach or fused; the parameters are the global copy
+    rounded to bf16 after a sync."""
+    for flag in ("foreach", "fused"):
+        model = _model(torch.bfloat16)
+        opt = DiLoCo(model, torch.optim.AdamW(model.parameters(), lr=1e-2, **{flag: True}), 2, compressor="int8")
+        assert all(flat.dtype == torch.float32 for f in opt.fragments for flat in f.flats.values())
+        losses = [_inner_step(model, opt, 0, s % 2, torch.bfloat16) for s in range(8)]
+        assert opt.syncs == 4 and losses[-1] < losses[0]
+        for p, view in zip(opt.fragments[0].params, opt.fragments[0].views):
+            assert p.dtype == torch.bfloat16 and torch.equal(p.detach(), view.to(torch.bfloat16))
