@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -69,6 +70,9 @@ DEFAULT_METHODS = ("fsdp-fp32", "fsdp-bf16rs", "gc-dense", "gc-int8", "gc-int8-b
 REFERENCE = "fsdp-fp32"
 SPEED_REFERENCES = ("fsdp-fp32", "fsdp-bf16rs", "hsdp-fp32", "hsdp-bf16rs")
 WARMUP = 3  # steps not timed: FSDP's lazy init and gradcomp's first exchanges
+# the breakdown's columns (StepTrace kinds): wall time of the phases, then what runs inside them
+BREAKDOWN = {"FW": "forward", "F": "forward compute", "AGi": "gather issue (encode)", "AG": "gather in flight",
+             "B": "backward", "RS": "reduce-scatter", "AR": "all-reduce", "S": "step"}
 
 
 class Encoder(torch.nn.Module):
@@ -116,26 +120,36 @@ class CountingFSDP:
 
     NAMES = ("reduce_scatter_single", "all_gather_single", "all_reduce")
 
-    def __init__(self, world: int, all_reduce: bool = False) -> None:
-        self.nbytes, self.world, self.all_reduce = 0, world, all_reduce
+    def __init__(self, world: int, all_reduce: bool = False, trace: Optional["StepTrace"] = None) -> None:
+        self.nbytes, self.world, self.all_reduce, self.trace = 0, world, all_reduce, trace
         self._orig = {n: getattr(dist, n) for n in self.NAMES}
 
     def __enter__(self) -> "CountingFSDP":
         rs, ag, ar = (self._orig[n] for n in self.NAMES)
+        trace = self.trace if self.trace is not None else StepTrace()
+
+        def fsdps(depth: int = 2) -> bool:  # FSDP's own call, not gradcomp's (its telemetry counts those)
+            return not sys._getframe(depth).f_globals.get("__name__", "").startswith("gradcomp.")
 
         def counted_rs(output, input, *args, **kwargs):
+            if not fsdps():
+                return rs(output, input, *args, **kwargs)
             w = _size(kwargs.get("group"), self.world)
             self.nbytes += input.numel() * input.element_size() * (w - 1) // w
-            return rs(output, input, *args, **kwargs)
+            return trace.timed("RS", "", rs, output, input, *args, **kwargs)
 
         def counted_ag(output, input, *args, **kwargs):
+            if not fsdps():
+                return ag(output, input, *args, **kwargs)
             self.nbytes += input.numel() * input.element_size() * (_size(kwargs.get("group"), self.world) - 1)
-            return ag(output, input, *args, **kwargs)
+            return trace.gather("", lambda: ag(output, input, *args, **kwargs))
 
         def counted_ar(tensor, *args, **kwargs):  # FSDP2's HSDP: the replicas' all-reduce (a ring's bytes)
+            if not fsdps():
+                return ar(tensor, *args, **kwargs)
             w = _size(kwargs.get("group"), self.world)
             self.nbytes += tensor.numel() * tensor.element_size() * 2 * (w - 1) // w
-            return ar(tensor, *args, **kwargs)
+            return trace.timed("AR", "", ar, tensor, *args, **kwargs)
 
         # FSDP calls them through the module
         setattr(dist, "reduce_scatter_single", counted_rs)
@@ -147,6 +161,57 @@ class CountingFSDP:
     def __exit__(self, *exc) -> None:
         for n, f in self._orig.items():
             setattr(dist, n, f)
+
+
+class StepTrace:
+    """What one rank does in a step, as intervals (kind, name, start, end) of ``time.perf_counter``:
+    ``F`` a module's forward compute, ``B`` the backward (its reduce-scatters inside), ``RS`` a
+    reduce-scatter, ``AR`` an all-reduce, ``AG`` a parameter all-gather from its issue to its
+    wire being done (``AGi``: its issue, the encode of a compressed one), ``S`` the step (the
+    decision and the optimizer). ``on`` while the traced step runs; ``sums`` adds every traced
+    step's time per kind (the breakdown), ``events`` keeps the last one (the timeline)."""
+
+    def __init__(self) -> None:
+        self.on = False
+        self.events: List[List[Any]] = []
+        self.sums: Dict[str, float] = {}
+        self.steps = 0
+
+    def begin(self) -> None:
+        self.on, self.events = True, []
+
+    def end(self) -> None:
+        self.on = False
+        self.steps += 1
+        for kind, _, start, end in self.events:
+            if end is not None:
+                self.sums[kind] = self.sums.get(kind, 0.0) + (end - start)
+
+    def span(self, kind: str, name: str, start: float, end: Optional[float]) -> List[Any]:
+        event = [kind, name, start, end]
+        if self.on:
+            self.events.append(event)
+        return event
+
+    def timed(self, kind: str, name: str, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.span(kind, name, start, time.perf_counter())
+
+    def gather(self, name: str, issue: Callable[[], Any]) -> Any:
+        """An all-gather issued by ``issue()``: synchronous (None back) or a Work whose future
+        completes when its wire is done."""
+        start = time.perf_counter()
+        work = issue()
+        issued = time.perf_counter()
+        self.span("AGi", name, start, issued)
+        future = None if work is None else work.get_future()
+        event = self.span("AG", name, start, issued if future is None else None)
+        if future is not None and self.on:
+            future.add_done_callback(lambda _f, e=event: e.__setitem__(3, time.perf_counter()))
+        return work
 
 
 def _size(group: Any, world: int) -> int:
@@ -170,7 +235,7 @@ class _Run:
     """One method's model, optimizer and measurements, trained an epoch at a time."""
 
     def __init__(self, spec: Dict[str, Any], rank: int, world: int, cfg: Dict[str, Any]) -> None:
-        from gradcomp.sharded import compress_fsdp
+        from gradcomp.sharded import compress_fsdp, overlap_gathers
 
         self.spec, self.rank, self.world, self.cfg = spec, rank, world, cfg
         reduce = getattr(torch, spec["reduce_dtype"]) if spec.get("reduce_dtype") else None
@@ -181,26 +246,66 @@ class _Run:
                                                                    "replicate_compressor": spec["replicate"]}
         self.handle = None if spec["kind"] == "fsdp" else compress_fsdp(
             self.model, spec["compressor"], all_gather=spec.get("all_gather"), **hsdp)
+        parts = [self.model.embed, *self.model.blocks, self.model.head]
+        if cfg["overlap"]:  # every method alike: FSDP's own gathers and gradcomp's run beside compute
+            overlap_gathers(self.model, parts)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg["lr"])
         self.times: List[float] = []
         self.sent = 0
         self.phases: Dict[str, Dict[str, float]] = {}
+        self.trace = StepTrace()
+        self.timeline: List[List[Any]] = []
+        self._instrument(parts)
+
+    def _instrument(self, parts: List[torch.nn.Module]) -> None:
+        """The trace's hooks: each part's forward compute (after FSDP's pre-forward, which waits
+        for its gather) and, for gradcomp's runs, its collectives (FSDP's own are traced by
+        CountingFSDP)."""
+        trace = self.trace
+        names = {id(m): n for n, m in self.model.named_modules()}
+        def began(mod: torch.nn.Module, args: Any) -> None:
+            setattr(mod, "_traced_at", time.perf_counter())
+
+        def ended(mod: torch.nn.Module, args: Any, out: Any) -> None:
+            trace.span("F", names[id(mod)], getattr(mod, "_traced_at"), time.perf_counter())
+
+        for m in parts:
+            m.register_forward_pre_hook(began)
+            m.register_forward_hook(ended)
+        if self.handle is not None:
+            rs, ag = self.handle._reduce_scatter, self.handle._all_gather
+            setattr(self.handle, "_reduce_scatter", lambda key, *a: trace.timed("RS", key, rs, key, *a))
+            setattr(self.handle, "_all_gather", lambda key, *a: trace.gather(key, lambda: ag(key, *a)))
 
     def epoch(self, epoch: int, xtr: torch.Tensor, ytr: torch.Tensor) -> None:
         from gradcomp.collectives import reset_telemetry, telemetry
 
-        counting = CountingFSDP(self.world, all_reduce=self.handle is None)
+        counting = CountingFSDP(self.world, all_reduce=self.handle is None, trace=self.trace)
         reset_telemetry()
+        trace = self.trace
         with counting:
             for idx in epoch_batches(len(ytr), self.rank, self.world, self.cfg["batch_size"], self.cfg["seed"], epoch):
+                if len(self.times) >= WARMUP:
+                    trace.begin()
                 t0 = time.perf_counter()
-                torch.nn.functional.cross_entropy(self.model(xtr[idx]), ytr[idx]).backward()
+                loss = torch.nn.functional.cross_entropy(self.model(xtr[idx]), ytr[idx])
+                t1 = time.perf_counter()
+                loss.backward()
+                t2 = time.perf_counter()
                 if self.handle is not None:
                     self.handle.step(self.opt)
                 else:
                     self.opt.step()
                 self.opt.zero_grad()
-                self.times.append((time.perf_counter() - t0) * 1e3)
+                t3 = time.perf_counter()
+                self.times.append((t3 - t0) * 1e3)
+                if trace.on:
+                    trace.span("FW", "", t0, t1)
+                    trace.span("B", "", t1, t2)
+                    trace.span("S", "", t2, t3)
+                    trace.end()
+                    if len(self.times) == self.cfg["trace_step"]:
+                        self.timeline = [list(e) for e in trace.events]
         tel = telemetry()
         self.sent += counting.nbytes + tel["total"]["bytes_sent"]
         for op, v in tel["by_op"].items():
@@ -212,16 +317,44 @@ class _Run:
         steps = max(len(self.times), 1)
         with torch.no_grad():
             accuracy = float((self.model(xte).argmax(1) == yte).float().mean())
+        traced = max(self.trace.steps, 1)
         return {"times_ms": self.times, "accuracy": accuracy, "bytes_per_step": self.sent / steps,
                 "phases": {op: {k: 1e3 * v / steps for k, v in ph.items()} for op, ph in self.phases.items()},
+                "breakdown_ms": {k: 1e3 * v / traced for k, v in self.trace.sums.items()},
+                "timeline": self.timeline,
                 "skipped": 0 if self.handle is None else self.handle.skipped}
+
+
+def compute_only(cfg: Dict[str, Any], xtr: torch.Tensor, ytr: torch.Tensor, rank: int, world: int) -> float:
+    """The step without communication: the whole model, unsharded, on this rank's batch (the
+    same batches, AdamW), median ms over the steps after warm-up (at most 30 steps)."""
+    torch.manual_seed(cfg["seed"])
+    model = Encoder(cfg["width"], cfg["layers"], cfg["tokens"])
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg["lr"])
+    times = []
+    for idx in list(epoch_batches(len(ytr), rank, world, cfg["batch_size"], cfg["seed"], 0))[:WARMUP + 30]:
+        t0 = time.perf_counter()
+        torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+        opt.step()
+        opt.zero_grad()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times[WARMUP:] or times)
 
 
 def run_rank(rank: int, world: int, cfg: Dict[str, Any], progress: Callable[..., None]) -> Any:
     names = cfg["methods"]
+    data = _data(cfg["seed"])
+    alone = compute_only(cfg, data[0], data[1], rank, world)
     runs = [_Run(METHODS[name], rank, world, cfg) for name in names]
-    everyone = take_turns(names, runs, cfg["epochs"], _data(cfg["seed"]), progress, world)
-    return _records(names, everyone, cfg, world) if rank == 0 else None
+    everyone = take_turns(names, runs, cfg["epochs"], data, progress, world)
+    slowest: List[Any] = [None] * world
+    dist.all_gather_object(slowest, alone)
+    if rank:
+        return None
+    records = _records(names, everyone, cfg, world)
+    for r in records:
+        r["compute_only_ms"] = max(slowest)
+    return records
 
 
 def _records(names: List[str], everyone: List[Any], cfg: Dict[str, Any], world: int) -> List[Dict[str, Any]]:
@@ -235,7 +368,8 @@ def _records(names: List[str], everyone: List[Any], cfg: Dict[str, Any], world: 
             "test_accuracy": runs[0]["accuracy"],
             "step_ms": statistics.median(max(r["times_ms"][i] for r in runs) for i in range(skip, steps)),
             "bytes_per_step": max(r["bytes_per_step"] for r in runs), "skipped": runs[0]["skipped"],
-            "phases_ms_rank0": runs[0]["phases"],
+            "phases_ms_rank0": runs[0]["phases"], "breakdown_ms_rank0": runs[0]["breakdown_ms"],
+            "timeline_rank0": runs[0]["timeline"], "overlap": cfg["overlap"],
         })
     by_name = {r["method"]: r for r in records}
     ref = by_name.get(REFERENCE, by_name.get("hsdp-fp32"))
@@ -258,6 +392,17 @@ def table(records: List[Dict[str, Any]]) -> str:
              cli.fmt(r["bytes_vs_dense"], ".3f") + "x", f"{100 * r['test_accuracy']:.2f}%",
              cli.fmt(r["accuracy_vs_dense_pp"], "+.2f") + " pp", str(r["skipped"])) for r in records]
     out = _markdown([head, *rows])
+    alone = records[0].get("compute_only_ms")
+    if alone:
+        ref = next((r for r in records if r["method"] in (REFERENCE, "hsdp-fp32")), None)
+        out += (f"\n\ncompute only (the unsharded model on one rank's batch, no communication): {alone:.1f} ms per step"
+                + (f"; {ref['method']}'s step is {ref['step_ms'] / alone:.1f}x that" if ref else ""))
+    parts = [(r["method"], *(f"{r['breakdown_ms_rank0'].get(k, 0.0):.1f}" for k in BREAKDOWN))
+             for r in records if r.get("breakdown_ms_rank0")]
+    if parts:
+        out += ("\n\nwhere a step's time goes (rank 0, ms per step after warm-up; gathers "
+                + ("asynchronous, beside compute" if records[0].get("overlap") else "synchronous") + "):\n\n"
+                + _markdown([("method", *BREAKDOWN.values()), *parts]))
     phases = [(r["method"], op, *(f"{ms[k]:.2f}" for k in ("compress", "comm", "decompress")))
               for r in records for op, ms in sorted(r["phases_ms_rank0"].items())]
     if phases:
@@ -286,6 +431,9 @@ def parser() -> argparse.ArgumentParser:
                         f"nodes), each sharded inside its node; default methods then {', '.join(HSDP_DEFAULT)}")
     p.add_argument("--reshard-after-forward", choices=("true", "false"), default="true",
                    help="fully_shard's reshard_after_forward for every module (default true, FSDP2's)")
+    p.add_argument("--overlap", choices=("on", "off"), default="on",
+                   help="overlap_gathers for every method (default on): FSDP unshards asynchronously and each module "
+                        "prefetches the next one's gather, so gathers run beside compute; off: every gather blocks")
     cli.common_options(p)
     return p
 
@@ -317,7 +465,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     reshard = args.reshard_after_forward == "true"
     cfg = {"methods": names, "epochs": args.epochs, "batch_size": args.batch_size, "lr": args.lr,
            "width": args.width, "layers": args.layers, "tokens": args.tokens, "seed": args.seed, "reshard": reshard,
-           "hsdp": args.hsdp, "local_size": args.world_size // args.hsdp if args.hsdp else 1}
+           "hsdp": args.hsdp, "local_size": args.world_size // args.hsdp if args.hsdp else 1,
+           "overlap": args.overlap == "on", "trace_step": WARMUP + 3}
     nparams = sum(p.numel() for p in Encoder(args.width, args.layers, args.tokens).parameters())
     env = envmod.environment(args.world_size, cli.link_text(link, cfg["local_size"]), args.threads)
     print(envmod.header(env, [
@@ -328,5 +477,54 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         f"methods  {', '.join(names)}, taking turns epoch by epoch; step time: median over the steps after "
         f"the first {WARMUP} of the slowest rank",
     ]), flush=True)
-    cli.run_and_report("fsdp", cfg, args, link, env, table)
+    records = cli.run_and_report("fsdp", cfg, args, link, env, table)
+    if args.plot:
+        timeline_plot(records, args.plot, f"one FSDP2 step per method (rank 0, step {WARMUP + 3}), {args.world_size} "
+                                          f"ranks, {env['link']}, gathers "
+                                          f"{'overlapped' if cfg['overlap'] else 'synchronous'}")
+        print(f"wrote {args.plot}")
     return 0
+
+
+LANES = ("compute", "all-gather", "reduce-scatter / all-reduce")
+
+
+def timeline_plot(records: List[Dict[str, Any]], path: str, title: str) -> None:
+    """One panel per method: its compute (each module's forward, the backward, the step) on one
+    lane, its parameter all-gathers from issue to wire done (the issue, a compressed one's
+    encode, darker) on the next, its reduce-scatters (and HSDP all-reduces) on the third."""
+    from .plot import _pyplot
+
+    plt = _pyplot()
+    rows = [r for r in records if r.get("timeline_rank0")]
+    colors = {"F": "#4c72b0", "B": "#55a868", "S": "#8c8c8c", "AG": "#f2b47e", "AGi": "#c4661f", "RS": "#c44e52",
+              "AR": "#8172b2"}
+    lane = {"F": 0, "B": 0, "S": 0, "AG": 1, "AGi": 1, "RS": 2, "AR": 2}
+    fig, axes = plt.subplots(len(rows), 1, figsize=(14, 0.6 + 1.25 * len(rows)), squeeze=False)
+    span = max(max(e[3] for e in r["timeline_rank0"] if e[3] is not None) -
+               min(e[2] for e in r["timeline_rank0"]) for r in rows) * 1e3
+    for ax, r in zip(axes[:, 0], rows):
+        events = [e for e in r["timeline_rank0"] if e[3] is not None and e[0] in colors]
+        t0 = min(e[2] for e in r["timeline_rank0"])
+        for kind, name, start, end in sorted(events, key=lambda e: e[0] == "AGi"):  # the issue over its flight
+            y = lane[kind]
+            ax.broken_barh([(1e3 * (start - t0), max(1e3 * (end - start), 0.05))], (y - 0.32, 0.64),
+                           color=colors[kind], edgecolor="white", linewidth=0.3)
+            if kind == "F" and (end - start) * 1e3 > 0.025 * span:
+                label = name.replace("blocks.", "b")
+                ax.text(1e3 * ((start + end) / 2 - t0), y, label, ha="center", va="center", fontsize=6, color="white")
+        ax.set_yticks(range(len(LANES)), LANES, fontsize=7)
+        ax.invert_yaxis()
+        ax.set_xlim(0, span * 1.01)
+        ax.set_title(f"{r['method']}: median step {r['step_ms']:.1f} ms, {cli.fmt_bytes(r['bytes_per_step'])} per step",
+                     fontsize=8, loc="left")
+    axes[-1, 0].set_xlabel("ms since the step began (wall clock, rank 0)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in ("F", "B", "S", "AGi", "AG", "RS", "AR")]
+    fig.legend(handles, ["forward of a module", "backward (its exchanges inside)", "step (decision, optimizer)",
+                         "gather issued (encode)", "gather in flight", "reduce-scatter", "all-reduce (HSDP)"],
+               loc="upper left", ncol=7, fontsize=7, frameon=False,
+               bbox_to_anchor=(0.005, 1.0 - 0.28 / fig.get_figheight()))
+    fig.suptitle(title, fontsize=9, x=0.01, y=1.0 - 0.06 / fig.get_figheight(), ha="left", va="top")
+    fig.tight_layout(rect=(0, 0, 1, 1.0 - 0.5 / fig.get_figheight()))
+    fig.savefig(path, dpi=130)
+    plt.close(fig)

@@ -19,7 +19,7 @@ import contextlib
 import os
 import threading
 from datetime import timedelta
-from typing import Any, Callable, Iterator, List, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -290,6 +290,41 @@ class Comm:
         self.record.bytes_sent += moved
         self.record.bytes_recv += moved
         return out if out.device == t.device else out.to(t.device)
+
+    def all_gather_start(self, t: torch.Tensor, out: Optional[torch.Tensor] = None
+                         ) -> Tuple[torch.Tensor, Optional[Any]]:
+        """Start gathering every rank's 1-D ``t`` (same length everywhere) into ``out``
+        (``(w, t.numel())``, a new tensor when None): ``(out, work)``, ``work`` the backend's
+        asynchronous work (None when nothing travels). ``out`` holds the result once
+        :meth:`finish` has waited on ``work``; ``t`` must not be written before then. Other
+        collectives may be issued on the group meanwhile, from this thread, in the same order
+        on every rank (NCCL orders them on its stream, gloo by sequence number)."""
+        out = t.new_empty((self.size, t.numel())) if out is None else out
+        if out.shape != (self.size, t.numel()):
+            raise ValueError(f"{self.op}: all_gather_start's out must be ({self.size}, {t.numel()}), "
+                             f"got {tuple(out.shape)}")
+        if self.size == 1 or not t.numel():
+            if self.size == 1:
+                out[0].copy_(t)
+            return out, None
+        src = self._wire(t)
+        rows = out if out.device.type == self.device.type and out.is_contiguous() else \
+            torch.empty(out.shape, dtype=out.dtype, device=self.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # the older name
+        work = self._run("all_gather", lambda: gather(rows.view(-1), src, group=self.group, async_op=True))
+        moved = _nbytes(t) * (self.size - 1)
+        self.record.bytes_sent += moved
+        self.record.bytes_recv += moved
+        return out, (work, rows, src)
+
+    def finish(self, out: torch.Tensor, started: Optional[Any]) -> torch.Tensor:
+        """Wait for what :meth:`all_gather_start` started (the wait is comm time) and return ``out``."""
+        if started is not None:
+            work, rows, _src = started  # the send buffer lives until the wire is done
+            self._run("all_gather", work.wait)
+            if rows is not out:
+                out.copy_(rows)
+        return out
 
     def all_to_all(self, inp: torch.Tensor, in_splits: Sequence[int], out_splits: Sequence[int],
                    while_sending: Optional[Callable[[], None]] = None) -> torch.Tensor:

@@ -12,14 +12,15 @@ parallel (ZeRO) is made of.
 The dense mean follows gradcomp's one rule (``Comm.mean_``): each piece is scaled by ``1/w``
 before it is sent and the received pieces are summed in rank order, so the owner of a piece
 holds exactly ``((g_0/w + g_1/w) + g_2/w) + ...``. A compressed piece is decoded and summed
-in rank order, then scaled; a rank's own piece is never compressed (it does not travel).
+in rank order, then scaled (16-bit pieces summed and scaled in fp32, rounded once at the end);
+a rank's own piece is never compressed (it does not travel).
 Bytes and time are counted in telemetry as ``reduce_scatter/<dense|compressed>`` and
 ``all_gather/<dense|compressed>``. Payloads are validated (``Payload.from_bytes`` and the
 agreed number of elements) before anything decodes them.
 """
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -31,7 +32,7 @@ from .wire.status import Flags, checked
 from ._telemetry import Record, commit
 from .wire.frame import decode, encode, gather_bytes
 
-__all__ = ["reduce_scatter", "all_gather", "any_rank", "sum_row", "piece_key"]
+__all__ = ["reduce_scatter", "all_gather", "Gathering", "any_rank", "sum_row", "piece_key"]
 
 
 def _begin(op: str, compressor: Any, key: str, group, splits: Sequence[int],
@@ -139,12 +140,17 @@ def _compressed_reduce(comm: Comm, pieces: List[torch.Tensor], sizes: List[int],
             into.view(-1).zero_()
         if not sizes[me]:
             return out if into is None else into
+        # a 16-bit piece is summed in fp32 and rounded once: a bf16 sum rounds at every add, and
+        # its error grows with the number of ranks as a bf16 ring's does (tools/accumulation.py)
+        acc = out if out.element_size() >= 4 else torch.zeros(sizes[me], dtype=torch.float32, device=device)
         for r, p in enumerate(received):
             if r == me:
-                out += pieces[me]
+                acc += pieces[me]
             else:
-                compressor.base.decompress_into(p, out, accumulate=True)
-        scale_(out, comm.size)
+                compressor.base.decompress_into(p, acc, accumulate=True)
+        scale_(acc, comm.size)
+        if acc is not out:
+            out.copy_(acc)
     return out if into is None else into
 
 
@@ -171,34 +177,81 @@ def raw(template: Optional[Template], payload: Optional[Any], device: torch.devi
 
 
 def all_gather(shard: torch.Tensor, splits: Sequence[int], *, compressor: Any = None, key: str = "ag",
-               group=None, layouts: Optional[dict] = None) -> torch.Tensor:
+               group=None, layouts: Optional[dict] = None, out: Optional[torch.Tensor] = None,
+               async_op: bool = False) -> Any:
     """Every rank's piece (this rank's is ``shard``, 1-D of ``splits[rank]`` elements), in rank
-    order: a new 1-D tensor of ``sum(splits)`` elements in ``shard``'s dtype. Compressed, this
-    rank's part of the result is its own payload decoded (as on every other rank).
-    ``layouts``: as in :func:`reduce_scatter`."""
+    order: a 1-D tensor of ``sum(splits)`` elements in ``shard``'s dtype (``out`` when given,
+    written in place). Compressed, this rank's part of the result is its own payload decoded
+    (as on every other rank). ``layouts``: as in :func:`reduce_scatter`.
+
+    ``async_op=True`` returns a :class:`Gathering` instead: this rank's piece is encoded and the
+    wire started now; ``wait()`` finishes it (decodes every piece) and returns the result. Only
+    the wire runs in between (a compressed exchange whose layout is not agreed yet, the first of
+    its ``layouts`` key, finishes before it returns)."""
     rec, comm, sizes = _begin("all_gather", compressor, key, group, splits, shard)
     if shard.dim() != 1 or shard.numel() != sizes[comm.rank]:
         raise ValueError(f"all_gather: this rank's piece must be 1-D with {sizes[comm.rank]} elements, "
                          f"got shape {tuple(shard.shape)}")
+    if out is not None and (out.dim() != 1 or out.numel() != sum(sizes) or out.dtype != shard.dtype):
+        raise ValueError(f"all_gather: out must be 1-D with {sum(sizes)} elements of {shard.dtype}, got "
+                         f"{tuple(out.shape)} of {out.dtype}")
+    if out is None:
+        out = torch.empty(sum(sizes), dtype=shard.dtype, device=shard.device)
     if compressor is None:
-        out = _dense_gather(comm, shard, sizes)
+        finish = _dense_gather(comm, shard, sizes, out)
     else:
-        out = _compressed_gather(comm, shard, sizes, compressor, key, rec, layouts)
-    commit(rec)
-    return out
+        finish = _compressed_gather(comm, shard, sizes, compressor, key, rec, layouts, out)
+    pending = Gathering(finish, rec)
+    return pending if async_op else pending.wait()
 
 
-def _dense_gather(comm: Comm, shard: torch.Tensor, sizes: List[int]) -> torch.Tensor:
+class Gathering:
+    """An :func:`all_gather` on the wire: ``wait()`` finishes it once (decoding every piece into
+    the result) and returns the result; ``get_future()`` completes when the wire is done (before the
+    decode), or is None when nothing is in flight."""
+
+    def __init__(self, finish: Tuple[Callable[[], torch.Tensor], Optional[Any]], rec: Record) -> None:
+        self._finish, self._started = finish
+        self._rec = rec
+        self._out: Optional[torch.Tensor] = None
+
+    def get_future(self) -> Optional[Any]:
+        return None if self._started is None else self._started[0].get_future()
+
+    def is_completed(self) -> bool:
+        return self._out is not None
+
+    def wait(self) -> torch.Tensor:
+        if self._out is None:
+            self._out = self._finish()
+            commit(self._rec)
+        return self._out
+
+
+def _dense_gather(comm: Comm, shard: torch.Tensor, sizes: List[int],
+                  out: torch.Tensor) -> Tuple[Callable[[], torch.Tensor], Optional[Any]]:
     if comm.size == 1:
-        return shard.detach().clone()
-    padded = shard.new_zeros(max(sizes))
+        out.copy_(shard)
+        return (lambda: out), None
+    width = max(sizes)
+    even = all(s == width for s in sizes)
+    if even:  # the pieces are the rows of out: straight in
+        rows, started = comm.all_gather_start(shard.detach(), out.view(comm.size, width))
+        return (lambda: comm.finish(rows, started).view(-1)), started
+    padded = shard.new_zeros(width)
     padded[:shard.numel()] = shard
-    rows = comm.all_gather(padded)
-    return torch.cat([rows[r, :sizes[r]] for r in range(comm.size)])
+    rows, started = comm.all_gather_start(padded)
+
+    def finish() -> torch.Tensor:
+        comm.finish(rows, started)
+        torch.cat([rows[r, :sizes[r]] for r in range(comm.size)], out=out)
+        return out
+    return finish, started
 
 
 def _compressed_gather(comm: Comm, shard: torch.Tensor, sizes: List[int], compressor: Any, key: str,
-                       rec: Record, layouts: Optional[dict] = None) -> torch.Tensor:
+                       rec: Record, layouts: Optional[dict], out: torch.Tensor
+                       ) -> Tuple[Callable[[], torch.Tensor], Optional[Any]]:
     device = shard.device
     mine: Optional[Any] = None
     sig = ("all_gather", key, tuple(sizes), repr(compressor), comm.size)
@@ -208,28 +261,34 @@ def _compressed_gather(comm: Comm, shard: torch.Tensor, sizes: List[int], compre
         if sizes[comm.rank]:
             mine = compressor.compress(shard, key)
             rec.payload_bytes += mine.nbytes
-    if agreed is not None:  # every rank's layout is known: one all-gather of raw tensors
+
+    def decode_into(payloads: List[Any]) -> torch.Tensor:
+        with rec.timing("decompress"):
+            for payload, piece in zip(payloads, out.split(sizes)):
+                if payload is not None:
+                    compressor.base.decompress_into(payload, piece, accumulate=False)
+        return out
+
+    if agreed is not None:  # every rank's layout is known: one all-gather of raw tensors, started now
         buf = raw(agreed[comm.rank], mine, device)
         width = max(0 if t is None else t.end for t in agreed)
         padded = buf.new_zeros(width)
         padded[:buf.numel()] = buf
-        rows = comm.all_gather(padded)
-        payloads = [None if t is None else mine if r == comm.rank else _safe(compressor, t.read(rows[r]), key, r)
-                    for r, t in enumerate(agreed)]
-    else:
-        buf = torch.empty(0, dtype=torch.uint8, device=device) if mine is None else encode(mine, device)
-        lengths = comm.exchange([buf.numel()])[:, 0].tolist()
-        parts = gather_bytes(comm, buf, lengths, exact=not getattr(compressor, "fixed_size", False))
-        payloads = [None if not sizes[r] else mine if r == comm.rank else decode(b, device, sizes[r], r)
-                    for r, b in enumerate(parts)]
-        if fixed and layouts is not None:
-            layouts[sig] = [None if p is None else Template(p, 0) for p in payloads]
-    with rec.timing("decompress"):
-        out = torch.empty(sum(sizes), dtype=shard.dtype, device=device)
-        for payload, piece in zip(payloads, out.split(sizes)):
-            if payload is not None:
-                compressor.base.decompress_into(payload, piece, accumulate=False)
-    return out
+        rows, started = comm.all_gather_start(padded)
+
+        def finish() -> torch.Tensor:
+            comm.finish(rows, started)
+            return decode_into([None if t is None else mine if r == comm.rank else
+                                _safe(compressor, t.read(rows[r]), key, r) for r, t in enumerate(agreed)])
+        return finish, started
+    buf = torch.empty(0, dtype=torch.uint8, device=device) if mine is None else encode(mine, device)
+    lengths = comm.exchange([buf.numel()])[:, 0].tolist()
+    parts = gather_bytes(comm, buf, lengths, exact=not getattr(compressor, "fixed_size", False))
+    payloads = [None if not sizes[r] else mine if r == comm.rank else decode(b, device, sizes[r], r)
+                for r, b in enumerate(parts)]
+    if fixed and layouts is not None:
+        layouts[sig] = [None if p is None else Template(p, 0) for p in payloads]
+    return (lambda: decode_into(payloads)), None
 
 
 def any_rank(flags: Sequence[Any], group=None) -> List[bool]:

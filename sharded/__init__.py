@@ -5,7 +5,8 @@
   error feedback (``sharded/zero.py``; its shard layout ``sharded/layout.py``, its per-rank and
   consolidated checkpoints ``sharded/checkpoint.py``);
 - :func:`compress_fsdp` / :class:`FSDPCompression`: FSDP2 (``fully_shard``) with gradcomp's
-  compressed reduce-scatter and all-gather (``sharded/fsdp.py``);
+  compressed reduce-scatter and all-gather (``sharded/fsdp.py``), and :func:`overlap_gathers`, which
+  makes FSDP's parameter all-gathers (its own or gradcomp's) run asynchronously beside compute;
 - :class:`LowBitState`, :func:`state_nbytes`: optimizer state packed in 8 (or 4) bits
   (``sharded/lowbit.py``), which ``ShardedOptimizer(state_bits=8)`` uses.
 
@@ -13,8 +14,8 @@
 and still exports ``ShardedOptimizer``, ``LowBitState`` and ``state_nbytes``;
 ``gradcomp.training`` still exports ``compress_fsdp`` and ``FSDPCompression``.
 """
-from .fsdp import FSDPCompression, compress_fsdp
+from .fsdp import FSDPCompression, compress_fsdp, overlap_gathers
 from .lowbit import LowBitState, state_nbytes
 from .zero import ShardedOptimizer
 
-__all__ = ["ShardedOptimizer", "compress_fsdp", "FSDPCompression", "LowBitState", "state_nbytes"]
+__all__ = ["ShardedOptimizer", "compress_fsdp", "FSDPCompression", "overlap_gathers", "LowBitState", "state_nbytes"]

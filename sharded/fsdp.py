@@ -69,7 +69,7 @@ from gradcomp.compress.transaction import Transaction
 from gradcomp.training.step import StepDecision, Stepping, Verdict
 from gradcomp.training.wrapper import broadcast_params
 
-__all__ = ["compress_fsdp", "FSDPCompression", "MIN_TORCH"]
+__all__ = ["compress_fsdp", "FSDPCompression", "MIN_TORCH", "overlap_gathers"]
 
 MIN_TORCH = (2, 9)  # set_custom_reduce_scatter / set_custom_all_gather
 ROOT = "(root)"  # the state key of the root module (its FQN is "")
@@ -128,9 +128,35 @@ class _AllGather(_AllGatherBase):
         return torch.empty(*size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor, group: Any,
-                 async_op: bool = False) -> None:
-        self.owner._all_gather(self.key, output_tensor, input_tensor, group)
-        return None
+                 async_op: bool = False) -> Optional["_GatherWork"]:
+        pending = self.owner._all_gather(self.key, output_tensor, input_tensor, group, async_op)
+        return None if pending is None else _GatherWork(pending)
+
+
+class _GatherWork(dist.distributed_c10d.Work):
+    """A compressed all-gather on the wire, as FSDP waits for it (``unshard(async_op=True)``:
+    ``set_unshard_async_op(True)``, and the prefetches of ``set_modules_to_forward_prefetch`` /
+    backward prefetching): the payload was encoded when FSDP asked, the wire runs beside
+    whatever runs next, and ``wait()`` (FSDP's copy-out) decodes every piece into FSDP's output."""
+
+    def __init__(self, pending: Any) -> None:
+        super().__init__()
+        self.pending = pending
+
+    def wait(self, timeout: Any = None) -> bool:
+        self.pending.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return bool(self.pending.is_completed())
+
+    def get_future(self) -> Any:
+        """Completes when the wire is done (before the decode that ``wait`` does)."""
+        future = self.pending.get_future()
+        if future is None:
+            future = torch.futures.Future()
+            future.set_result(None)
+        return future
 
 
 class _SentOnce:
@@ -399,7 +425,8 @@ class FSDPCompression(Stepping):
         self._bad = bad if self._bad is None else self._bad.logical_or(bad)
         self._reduced[key] = backward
 
-    def _all_gather(self, key: str, output: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
+    def _all_gather(self, key: str, output: torch.Tensor, shard: torch.Tensor, group: Any,
+                    async_op: bool = False) -> Any:
         if not shard.is_floating_point():
             raise ValueError(f"compress_fsdp: module {key!r} is all-gathered as {shard.dtype} (mixed dtypes or a "
                              f"tensor subclass's own all-gather); use all_gather=None for this model")
@@ -413,10 +440,11 @@ class FSDPCompression(Stepping):
         kept = self._sent.get(key)
         codec = _SentOnce(self.weight_codec, kept[1] if backward and kept is not None and kept[0] == versions else None)
         world = dist.get_world_size(group)
-        full = all_gather(shard, [shard.numel()] * world, compressor=codec, key=key, group=group,
-                          layouts=self._layouts)
+        # encoded now, decoded straight into FSDP's output (at FSDP's wait when asynchronous)
+        pending = all_gather(shard, [shard.numel()] * world, compressor=codec, key=key, group=group,
+                             layouts=self._layouts, out=output.view(-1), async_op=async_op)
         self._sent[key] = (versions, codec.payload)
-        output.copy_(full)
+        return pending if async_op else None
 
     # ---- the step decision -----------------------------------------------------------------
     def step(self, optimizer: torch.optim.Optimizer, scaler: Any = None) -> bool:
@@ -588,3 +616,24 @@ def compress_fsdp(model: torch.nn.Module, compressor: Any = "int8", *, all_gathe
     single-round compressor, error feedback per shard), in FSDP's output, before FSDP reads it."""
     return FSDPCompression(model, compressor, all_gather, compressor_options, all_gather_options,
                            replicate, replicate_compressor, replicate_options)
+
+
+def overlap_gathers(model: torch.nn.Module, order: Optional[Sequence[torch.nn.Module]] = None) -> None:
+    """Let every parameter all-gather of ``model``'s FSDP modules run beside compute, FSDP's own
+    and gradcomp's compressed one alike: FSDP unshards with ``async_op=True`` (its gathers return
+    a Work it waits on at copy-out; backward's prefetch of the module before is then in flight
+    while this module's gradients are computed) and, in forward, each module of ``order`` (the
+    FSDP modules in the order forward runs them; default: ``model``'s FSDP submodules in
+    registration order, the root left out) starts the next one's gather when its own forward
+    begins (``set_modules_to_forward_prefetch``). On CUDA FSDP overlaps on its streams already;
+    on a CPU this is what makes a gather and compute overlap at all. Call after ``fully_shard``,
+    before or after :func:`compress_fsdp`."""
+    modules: List[Any] = [m for _, m in _fsdp_modules(model) if m is not model] if order is None else list(order)
+    for _, m in _fsdp_modules(model):
+        setter = getattr(m, "set_unshard_async_op", None) or getattr(m, "_set_unshard_async_op", None)
+        if setter is None:
+            raise RuntimeError(f"overlap_gathers: this torch ({torch.__version__}) has no set_unshard_async_op on "
+                               f"FSDP modules")
+        setter(True)
+    for a, b in zip(modules, modules[1:]):
+        getattr(a, "set_modules_to_forward_prefetch")([b])

@@ -53,8 +53,8 @@ import torch.distributed.distributed_c10d as c10d
 _PACKAGES = ("compress", "collectives", "training", "sharded", "memory", "optim", "pipeline", "kernels")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_coalesced",
-                "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "reduce",
+_COLLECTIVES = ("all_reduce", "all_reduce_coalesced", "all_gather", "all_gather_into_tensor", "all_gather_single",
+                "all_gather_coalesced", "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all", "all_to_all_single", "broadcast", "reduce",
                 "gather", "scatter", "barrier")
 _OBJECT = ("all_gather_object", "broadcast_object_list", "gather_object", "scatter_object_list",
            "send_object_list", "recv_object_list")

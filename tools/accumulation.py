@@ -131,18 +131,18 @@ def gc_payloads(grads: torch.Tensor, dtype: torch.dtype, codec: str) -> List[Lis
 
 def gc_compressed(grads: torch.Tensor, dtype: torch.dtype, codec: str, payloads: Sequence[Sequence[object]],
                   acc_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """The owner's side of ``_compressed_reduce`` (shards.py lines 138-147) for every piece:
-    a zeroed buffer of the input's dtype, the own piece added and the others decoded into it
-    with ``decompress_into(..., accumulate=True)`` in rank order, then ``scale_``. With
-    ``acc_dtype`` (not what the code does) the buffer has that dtype and the mean is rounded to
-    ``dtype`` once at the end."""
+    """The owner's side of ``_compressed_reduce`` (shards.py) for every piece: a zeroed buffer
+    (fp32 for a 16-bit input, else the input's dtype), the own piece added and the others
+    decoded into it with ``decompress_into(..., accumulate=True)`` in rank order, then
+    ``scale_`` and one rounding to ``dtype``. ``acc_dtype`` overrides the buffer's dtype
+    (``torch.bfloat16``: what the code did before it summed 16-bit pieces in fp32)."""
     n = grads.shape[0]
     sizes = splits(grads.shape[1], n)
     base = as_codec(codec, error_feedback="ef", wrappers="refuse").base
     x = grads.to(dtype)
     out = []
     for j, piece in enumerate(x.split(sizes, dim=1)):
-        acc = torch.zeros(sizes[j], dtype=acc_dtype or dtype)
+        acc = torch.zeros(sizes[j], dtype=acc_dtype or (dtype if dtype.itemsize >= 4 else torch.float32))
         for r in range(n):
             if r == j:
                 acc += piece[r]
@@ -164,7 +164,7 @@ def methods(codecs: Sequence[str]) -> Dict[str, Callable[[torch.Tensor], torch.T
     }
     for name in codecs:
         table[f"gc {name} bf16"] = compressed(name, bf16)
-        table[f"gc {name} bf16, fp32 sum"] = compressed(name, bf16, fp32)
+        table[f"gc {name} bf16, bf16 sum"] = compressed(name, bf16, bf16)
         table[f"gc {name} fp32"] = compressed(name, fp32)
     return table
 

@@ -234,17 +234,26 @@ def test_every_subcommand_explains_itself(sub, capsys):
 
 def test_fsdp_hsdp_smoke(tmp_path):
     """``bench fsdp --hsdp 2`` on 4 ranks: FSDP2's own HSDP against compress_fsdp's replicas'
-    all-reduce, dense and int8; the compressed one sends fewer bytes, every method trains."""
+    all-reduce, dense and int8 with a bf16 all-gather (asynchronous, prefetched: --overlap's
+    default); the compressed one sends fewer bytes, every method trains, and the step's
+    breakdown, the compute-only step and the timeline of one step are reported."""
     pytest.importorskip("sklearn", reason="the FSDP benchmark's data comes with scikit-learn (the bench extra)")
-    out = tmp_path / "h.json"
+    out, png = tmp_path / "h.json", tmp_path / "t.png"
+    plot = ["--plot", str(png)] if HAVE_MPL else []
     proc = _bench("fsdp", "--world-size", "4", "--hsdp", "2", "--epochs", "1", "--width", "32", "--layers", "1",
-                  "--methods", "hsdp-fp32,gc-hsdp-dense,gc-hsdp-int8", "--json", str(out), timeout=600)
+                  "--methods", "hsdp-fp32,gc-hsdp-dense,gc-hsdp-int8-bf16ag", "--json", str(out), *plot, timeout=600)
     assert proc.returncode == 0, proc.stderr
     by = {r["method"]: r for r in json.loads(out.read_text())}
-    assert set(by) == {"hsdp-fp32", "gc-hsdp-dense", "gc-hsdp-int8"}
-    assert by["gc-hsdp-int8"]["bytes_per_step"] < by["gc-hsdp-dense"]["bytes_per_step"]
+    assert set(by) == {"hsdp-fp32", "gc-hsdp-dense", "gc-hsdp-int8-bf16ag"}
+    assert by["gc-hsdp-int8-bf16ag"]["bytes_per_step"] < by["gc-hsdp-dense"]["bytes_per_step"]
     for r in by.values():
         assert r["step_ms"] > 0 and r["test_accuracy"] > 0.1 and r["skipped"] == 0
-    assert "vs hsdp-fp32" in proc.stdout
+        assert r["overlap"] and r["compute_only_ms"] > 0
+        kinds = {e[0] for e in r["timeline_rank0"]}
+        assert {"F", "B", "S", "AG", "RS"} <= kinds, kinds
+        assert r["breakdown_ms_rank0"]["F"] > 0 and r["breakdown_ms_rank0"]["AG"] > 0
+    assert by["hsdp-fp32"]["breakdown_ms_rank0"]["AR"] > 0  # FSDP2's own replicas' all-reduce
+    assert "vs hsdp-fp32" in proc.stdout and "where a step's time goes" in proc.stdout
+    assert not plot or png.stat().st_size > 0
     bad = _bench("fsdp", "--world-size", "4", "--hsdp", "3")
     assert bad.returncode == 2 and "--hsdp" in bad.stderr

@@ -133,12 +133,15 @@ def _regathers(handle):
     last, same = {}, []
     real = handle._all_gather
 
-    def spy(key, output, shard, group):
-        real(key, output, shard, group)
+    def spy(key, output, shard, group, async_op=False):
+        pending = real(key, output, shard, group, async_op)
+        if pending is not None:
+            pending.wait()
         if torch._C._current_graph_task_id() == -1:  # not in backward
             last[key] = output.detach().clone()
         elif key in last:
             same.append(torch.equal(last[key], output))
+        return pending
 
     handle._all_gather = spy
     return same
@@ -621,6 +624,58 @@ def _invalid_payload(rank):
     return {"said": said, "kept": _same(before, h.state_dict()["reduce_scatter"]), "skipped": h.skipped}
 
 
+def _prefetch_run(rank):
+    """The compressed all-gather asynchronous, where FSDP2 overlaps its own: unshard_async_op with
+    explicit forward prefetching (and backward's implicit one, re-gathering after
+    reshard_after_forward) against the same model gathered synchronously. Bit for bit the same
+    losses and weights, foreach AdamW; the gathers FSDP asked for asynchronously returned a Work
+    FSDP waited on, and the gather of each next module started before the module before it
+    computed."""
+    from models import data
+
+    from gradcomp.sharded import compress_fsdp, overlap_gathers
+
+    x, y = data("transformer", 24, seed=21)
+    runs = {}
+    for mode in ("sync", "async"):
+        model = _build("transformer", seed=3)
+        handle = compress_fsdp(model, "int8", all_gather="bf16")
+        parts = [c for c in model.children() if any(True for _ in c.parameters())]
+        events, works = [], []
+        if mode == "async":
+            overlap_gathers(model, parts)
+        names = {id(m): n for n, m in model.named_children()}
+        for m in parts:
+            m.register_forward_pre_hook(lambda mod, a: events.append(("compute", names[id(mod)])))
+        real = handle._all_gather
+
+        def spy(key, output, shard, group, async_op=False, real=real, events=events, works=works):
+            events.append(("gather", key))
+            pending = real(key, output, shard, group, async_op)
+            works.append(pending is not None)
+            return pending
+
+        handle._all_gather = spy
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        losses = []
+        for step in range(3):
+            loss = _loss(model, x[8 * step:8 * step + 8], y[8 * step:8 * step + 8], rank)
+            loss.backward()
+            handle.step(opt)
+            opt.zero_grad()
+            losses.append(float(loss))
+        runs[mode] = {"losses": losses, "weights": _locals(model), "works": works, "events": events}
+    a, s = runs["async"], runs["sync"]
+
+    def ahead(events):  # each module's first gather comes before the first compute of the one before it
+        order = list(dict.fromkeys(n for kind, n in events if kind == "compute"))
+        return all(events.index(("gather", nxt)) < events.index(("compute", cur)) for cur, nxt in zip(order, order[1:]))
+
+    return {"same": a["losses"] == s["losses"] and all(torch.equal(p, q) for p, q in zip(a["weights"], s["weights"])),
+            "async_works": sum(a["works"]), "sync_works": sum(s["works"]), "ahead": ahead(a["events"]),
+            "sync_ahead": ahead(s["events"]), "losses": a["losses"]}
+
+
 def _all_checks(rank, world, path):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -629,7 +684,7 @@ def _all_checks(rank, world, path):
             "compressed": _compressed_run(rank, world), "scaler": _scaler_run(rank), "refusals": _refusals(rank),
             "optimizers": _optimizer_paths(rank, path), "writes": _weight_writes(rank, path),
             "frozen_resume": _frozen_resume(rank), "open": _open_decisions(rank),
-            "invalid": _invalid_payload(rank)}
+            "invalid": _invalid_payload(rank), "prefetch": _prefetch_run(rank)}
 
 
 @pytest.fixture(scope="module")
@@ -668,6 +723,17 @@ def test_compress_fsdp_on_two_ranks(ranks):
         assert r0["refusals"][case] == r1["refusals"][case] is not None, case
     assert "ranks disagree on the compressor" in r0["refusals"]["disagree"]
     assert "multi-round" in r0["refusals"]["multi_round"]
+
+
+def test_asynchronous_gather_overlaps_and_changes_no_bit(ranks):
+    """``set_unshard_async_op(True)`` and forward prefetching: the compressed all-gather returns a
+    Work FSDP waits on, the next module's gather starts before this module computes, and the
+    losses and weights are those of the synchronous gather, bit for bit."""
+    for r in ranks:
+        p = r["prefetch"]
+        assert p["same"], f"the asynchronous gather changed the training: {p['losses']}"
+        assert p["async_works"] > 0 and p["sync_works"] == 0, p
+        assert p["ahead"] and not p["sync_ahead"], f"a module's gather did not start before the previous computed: {p}"
 
 
 def test_every_optimizer_path_trains(ranks):
