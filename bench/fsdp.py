@@ -14,7 +14,9 @@ one run:
   feedback per piece), FSDP's exact all-gather;
 - ``gc-int8-bf16ag``, ``gc-onebit-bf16ag``, ``gc-topk-bf16ag``, ``gc-int8-int8ag``,
   ``gc-int4-bf16ag``, ``gc-fp4-bf16ag``: the same with the compressed parameter all-gather (error
-  feedback on the weights); the last two reduce-scatter in 4 bits (block-scaled int4, e2m1).
+  feedback on the weights); the last two reduce-scatter in 4 bits (block-scaled int4, e2m1);
+- ``gc-int8-bf16ag-local``, ``gc-int8-int8ag-local``, ``gc-int4-bf16ag-local``: the same with
+  ``regather="local"`` (backward's re-gathers decode the forward's payloads: no wire).
 
 Every run starts from the same weights and sees the same batches; the methods take turns epoch
 by epoch, so a change in the machine's load slows them alike. Measured: step time (median over
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import textwrap
 import time
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -51,6 +54,10 @@ METHODS: Dict[str, Dict[str, Any]] = {
     "gc-int8-int8ag": {"kind": "ours", "compressor": "int8", "all_gather": "int8"},
     "gc-int4-bf16ag": {"kind": "ours", "compressor": "int4", "all_gather": "bf16"},
     "gc-fp4-bf16ag": {"kind": "ours", "compressor": "fp4", "all_gather": "bf16"},
+    # regather="local": backward's re-gathers decode the forward's payloads, kept compressed
+    "gc-int8-bf16ag-local": {"kind": "ours", "compressor": "int8", "all_gather": "bf16", "regather": "local"},
+    "gc-int8-int8ag-local": {"kind": "ours", "compressor": "int8", "all_gather": "int8", "regather": "local"},
+    "gc-int4-bf16ag-local": {"kind": "ours", "compressor": "int4", "all_gather": "bf16", "regather": "local"},
 }
 # HSDP (--hsdp R: R replicas, one per emulated node, each sharded over its node's ranks): FSDP2's
 # own HSDP (a 2-D mesh; its all-reduce between replicas dense) against compress_fsdp(replicate=...)
@@ -62,6 +69,8 @@ HSDP_METHODS: Dict[str, Dict[str, Any]] = {
     "gc-hsdp-int4": {"kind": "ours", "compressor": None, "replicate": "int4", "hsdp": True},
     "gc-hsdp-int8-bf16ag": {"kind": "ours", "compressor": None, "replicate": "int8", "all_gather": "bf16",
                             "hsdp": True},
+    "gc-hsdp-int8-bf16ag-local": {"kind": "ours", "compressor": None, "replicate": "int8", "all_gather": "bf16",
+                                  "regather": "local", "hsdp": True},
 }
 METHODS.update(HSDP_METHODS)
 HSDP_DEFAULT = ("hsdp-fp32", "hsdp-bf16rs", "gc-hsdp-dense", "gc-hsdp-int8", "gc-hsdp-int4")
@@ -245,7 +254,8 @@ class _Run:
         hsdp = {} if mesh is None or spec["kind"] == "fsdp" else {"replicate": mesh,
                                                                    "replicate_compressor": spec["replicate"]}
         self.handle = None if spec["kind"] == "fsdp" else compress_fsdp(
-            self.model, spec["compressor"], all_gather=spec.get("all_gather"), **hsdp)
+            self.model, spec["compressor"], all_gather=spec.get("all_gather"), regather=spec.get("regather", "wire"),
+            **hsdp)
         parts = [self.model.embed, *self.model.blocks, self.model.head]
         if cfg["overlap"]:  # every method alike: FSDP's own gathers and gradcomp's run beside compute
             overlap_gathers(self.model, parts)
@@ -520,11 +530,13 @@ def timeline_plot(records: List[Dict[str, Any]], path: str, title: str) -> None:
                      fontsize=8, loc="left")
     axes[-1, 0].set_xlabel("ms since the step began (wall clock, rank 0)")
     handles = [plt.Rectangle((0, 0), 1, 1, color=colors[k]) for k in ("F", "B", "S", "AGi", "AG", "RS", "AR")]
+    lines = textwrap.wrap(title, 170)
     fig.legend(handles, ["forward of a module", "backward (its exchanges inside)", "step (decision, optimizer)",
-                         "gather issued (encode)", "gather in flight", "reduce-scatter", "all-reduce (HSDP)"],
+                         "gather issued (encode)", "gather in flight", "reduce-scatter (HSDP: with the replicas' "
+                         "all-reduce)", "all-reduce (FSDP2's HSDP)"],
                loc="upper left", ncol=7, fontsize=7, frameon=False,
-               bbox_to_anchor=(0.005, 1.0 - 0.28 / fig.get_figheight()))
-    fig.suptitle(title, fontsize=9, x=0.01, y=1.0 - 0.06 / fig.get_figheight(), ha="left", va="top")
-    fig.tight_layout(rect=(0, 0, 1, 1.0 - 0.5 / fig.get_figheight()))
+               bbox_to_anchor=(0.005, 1.0 - (0.12 + 0.16 * len(lines)) / fig.get_figheight()))
+    fig.suptitle("\n".join(lines), fontsize=9, x=0.01, y=1.0 - 0.06 / fig.get_figheight(), ha="left", va="top")
+    fig.tight_layout(rect=(0, 0, 1, 1.0 - (0.34 + 0.16 * len(lines)) / fig.get_figheight()))
     fig.savefig(path, dpi=130)
     plt.close(fig)

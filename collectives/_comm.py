@@ -322,6 +322,8 @@ class Comm:
         if started is not None:
             work, rows, _src = started  # the send buffer lives until the wire is done
             self._run("all_gather", work.wait)
+            if rows.is_cuda:  # read (decoded) on the stream that waits, perhaps not the one it was made on
+                rows.record_stream(torch.cuda.current_stream(rows.device))
             if rows is not out:
                 out.copy_(rows)
         return out

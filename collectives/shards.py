@@ -32,7 +32,7 @@ from .wire.status import Flags, checked
 from ._telemetry import Record, commit
 from .wire.frame import decode, encode, gather_bytes
 
-__all__ = ["reduce_scatter", "all_gather", "Gathering", "any_rank", "sum_row", "piece_key"]
+__all__ = ["reduce_scatter", "all_gather", "Gathering", "decode_gathered", "any_rank", "sum_row", "piece_key"]
 
 
 def _begin(op: str, compressor: Any, key: str, group, splits: Sequence[int],
@@ -178,7 +178,7 @@ def raw(template: Optional[Template], payload: Optional[Any], device: torch.devi
 
 def all_gather(shard: torch.Tensor, splits: Sequence[int], *, compressor: Any = None, key: str = "ag",
                group=None, layouts: Optional[dict] = None, out: Optional[torch.Tensor] = None,
-               async_op: bool = False) -> Any:
+               async_op: bool = False, keep: Optional[List[Any]] = None) -> Any:
     """Every rank's piece (this rank's is ``shard``, 1-D of ``splits[rank]`` elements), in rank
     order: a 1-D tensor of ``sum(splits)`` elements in ``shard``'s dtype (``out`` when given,
     written in place). Compressed, this rank's part of the result is its own payload decoded
@@ -187,7 +187,9 @@ def all_gather(shard: torch.Tensor, splits: Sequence[int], *, compressor: Any = 
     ``async_op=True`` returns a :class:`Gathering` instead: this rank's piece is encoded and the
     wire started now; ``wait()`` finishes it (decodes every piece) and returns the result. Only
     the wire runs in between (a compressed exchange whose layout is not agreed yet, the first of
-    its ``layouts`` key, finishes before it returns)."""
+    its ``layouts`` key, finishes before it returns). ``keep``: a list that receives, when it
+    finishes, every rank's payload (compressed only; None for an empty piece), checked, so the
+    same result can be decoded again (:func:`decode_gathered`) without the wire."""
     rec, comm, sizes = _begin("all_gather", compressor, key, group, splits, shard)
     if shard.dim() != 1 or shard.numel() != sizes[comm.rank]:
         raise ValueError(f"all_gather: this rank's piece must be 1-D with {sizes[comm.rank]} elements, "
@@ -200,7 +202,7 @@ def all_gather(shard: torch.Tensor, splits: Sequence[int], *, compressor: Any = 
     if compressor is None:
         finish = _dense_gather(comm, shard, sizes, out)
     else:
-        finish = _compressed_gather(comm, shard, sizes, compressor, key, rec, layouts, out)
+        finish = _compressed_gather(comm, shard, sizes, compressor, key, rec, layouts, out, keep)
     pending = Gathering(finish, rec)
     return pending if async_op else pending.wait()
 
@@ -250,7 +252,7 @@ def _dense_gather(comm: Comm, shard: torch.Tensor, sizes: List[int],
 
 
 def _compressed_gather(comm: Comm, shard: torch.Tensor, sizes: List[int], compressor: Any, key: str,
-                       rec: Record, layouts: Optional[dict], out: torch.Tensor
+                       rec: Record, layouts: Optional[dict], out: torch.Tensor, keep: Optional[List[Any]] = None
                        ) -> Tuple[Callable[[], torch.Tensor], Optional[Any]]:
     device = shard.device
     mine: Optional[Any] = None
@@ -263,11 +265,10 @@ def _compressed_gather(comm: Comm, shard: torch.Tensor, sizes: List[int], compre
             rec.payload_bytes += mine.nbytes
 
     def decode_into(payloads: List[Any]) -> torch.Tensor:
+        if keep is not None:
+            keep[:] = payloads
         with rec.timing("decompress"):
-            for payload, piece in zip(payloads, out.split(sizes)):
-                if payload is not None:
-                    compressor.base.decompress_into(payload, piece, accumulate=False)
-        return out
+            return decode_gathered(compressor, payloads, out)
 
     if agreed is not None:  # every rank's layout is known: one all-gather of raw tensors, started now
         buf = raw(agreed[comm.rank], mine, device)
@@ -289,6 +290,20 @@ def _compressed_gather(comm: Comm, shard: torch.Tensor, sizes: List[int], compre
     if fixed and layouts is not None:
         layouts[sig] = [None if p is None else Template(p, 0) for p in payloads]
     return (lambda: decode_into(payloads)), None
+
+
+def decode_gathered(compressor: Any, payloads: Sequence[Any], out: torch.Tensor) -> torch.Tensor:
+    """Every rank's payload of a compressed :func:`all_gather` (its ``keep``) decoded into ``out``
+    again, in rank order: the bits that all-gather gave, with no communication."""
+    sizes = [0 if p is None else p.numel for p in payloads]
+    if sum(sizes) != out.numel():
+        raise ValueError(f"decode_gathered: the payloads hold {sum(sizes)} elements, out has {out.numel()}")
+    for payload, piece in zip(payloads, out.view(-1).split(sizes)):
+        if payload is not None:
+            for t in payload.tensors if out.is_cuda else ():  # read here, on this stream, before they are freed
+                t.record_stream(torch.cuda.current_stream(out.device))
+            compressor.base.decompress_into(payload, piece, accumulate=False)
+    return out
 
 
 def any_rank(flags: Sequence[Any], group=None) -> List[bool]:

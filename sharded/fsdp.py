@@ -17,7 +17,11 @@
   replicas are identical; FSDP's sharded parameters (the optimizer's master copy) are never
   touched. Every forward's gather makes a payload from the weights as they are then; a
   re-gather in backward (``reshard_after_forward=True``, activation recomputation) resends the
-  forward's, so backward uses the weights forward used. Nothing else resends a payload: what
+  forward's, so backward uses the weights forward used (``regather="local"``: it decodes the
+  forward's received payloads again, kept compressed until the step decision, and sends
+  nothing). Asked with ``async_op=True`` (:func:`overlap_gathers`), the gather encodes and
+  starts the wire, and returns a ``Work`` whose ``wait`` (FSDP's copy-out) decodes straight
+  into FSDP's output. Nothing else resends a payload: what
   moved the weights since (an optimizer step, foreach or fused, a write through ``.data``, a
   load) need not show in a version counter, so it is never trusted to.
 
@@ -61,9 +65,9 @@ import torch
 import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from gradcomp.collectives import allreduce_fused
+from gradcomp.collectives import allreduce, allreduce_fused
 from gradcomp.collectives.identity import Identity, agree, describe_params, fingerprint, refuse_on_every_rank
-from gradcomp.collectives.shards import all_gather, reduce_scatter
+from gradcomp.collectives.shards import all_gather, decode_gathered, reduce_scatter
 from gradcomp.compress import as_codec
 from gradcomp.compress.transaction import Transaction
 from gradcomp.training.step import StepDecision, Stepping, Verdict
@@ -72,6 +76,7 @@ from gradcomp.training.wrapper import broadcast_params
 __all__ = ["compress_fsdp", "FSDPCompression", "MIN_TORCH", "overlap_gathers"]
 
 MIN_TORCH = (2, 9)  # set_custom_reduce_scatter / set_custom_all_gather
+REGATHER = ("wire", "local")  # how backward re-gathers a module (compress_fsdp's regather)
 ROOT = "(root)"  # the state key of the root module (its FQN is "")
 _WHEN = "when compress_fsdp was called"
 
@@ -278,7 +283,7 @@ class FSDPCompression(Stepping):
     def __init__(self, model: torch.nn.Module, compressor: Any, all_gather_spec: Any,
                  compressor_options: Optional[Mapping[str, Any]], all_gather_options: Optional[Mapping[str, Any]],
                  replicate: Any = None, replicate_compressor: Any = None,
-                 replicate_options: Optional[Mapping[str, Any]] = None) -> None:
+                 replicate_options: Optional[Mapping[str, Any]] = None, regather: str = "wire") -> None:
         problem = _torch_problem()
         if problem:
             raise RuntimeError(problem)
@@ -305,6 +310,11 @@ class FSDPCompression(Stepping):
             self.grad_codec = self._codec(compressor, compressor_options, "compressor")
             self.weight_codec = self._codec(all_gather_spec, all_gather_options, "all_gather")
             self.replica_codec = self._codec(replicate_compressor, replicate_options, "replicate_compressor")
+            if regather not in REGATHER:
+                raise ValueError(f"regather: {regather!r} is not one of {', '.join(map(repr, REGATHER))}")
+            if regather == "local" and self.weight_codec is None:
+                raise ValueError("regather='local' decodes backward's re-gathers from the payloads of the forward's "
+                                 "compressed all-gather; pass all_gather= (e.g. 'bf16') too, or leave regather out")
             if self.replicate is None and (replicate_compressor is not None or replicate_options):
                 raise ValueError("replicate_compressor: it compresses HSDP's all-reduce between replicas; pass "
                                  "replicate= (the 2-D DeviceMesh) too, or leave it out")
@@ -318,6 +328,7 @@ class FSDPCompression(Stepping):
         self._config = {"torch": str(torch.__version__), "compressor": repr(self.grad_codec),
                         "all_gather": repr(self.weight_codec), "setup problem": problem or "none",
                         "replicas": str(self.replicas), "replicate_compressor": repr(self.replica_codec),
+                        "regather": str(regather),
                         "modules": describe_params([(f"{k}:{names.get(id(p), '?')}", p)
                                                     for k, ps in self._params.items() for p in ps])}
         agree(self._config, self.span, _WHEN)  # one error on every rank when they differ
@@ -333,7 +344,8 @@ class FSDPCompression(Stepping):
         self._layouts: Dict[Any, Any] = {}
         self._bad: Optional[torch.Tensor] = None  # non-finite reduced shards since the last decision
         # key -> (weight versions, payload) of the module's last forward gather, for backward's re-gathers
-        self._sent: Dict[str, Tuple[Tuple[int, ...], Any]] = {}
+        self._sent: Dict[str, Tuple[Tuple[int, ...], Any, List[Any]]] = {}
+        self.regather = regather  # "local": those re-gathers decode the forward's received payloads
         self._modules = {key: module for key, (_, module, _) in zip(self.keys, modules)}
         self._ids: Optional[Set[int]] = None  # the managed parameters' ids (refreshed after a load)
         # the open decision: modules reduce-scattered since the last one; an optimizer holding these
@@ -412,10 +424,14 @@ class FSDPCompression(Stepping):
         with self._txn.active():  # straight into FSDP's output; FSDP drops its input after the call
             reduce_scatter(flat, [output.numel()] * world, compressor=self.grad_codec, key=key, group=group,
                            layouts=self._layouts, out=output, consume=True)
-            if self.replicate is not None:  # HSDP: the mean over the replicas of this shard, in place
-                mean = allreduce_fused([(f"{key}/replicas", output, "none" if self.replica_codec is None
-                                         else self.replica_codec)], self.replicate, layouts=self._replica_layouts,
-                                       into=True)[0]
+            if self.replicate is not None and self.replica_codec is None:
+                # HSDP, dense: the replicas' mean of this shard by the group's own all-reduce (a
+                # ring, as FSDP2's HSDP runs it), gradcomp's mean rule
+                output.copy_(allreduce(output, "none", group=self.replicate))
+                scale = _op_scale(op, world * self.replicas)
+            elif self.replicate is not None:  # HSDP: the compressed mean over the replicas, in place
+                mean = allreduce_fused([(f"{key}/replicas", output, self.replica_codec)], self.replicate,
+                                       layouts=self._replica_layouts, into=True)[0]
                 if mean is not output:
                     output.copy_(mean)
                 scale = _op_scale(op, world * self.replicas)
@@ -436,14 +452,21 @@ class FSDPCompression(Stepping):
         # Only a re-gather in backward resends the forward's payload, so backward uses the weights
         # forward used: whatever moved the weights since the forward (an optimizer step of any
         # kind, writes through .data, loads) cannot be seen from here, so a forward always encodes.
-        versions = _versions(self._params[key])
         kept = self._sent.get(key)
+        if backward and self.regather == "local" and kept is not None and kept[2]:
+            # every rank holds every payload of the forward's gather (the same on every rank: no
+            # rank talks, so none waits); decoded again they give the forward's bits
+            decode_gathered(self.weight_codec, kept[2], output)
+            return None
+        versions = _versions(self._params[key])
         codec = _SentOnce(self.weight_codec, kept[1] if backward and kept is not None and kept[0] == versions else None)
         world = dist.get_world_size(group)
+        received: List[Any] = []  # filled when the gather finishes: kept for regather="local"
         # encoded now, decoded straight into FSDP's output (at FSDP's wait when asynchronous)
         pending = all_gather(shard, [shard.numel()] * world, compressor=codec, key=key, group=group,
-                             layouts=self._layouts, out=output.view(-1), async_op=async_op)
-        self._sent[key] = (versions, codec.payload)
+                             layouts=self._layouts, out=output.view(-1), async_op=async_op,
+                             keep=received if self.regather == "local" else None)
+        self._sent[key] = (versions, codec.payload, received)
         return pending if async_op else None
 
     # ---- the step decision -----------------------------------------------------------------
@@ -588,7 +611,9 @@ class FSDPCompression(Stepping):
     def describe(self) -> str:
         """What runs on which module, one line each."""
         rs = "dense (gradcomp's mean)" if self.grad_codec is None else f"{self.grad_codec!r}, EF per piece"
-        ag = "FSDP's own (exact)" if self.weight_codec is None else f"{self.weight_codec!r}, EF on the weights"
+        ag = "FSDP's own (exact)" if self.weight_codec is None else (
+            f"{self.weight_codec!r}, EF on the weights, backward's re-gathers "
+            f"{'decoded from the forward' if self.regather == 'local' else 'resent'}")
         hsdp = "" if self.replicate is None else (
             f" x {self.replicas} replicas (their all-reduce "
             f"{'dense' if self.replica_codec is None else repr(self.replica_codec) + ', EF per shard'})")
@@ -602,7 +627,7 @@ def compress_fsdp(model: torch.nn.Module, compressor: Any = "int8", *, all_gathe
                   compressor_options: Optional[Mapping[str, Any]] = None,
                   all_gather_options: Optional[Mapping[str, Any]] = None, replicate: Any = None,
                   replicate_compressor: Any = None,
-                  replicate_options: Optional[Mapping[str, Any]] = None) -> FSDPCompression:
+                  replicate_options: Optional[Mapping[str, Any]] = None, regather: str = "wire") -> FSDPCompression:
     """Put gradcomp's reduce-scatter (``compressor``: a name, a ``Compressor``, or None for
     dense; error feedback per piece) and, with ``all_gather`` (e.g. ``"bf16"``, ``"int8"``), a
     compressed parameter all-gather (error feedback on the weights) on every FSDP module of
@@ -613,9 +638,15 @@ def compress_fsdp(model: torch.nn.Module, compressor: Any = "int8", *, all_gathe
     HSDP: shard with ``fully_shard(m, mesh=mesh["shard"])`` on a 2-D mesh (replicate x shard)
     and pass ``replicate=mesh``: after each reduce-scatter the shard's mean over the replicas
     (the slow links between nodes) goes through ``replicate_compressor`` (None: dense; any
-    single-round compressor, error feedback per shard), in FSDP's output, before FSDP reads it."""
+    single-round compressor, error feedback per shard), in FSDP's output, before FSDP reads it.
+
+    ``regather`` (with a compressed ``all_gather`` and ``reshard_after_forward=True``): ``"wire"``
+    (default) resends the forward's payload when backward re-gathers a module; ``"local"`` keeps
+    every rank's payload of the forward's gather (compressed: half the module's fp32 weights in
+    bf16, a quarter in int8) until the step decision and decodes backward's re-gathers from it,
+    the same bits with no bytes on the wire and no wait."""
     return FSDPCompression(model, compressor, all_gather, compressor_options, all_gather_options,
-                           replicate, replicate_compressor, replicate_options)
+                           replicate, replicate_compressor, replicate_options, regather)
 
 
 def overlap_gathers(model: torch.nn.Module, order: Optional[Sequence[torch.nn.Module]] = None) -> None:

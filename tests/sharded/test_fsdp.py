@@ -277,10 +277,12 @@ def _refusals(rank):
     from gradcomp.sharded import compress_fsdp
 
     said = {}
-    for case, spec in (("disagree", "int8" if rank == 0 else "onebit"), ("multi_round", "powersgd"),
-                       ("unknown", "int8" if rank == 0 else "no-such-codec")):
+    for case, spec, kw in (("disagree", "int8" if rank == 0 else "onebit", {}), ("multi_round", "powersgd", {}),
+                           ("unknown", "int8" if rank == 0 else "no-such-codec", {}),
+                           ("regather_alone", "int8", {"regather": "local"}),
+                           ("regather_unknown", "int8", {"regather": "cache", "all_gather": "bf16"})):
         try:
-            compress_fsdp(_build("cnn1d"), spec)
+            compress_fsdp(_build("cnn1d"), spec, **kw)
             said[case] = None
         except ValueError as exc:
             said[case] = str(exc)
@@ -630,19 +632,21 @@ def _prefetch_run(rank):
     reshard_after_forward) against the same model gathered synchronously. Bit for bit the same
     losses and weights, foreach AdamW; the gathers FSDP asked for asynchronously returned a Work
     FSDP waited on, and the gather of each next module started before the module before it
-    computed."""
+    computed. ``regather="local"`` (asynchronous too): the same bits again, and backward's
+    re-gathers send nothing (the all-gather's bytes are the forward's only)."""
     from models import data
 
+    from gradcomp.collectives import reset_telemetry, telemetry
     from gradcomp.sharded import compress_fsdp, overlap_gathers
 
     x, y = data("transformer", 24, seed=21)
     runs = {}
-    for mode in ("sync", "async"):
+    for mode in ("sync", "async", "local"):
         model = _build("transformer", seed=3)
-        handle = compress_fsdp(model, "int8", all_gather="bf16")
+        handle = compress_fsdp(model, "int8", all_gather="bf16", regather="local" if mode == "local" else "wire")
         parts = [c for c in model.children() if any(True for _ in c.parameters())]
         events, works = [], []
-        if mode == "async":
+        if mode != "sync":
             overlap_gathers(model, parts)
         names = {id(m): n for n, m in model.named_children()}
         for m in parts:
@@ -659,13 +663,17 @@ def _prefetch_run(rank):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         losses = []
         for step in range(3):
+            if step == 2:  # the last step's all-gather bytes: forward only, or forward and backward
+                reset_telemetry()
             loss = _loss(model, x[8 * step:8 * step + 8], y[8 * step:8 * step + 8], rank)
             loss.backward()
             handle.step(opt)
             opt.zero_grad()
             losses.append(float(loss))
-        runs[mode] = {"losses": losses, "weights": _locals(model), "works": works, "events": events}
-    a, s = runs["async"], runs["sync"]
+        sent = telemetry()["by_op"]["all_gather/compressed"]
+        runs[mode] = {"losses": losses, "weights": _locals(model), "works": works, "events": events,
+                      "gathers": sent["calls"], "bytes": sent["bytes_sent"]}
+    a, s, loc = runs["async"], runs["sync"], runs["local"]
 
     def ahead(events):  # each module's first gather comes before the first compute of the one before it
         order = list(dict.fromkeys(n for kind, n in events if kind == "compute"))
@@ -673,7 +681,10 @@ def _prefetch_run(rank):
 
     return {"same": a["losses"] == s["losses"] and all(torch.equal(p, q) for p, q in zip(a["weights"], s["weights"])),
             "async_works": sum(a["works"]), "sync_works": sum(s["works"]), "ahead": ahead(a["events"]),
-            "sync_ahead": ahead(s["events"]), "losses": a["losses"]}
+            "sync_ahead": ahead(s["events"]), "losses": a["losses"],
+            "local_same": loc["losses"] == s["losses"] and all(torch.equal(p, q) for p, q in
+                                                               zip(loc["weights"], s["weights"])),
+            "gathers": (s["gathers"], loc["gathers"]), "bytes": (s["bytes"], loc["bytes"])}
 
 
 def _all_checks(rank, world, path):
@@ -723,6 +734,8 @@ def test_compress_fsdp_on_two_ranks(ranks):
         assert r0["refusals"][case] == r1["refusals"][case] is not None, case
     assert "ranks disagree on the compressor" in r0["refusals"]["disagree"]
     assert "multi-round" in r0["refusals"]["multi_round"]
+    assert "pass all_gather=" in r0["refusals"]["regather_alone"]
+    assert "'cache' is not one of 'wire', 'local'" in r0["refusals"]["regather_unknown"]
 
 
 def test_asynchronous_gather_overlaps_and_changes_no_bit(ranks):
@@ -734,6 +747,9 @@ def test_asynchronous_gather_overlaps_and_changes_no_bit(ranks):
         assert p["same"], f"the asynchronous gather changed the training: {p['losses']}"
         assert p["async_works"] > 0 and p["sync_works"] == 0, p
         assert p["ahead"] and not p["sync_ahead"], f"a module's gather did not start before the previous computed: {p}"
+        assert p["local_same"], "regather='local' changed the training"
+        wire, local = p["gathers"]
+        assert local < wire and 2 * p["bytes"][1] <= p["bytes"][0] + 1024, p  # backward re-gathers: no bytes
 
 
 def test_every_optimizer_path_trains(ranks):
