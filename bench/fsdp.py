@@ -73,9 +73,9 @@ HSDP_METHODS: Dict[str, Dict[str, Any]] = {
                                   "regather": "local", "hsdp": True},
 }
 METHODS.update(HSDP_METHODS)
-HSDP_DEFAULT = ("hsdp-fp32", "hsdp-bf16rs", "gc-hsdp-dense", "gc-hsdp-int8", "gc-hsdp-int4")
-DEFAULT_METHODS = ("fsdp-fp32", "fsdp-bf16rs", "gc-dense", "gc-int8", "gc-int8-bf16ag", "gc-onebit-bf16ag",
-                   "gc-topk-bf16ag", "gc-int8-int8ag")
+HSDP_DEFAULT = ("hsdp-fp32", "hsdp-bf16rs", "gc-hsdp-dense", "gc-hsdp-int8", "gc-hsdp-int4", "gc-hsdp-int8-bf16ag-local")
+DEFAULT_METHODS = ("fsdp-fp32", "fsdp-bf16rs", "gc-dense", "gc-int8-bf16ag", "gc-int8-int8ag", "gc-int4-bf16ag",
+                   "gc-int8-bf16ag-local", "gc-int4-bf16ag-local")
 REFERENCE = "fsdp-fp32"
 SPEED_REFERENCES = ("fsdp-fp32", "fsdp-bf16rs", "hsdp-fp32", "hsdp-bf16rs")
 WARMUP = 3  # steps not timed: FSDP's lazy init and gradcomp's first exchanges

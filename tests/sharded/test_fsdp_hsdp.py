@@ -51,7 +51,7 @@ def _train(rank, model, opt, fsdp=None):
 
 def _everything(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
-    from gradcomp.sharded import compress_fsdp
+    from gradcomp.sharded import compress_fsdp, overlap_gathers
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     out = {}
@@ -60,6 +60,16 @@ def _everything(rank, world):
     for name, codec in (("dense", None), ("int8", "int8"), ("int4", "int4")):
         m = _model(mesh["shard"])
         fsdp = compress_fsdp(m, None, replicate=mesh, replicate_compressor=codec)
+        out[name] = _train(rank, m, torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True), fsdp)
+        out[name + "_describe"] = fsdp.describe()
+    # a bf16 weight all-gather, synchronous and resent, against asynchronous, prefetched and
+    # re-gathered locally (overlap_gathers, regather="local"): the same bits
+    for name, fast in (("bf16ag", False), ("bf16ag_fast", True)):
+        m = _model(mesh["shard"])
+        fsdp = compress_fsdp(m, None, replicate=mesh, replicate_compressor="int8", all_gather="bf16",
+                             regather="local" if fast else "wire")
+        if fast:
+            overlap_gathers(m, [m[0], m[2]])
         out[name] = _train(rank, m, torch.optim.AdamW(m.parameters(), lr=1e-2, foreach=True), fsdp)
         out[name + "_describe"] = fsdp.describe()
     # a non-finite input on one rank: every rank skips that step
@@ -100,7 +110,7 @@ def test_dense_hsdp_trains_as_fsdp2s_own_hsdp(runs):
         assert r["native"][0] == pytest.approx(r["dense"][0], rel=1e-5, abs=1e-6)
 
 
-@pytest.mark.parametrize("name", ["dense", "int8", "int4"])
+@pytest.mark.parametrize("name", ["dense", "int8", "int4", "bf16ag", "bf16ag_fast"])
 def test_every_rank_holds_the_same_model(runs, name):
     for r in runs[1:]:
         for a, b in zip(runs[0][name][1], r[name][1]):
@@ -126,3 +136,13 @@ def test_a_non_finite_gradient_on_one_rank_skips_the_step_on_all(runs):
 def test_fsdp2s_own_2d_mesh_is_refused_with_the_fix(runs):
     for r in runs:
         assert "replicate=mesh" in r["refused"]
+
+
+def test_overlapped_local_regathers_change_no_bit(runs):
+    """HSDP with a bf16 weight all-gather: asynchronous and prefetched (``overlap_gathers``),
+    backward's re-gathers decoded locally (``regather="local"``), the same losses and weights
+    as the synchronous, resending run, bit for bit."""
+    for r in runs:
+        assert r["bf16ag_fast"][0] == r["bf16ag"][0]
+        assert all(torch.equal(a, b) for a, b in zip(r["bf16ag_fast"][1], r["bf16ag"][1]))
+        assert "decoded from the forward" in r["bf16ag_fast_describe"]
