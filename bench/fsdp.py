@@ -22,7 +22,12 @@ Every run starts from the same weights and sees the same batches; the methods ta
 by epoch, so a change in the machine's load slows them alike. Measured: step time (median over
 the steps after warm-up of the slowest rank, forward to optimizer step), bytes sent per step
 and rank (gradcomp's telemetry; FSDP's own collectives counted as they are handed to
-``reduce_scatter_single`` / ``all_gather_single`` by the same convention) and the test accuracy.
+``reduce_scatter_single`` / ``all_gather_single`` by the same convention) and the test accuracy;
+the compute-only step (the unsharded model on one rank's batch, no communication); where each
+step's time goes (:class:`StepTrace`: forward, its compute, the gathers' issue and flight,
+backward, reduce-scatters, all-reduces, the step); and with ``--plot`` a timeline of one step per
+method. ``--overlap on`` (the default) calls :func:`gradcomp.sharded.overlap_gathers` for every
+method, FSDP's own too: asynchronous, prefetched gathers.
 """
 from __future__ import annotations
 
