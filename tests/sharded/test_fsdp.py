@@ -356,23 +356,29 @@ def _optimizer_paths(rank, path):
     from models import data
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from gradcomp.sharded import compress_fsdp
+    from gradcomp.sharded import compress_fsdp, overlap_gathers
 
     x, y = data("transformer", 8 * TRAIN_STEPS, seed=6)
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     def adamw(ps):
         return torch.optim.AdamW(ps, lr=1e-2, foreach=True)
 
+    def fused(ps):
+        return torch.optim.Adam(ps, lr=1e-2, fused=True)
+
     cases = {
-        "adamw_foreach": (adamw, None, "bf16", False),
-        "adam_fused": (lambda ps: torch.optim.Adam(ps, lr=1e-2, fused=True), None, "bf16", False),
-        "sgd_plain": (lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9, foreach=False), None, "bf16", False),
-        "adamw_foreach_bf16_params": (adamw, bf16, "int8", False),
+        "adamw_foreach": (adamw, None, "bf16", False, False),
+        "adam_fused": (fused, None, "bf16", False, False),
+        "sgd_plain": (lambda ps: torch.optim.SGD(ps, lr=0.2, momentum=0.9, foreach=False), None, "bf16", False,
+                      False),
+        "adamw_foreach_bf16_params": (adamw, bf16, "int8", False, False),
+        # asynchronous prefetched gathers, backward's re-gathers decoded locally (the fast path at 1 Gbit/s)
+        "adam_fused_bf16_params_overlapped_local": (fused, bf16, "int8", False, True),
         # the plain loop (optimizer.step(), no fsdp.step): trains too, and says once how to make it exact
-        "adamw_foreach_plain_loop": (adamw, None, "bf16", True),
+        "adamw_foreach_plain_loop": (adamw, None, "bf16", True, False),
     }
     out, plain_fsdp = {}, {}
-    for name, (make, mp, codec, plain) in cases.items():
+    for name, (make, mp, codec, plain, fast) in cases.items():
         if (make, mp) not in plain_fsdp:  # FSDP2's own run with this optimizer: (first loss, last loss)
             ref = _build("transformer", mp=mp)
             with torch.no_grad():
@@ -380,7 +386,9 @@ def _optimizer_paths(rank, path):
             plain_fsdp[make, mp] = (first, _train(ref, make(ref.parameters()), None, x, y, rank, TRAIN_STEPS)[1])
         start, ref_final = plain_fsdp[make, mp]
         model = _build("transformer", mp=mp)
-        h = compress_fsdp(model, "int8", all_gather=codec)
+        h = compress_fsdp(model, "int8", all_gather=codec, regather="local" if fast else "wire")
+        if fast:
+            overlap_gathers(model, [c for c in model.children() if any(True for _ in c.parameters())])
         seen = _seen_by_forward(model)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -754,9 +762,11 @@ def test_asynchronous_gather_overlaps_and_changes_no_bit(ranks):
 
 def test_every_optimizer_path_trains(ranks):
     """foreach and fused optimizers (they move a DTensor's weights without bumping its version
-    counter), a plain SGD, bf16 parameters with an int8 all-gather, and the plain
-    ``optimizer.step()`` loop: every forward sees the current weights to the codec's error, and
-    the loss falls as plain FSDP2's does with the same optimizer."""
+    counter), a plain SGD, bf16 parameters with an int8 all-gather (also asynchronous and
+    prefetched, with ``regather="local"``, under fused Adam), and the plain ``optimizer.step()``
+    loop: every forward sees the current weights to the codec's error, and the loss falls as
+    plain FSDP2's does with the same optimizer."""
+    assert "adam_fused_bf16_params_overlapped_local" in ranks[0]["optimizers"]
     for rank, r in enumerate(ranks):
         for name, c in r["optimizers"].items():
             assert max(c["gaps"]) < c["limit"], f"rank {rank} {name}: a forward saw stale weights, gaps {c['gaps']}"
