@@ -5,6 +5,7 @@ result to ``rank{RANK}.json`` in the spec's folder. Rank 0 prints progress lines
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -49,6 +50,9 @@ def main(argv) -> int:
     finally:
         from gradcomp.training import shutdown
 
+        # the task's models, FSDP states and pending works (reference cycles) go now, while
+        # their process groups still exist, not at interpreter exit after them
+        gc.collect()
         shutdown()  # worker threads and twin groups go before the groups they mirror
         dist.destroy_process_group()
     tmp = os.path.join(spec["out"], f".rank{rank}.json")
