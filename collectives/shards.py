@@ -136,13 +136,12 @@ def _compressed_reduce(comm: Comm, pieces: List[torch.Tensor], sizes: List[int],
             layouts[sig] = ([None if p is None else Template(p, 0) for p in payloads],
                             None if theirs is None else Template(theirs, 0))
     with rec.timing("decompress"):
-        out = torch.zeros(sizes[me], dtype=pieces[me].dtype, device=device) if into is None else \
-            into.view(-1).zero_()
+        out = torch.empty(sizes[me], dtype=pieces[me].dtype, device=device) if into is None else into.view(-1)
         if not sizes[me]:
             return out if into is None else into
         # a 16-bit piece is summed in fp32 and rounded once: a bf16 sum rounds at every add, and
         # its error grows with the number of ranks as a bf16 ring's does (tools/accumulation.py)
-        acc = out if out.element_size() >= 4 else torch.zeros(sizes[me], dtype=torch.float32, device=device)
+        acc = out.zero_() if out.element_size() >= 4 else torch.zeros(sizes[me], dtype=torch.float32, device=device)
         for r, p in enumerate(received):
             if r == me:
                 acc += pieces[me]

@@ -424,14 +424,12 @@ class FSDPCompression(Stepping):
         with self._txn.active():  # straight into FSDP's output; FSDP drops its input after the call
             reduce_scatter(flat, [output.numel()] * world, compressor=self.grad_codec, key=key, group=group,
                            layouts=self._layouts, out=output, consume=True)
-            if self.replicate is not None and self.replica_codec is None:
-                # HSDP, dense: the replicas' mean of this shard by the group's own all-reduce (a
-                # ring, as FSDP2's HSDP runs it), gradcomp's mean rule
-                output.copy_(allreduce(output, "none", group=self.replicate))
-                scale = _op_scale(op, world * self.replicas)
-            elif self.replicate is not None:  # HSDP: the compressed mean over the replicas, in place
-                mean = allreduce_fused([(f"{key}/replicas", output, self.replica_codec)], self.replicate,
-                                       layouts=self._replica_layouts, into=True)[0]
+            if self.replicate is not None:  # HSDP: the mean over the replicas of this shard, in place
+                if self.replica_codec is None:  # dense: the group's own all-reduce (a ring, as FSDP2's
+                    mean = allreduce(output, "none", group=self.replicate)  # HSDP), gradcomp's mean rule
+                else:
+                    mean = allreduce_fused([(f"{key}/replicas", output, self.replica_codec)], self.replicate,
+                                           layouts=self._replica_layouts, into=True)[0]
                 if mean is not output:
                     output.copy_(mean)
                 scale = _op_scale(op, world * self.replicas)
